@@ -2524,6 +2524,125 @@ async def test_an_answer_after_another_answer_to_its_call_is_stored_is_refused(
     assert await store.transcript(CID) == before
 
 
+async def _call_turn(
+    backend: Backend, logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch, stored: bool
+) -> PendingCall:
+    """t0 makes c0: stored, or reserved with its insert still to land (its writer lost it
+    within `abandon_after`); c0 as `pending_calls` serves it either way."""
+    with monkeypatch.context() as lost:
+        if not stored:
+            lost.setattr(logger._messages, "insert_many", _lost_insert)
+        with contextlib.suppress(ConnectionError):
+            await logger.log_messages(CID, [_user("Look it up."), _calls("c0")], turn_id="t0")
+    (read,) = await ConversationStore(backend.db).pending_calls(CID)
+    return read
+
+
+_STALE_ANSWERS = [
+    pytest.param({"role": "tool", "tool_call_id": "c0", "content": "B"}, id="a result"),
+    pytest.param({**_DENIAL, "tool_call_id": "c0"}, id="a denial"),
+]
+_CALL_TURN = [True, False]
+_CALL_TURN_IDS = ["its call stored", "its call still written"]
+
+
+@pytest.mark.parametrize("stale", _STALE_ANSWERS)
+@pytest.mark.parametrize("stored", _CALL_TURN, ids=_CALL_TURN_IDS)
+async def test_a_stale_tabs_answer_to_a_call_answered_first_is_answered_before(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, stored: bool, stale: dict[str, Any]
+) -> None:
+    """Tab A answered c0 (`answers_to` as `pending_calls` served it); a stale tab answers it
+    too, naming the same message: `AnsweredBefore` (a call's first answer is its answer),
+    by `check_turn` too, nothing written, whether the turn making c0 is stored or its insert
+    is still to land. Never `InvalidInput` for a message named as it was told to."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    read = await _call_turn(backend, logger, monkeypatch, stored)
+    served = {"c0": read.message_id}
+    await logger.log_messages(CID, [_answer("c0", "A")], turn_id="tab-a", answers_to=served)
+    before = await store.transcript(CID)
+
+    for attempt in (logger.check_turn, logger.log_messages):
+        with pytest.raises(AnsweredBefore, match="'c0'") as refused:
+            await attempt(CID, [stale], turn_id="stale-tab", answers_to=served)
+        assert refused.value.tool_call_ids == ("c0",)
+
+    assert await store.transcript(CID) == before
+
+
+@pytest.mark.parametrize("stored", _CALL_TURN, ids=_CALL_TURN_IDS)
+async def test_a_stale_streamed_denial_of_a_call_answered_first_is_logged_without_it(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, stored: bool
+) -> None:
+    """A stale streamed turn denies c0, which tab A answered first, then replies:
+    `log_streamed_turn` logs the turn without the denial (it denies nothing), its reply kept,
+    whether the turn making c0 is stored or its insert is still to land."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    read = await _call_turn(backend, logger, monkeypatch, stored)
+    served = {"c0": read.message_id}
+    await logger.log_messages(CID, [_answer("c0", "A")], turn_id="tab-a", answers_to=served)
+    said = [{**_DENIAL, "tool_call_id": "c0"}, _say("Cancelled. Anything else?")]
+    turn = StreamedTurn(
+        messages=tuple(messages_adapter.validate_python(said)),
+        interrupted=False,
+        answered_calls=(("c0", read.message_id),),
+    )
+
+    logged = await log_streamed_turn(
+        logger=logger, store=store, conversation_id=CID, turn=turn, turn_id="stale-stream"
+    )
+
+    assert [(m.role, m.content) for m in logged.messages] == [
+        ("assistant", "Cancelled. Anything else?")
+    ]
+    answers = [m.content for m in await store.transcript(CID) if m.tool_call_id == "c0"]
+    assert answers == ["A"]
+
+
+async def test_a_stale_answer_while_its_call_and_the_first_answer_are_still_written_is_retried(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn making c0 and tab A's answer to it both reserved, neither insert landed yet
+    (within `abandon_after`): a stale tab answering c0 as `pending_calls` served it is told
+    to come again (`StorageUnavailable`: the first answer is still being written), by
+    `check_turn` too, nothing written; never `InvalidInput`."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    read = await _call_turn(backend, logger, monkeypatch, stored=False)
+    await _answer_reserved_only(logger, monkeypatch, read)
+    turn: dict[str, Any] = {
+        "messages": [_answer("c0", "B")],
+        "turn_id": "stale-tab",
+        "answers_to": {"c0": read.message_id},
+    }
+
+    for attempt in (logger.check_turn, logger.log_messages):
+        with pytest.raises(StorageUnavailable, match=r"'c0'.*still being written.*retry"):
+            await attempt(CID, **turn)
+
+    assert await store.transcript(CID) == []
+
+
+async def test_a_stale_http_answer_to_a_call_answered_first_is_a_409(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """API.md: tab A answered c0 over POST /turns while the turn making it is still to be
+    stored; a stale tab's answer naming the message GET served is a 409 (answered before),
+    not a 422."""
+    async with serve(backend.db, seeded=False) as api:
+        url, headers = f"/v1/conversations/{CID}", auth_headers()
+        call = {"turn_id": "t0", "messages": [_user("Look it up."), _calls("c0")]}
+        with monkeypatch.context() as lost:
+            lost.setattr(api.store.logger._messages, "insert_many", _lost_insert)
+            with contextlib.suppress(ConnectionError):
+                await api.http.post(f"{url}/turns", json=call, headers=headers)
+        [read] = (await api.http.get(url, headers=headers)).json()["pending_calls"]
+        served = {"c0": read["message_id"]}
+        for turn_id, text in (("tab-a", "A"), ("stale-tab", "B")):
+            body = {"turn_id": turn_id, "answers_to": served, "messages": [_answer("c0", text)]}
+            answered = await api.http.post(f"{url}/turns", json=body, headers=headers)
+
+    assert answered.status_code == 409, answered.text
+
+
 async def test_a_retried_http_resolution_naming_calls_by_message_leaves_a_newer_prompt_of_both_ids(
     backend: Backend,
 ) -> None:

@@ -869,6 +869,41 @@ async def test_a_paused_call_answered_in_two_sessions_keeps_its_first_answer(
     assert len(await tab_a.get_items()) == 5
 
 
+async def test_a_call_answered_in_two_sessions_while_its_turn_is_still_written_keeps_one_answer(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn making call_b1 reserved and its insert has not landed (its writer lost it,
+    within `abandon_after`); two sessions (two tabs) each add an output for it: the first
+    added is its answer, the other is refused (`AnsweredBefore`), nothing of it stored, as
+    when the turn is stored; the items answer the call once when the turn lands."""
+    logger = AgentMessageLogger(backend.db)
+    asked = [
+        {"role": "user", "content": "Book the 09:04."},
+        {"role": "assistant", "tool_calls": [{"id": "call_b1", "function": {"name": "book"}}]},
+    ]
+
+    async def lost(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("the turn's insert has not landed")
+
+    with monkeypatch.context() as writer:
+        writer.setattr(logger._messages, "insert_many", lost)
+        with pytest.raises(ConnectionError):
+            await logger.log_messages(CID, asked, turn_id="t1", user_id="u")
+    tab_a, tab_b = (ConversationSession(CID, backend.db, user_id="u") for _ in range(2))
+    booked = {"type": "function_call_output", "call_id": "call_b1", "output": "Booked."}
+    denial = {"type": "function_call_output", "call_id": "call_b1", "output": "Not approved."}
+
+    await tab_a.add_items([booked])
+    with pytest.raises(AnsweredBefore, match="call_b1"):
+        await tab_b.add_items([denial])
+    await logger.log_messages(CID, asked, turn_id="t1", user_id="u")
+
+    stored = await ConversationStore(backend.db).transcript(CID, user_id="u")
+    assert [m.content for m in stored if m.tool_call_id == "call_b1"] == ["Booked."]
+    outputs = [i.get("output") for i in await tab_b.get_items()]
+    assert [o for o in outputs if o is not None] == ["Booked."]
+
+
 async def test_a_result_whose_call_was_popped_is_left_out_of_the_items(
     backend: Backend,
 ) -> None:

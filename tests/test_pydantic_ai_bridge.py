@@ -469,6 +469,47 @@ async def test_a_paused_call_answered_in_two_tabs_keeps_its_first_answer(backend
     assert answers == ["Not that one."]
 
 
+async def test_a_paused_call_answered_in_two_tabs_while_its_run_is_still_written_keeps_one_answer(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The paused run's `log_run` reserved and its insert has not landed (its writer lost it,
+    within `abandon_after`); two tabs resume the run from memory. The first logged (the tool
+    ran) is the call's answer; the other's denial is refused (`AnsweredBefore`), nothing of it
+    stored, as when the paused run is stored; the first one's retry is a replay."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    agent = approval_agent([])
+    first = await agent.run("Book the 09:04 to Lyon; weather there?")
+    with monkeypatch.context() as lost:
+        lost.setattr(logger._messages, "insert_many", _lost_insert)
+        with pytest.raises(ConnectionError):
+            await log_run(logger, CID, first.new_messages(), turn_id="run-1")
+    approved, denied = [
+        (
+            await agent.run(
+                message_history=first.all_messages(),
+                deferred_tool_results=DeferredToolResults(approvals={"tc-9": decision}),
+            )
+        ).new_messages()
+        for decision in (True, ToolDenied("Not that one."))
+    ]
+
+    await log_run(logger, CID, approved, turn_id="run-approve")
+    before = await store.transcript(CID)
+    with pytest.raises(AnsweredBefore, match="tc-9"):
+        await log_run(logger, CID, denied, turn_id="run-deny")
+    assert (await log_run(logger, CID, approved, turn_id="run-approve")).replayed
+
+    assert await store.transcript(CID) == before
+    await log_run(logger, CID, first.new_messages(), turn_id="run-1")
+    answers = [m.content for m in await store.transcript(CID) if m.tool_call_id == "tc-9"]
+    assert len(answers) == 1
+    assert "Not that one." not in answers
+
+
+async def _lost_insert(*args: object, **kwargs: object) -> None:
+    raise ConnectionError("the run's insert has not landed")
+
+
 def test_a_call_id_a_provider_reuses_within_a_run_is_renamed_and_the_renaming_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -775,11 +775,10 @@ class AgentMessageLogger:
         names (`answers_to`) that are off `pending_calls` though no answer to them is there:
         none stored (`answer_found`), and no block reserved after the call less than
         `abandon_after` ago still unstored (its insert may still land: it may answer it).
-        Else raises: `refused` (a person approved a call the turn denies, a call answered
-        or possibly being answered), InvalidInput for a message named that does not make its
-        call here (read from another conversation, a fork: nobody answered that call), a
-        Conflict for a call a later call of its id without an answer follows. Two reads (the
-        conversation, then the messages), on that refusal only."""
+        Else raises: `refused` (a person approved a call the turn denies), then what
+        `_answers_judged` raises, the one rule: an answer already stored is judged before the
+        named message is looked for (one still being written may make the call:
+        `_Landed`). Two reads (the conversation, then the messages), on that refusal only."""
         named = _named_answers(plan, _answers_to(answers_to))
         named = {c: m for c, m in named.items() if c in refused.tool_call_ids}
         if not named:  # denials only: a person approved the calls first
@@ -798,23 +797,16 @@ class AgentMessageLogger:
         refused_prompts = _refused_prompts(refused_prompts)
         if released_calls(conversation, _denied(plan, refused_prompts), refused_prompts):
             raise refused  # a person approved a call the turn denies first, however it is named
-        if (misnamed := _misnamed(plan, named, found)) is not None:
-            raise misnamed
         gone, _ = answered_since(conversation, named)
-        states = {c: answer_found(found, c, named[c]) for c in gone}
-        if followed := [c for c, state in states.items() if state == "followed"]:
-            raise _followed(plan, followed)
-        stored = {int(d["seq"]) for d in found}
         count = int(conversation.get("message_count") or 0)
-        if answered := [c for c, state in states.items() if state == "answered"]:
-            raise _answered_first(plan, answered)
-        writing = [
-            c
-            for c in states
-            if _written_after(gaps, found, named[c], stored, count, from_seq, now, self.rules)
-        ]
-        if writing:
-            raise _answer_being_written(plan, writing)
+        landed = _Landed.of(found, named, gaps, count, from_seq, now, self.rules)
+        stored = {int(d["seq"]) for d in found}
+
+        def written(made_at: int) -> bool:
+            return _written_after(gaps, made_at, stored, count, from_seq, now, self.rules)
+
+        if (refusal := _answers_judged(plan, named, gone, found, landed, written)) is not None:
+            raise refusal
         return AsRead(
             calls={c: named[c] for c in gone},
             message_count=count,
@@ -920,10 +912,14 @@ class AgentMessageLogger:
         id, else the latest message making it. Logged with them (a runtime's bridge that read
         no `pending_calls`), a turn answering a call another turn answered first is
         `AnsweredBefore`, nothing written, while a retry of a logged turn is still its replay.
-        A call no message makes, in a conversation that does not exist or is another user's,
-        is left out (the turn is logged or refused as without it). None read for a turn
-        answering no earlier call; the conversation, then, for a call not pending, its
-        messages making it (one read more)."""
+        A call off the list no stored message makes while a turn is still being written,
+        whose answer is stored or may still land, is named by an id no message has
+        (`_made_unstored`), so the turn is judged as one naming it as `pending_calls` served
+        it. Any other call no message makes, in a conversation that does not exist or is
+        another user's, is left out (the turn is logged or refused as without it). None read
+        for a turn answering no earlier call; the conversation, then, for a call not pending,
+        its messages making it (one read more), and for such a call while a block is still
+        being written, the messages answering it (one more)."""
         made = {call.id for message in messages for call in message.tool_calls or ()}
         wanted = {
             m.tool_call_id: ""
@@ -954,7 +950,37 @@ class AgentMessageLogger:
                     call_id = call.get("id") if isinstance(call, Mapping) else None
                     if isinstance(call_id, str) and wanted.get(call_id) == "":
                         wanted[call_id] = doc["_id"]
+        if unmade := sorted(c for c, m in wanted.items() if not m):
+            wanted.update(await self._made_unstored(found, unmade))
         return {c: m for c, m in wanted.items() if isinstance(m, str) and m}
+
+    async def _made_unstored(
+        self, conversation: Mapping[str, Any], call_ids: Sequence[str]
+    ) -> dict[str, str]:
+        """For `calls_answered`, those of `call_ids` (off `pending_calls`, made by no stored
+        message) a turn still being written may make (its insert lost or in flight, within
+        `abandon_after`: `_Landed`) whose answer is stored or may still land: named by
+        `_UNSTORED_CALL`, so the turn is judged as one naming the call as `pending_calls`
+        served it (`_unanswered`: `AnsweredBefore`, or `StorageUnavailable` while the answer
+        is still being written), never stored as a second answer. None read when no block is
+        being written; one (the messages) otherwise."""
+        gaps, now = Gaps.of(conversation), utc_now()
+        from_seq = gaps.unpassed_from(now=now, abandon_after=self.rules.abandon_after)
+        if from_seq is None:
+            return {}
+        named = dict.fromkeys(call_ids, _UNSTORED_CALL)
+        query = answers_lookup(str(conversation["_id"]), named, from_seq)
+        with storage_errors("read the messages answering the calls"):
+            found = await self._messages.find(query, ANSWERS_READ).sort("seq", 1).to_list(None)
+        count = int(conversation.get("message_count") or 0)
+        landed = _Landed.of(found, named, gaps, count, from_seq, now, self.rules)
+        stored = {int(d["seq"]) for d in found}
+
+        def written(made_at: int) -> bool:
+            return _written_after(gaps, made_at, stored, count, from_seq, now, self.rules)
+
+        states = _answer_states(named, call_ids, landed, written)
+        return {c: _UNSTORED_CALL for c, state in states.items() if state in _TAKEN}
 
     async def _verdict_told(
         self,
@@ -3613,8 +3639,22 @@ pending calls a late retry's lookup weighs, `Unwritten`), a pop under way
 a turn's answers from those the conversation settled before (`_retry_refusal`,
 `_answers_refusal`)."""
 
-_PENDING_READ = {"user_id": 1, "epoch": 1, "pending_calls": 1}
-"""What `AgentMessageLogger.calls_answered` reads of the conversation."""
+_PENDING_READ = {
+    "user_id": 1,
+    "epoch": 1,
+    "pending_calls": 1,
+    "message_count": 1,
+    "turns": 1,
+    "popped_seqs": 1,
+}
+"""What `AgentMessageLogger.calls_answered` reads of the conversation: its pending calls, and
+its `Gaps` (a call whose turn is still being written, `_made_unstored`)."""
+_TAKEN = ("answered", "writing")
+"""The `_answer_states` of a call another turn's answer takes (stored, or still to land)."""
+_UNSTORED_CALL = "msg-still-being-written"
+"""The message `calls_answered` names for a call a turn still being written makes (its id
+not stored anywhere yet, and off `pending_calls` once another turn answered it): no message
+has this id."""
 
 
 MAX_FORK_WHOLE_TEXT_CHARS = 64 * 1024 * 1024
@@ -4236,23 +4276,124 @@ def _misnamed(
     )
 
 
+@dataclass(frozen=True)
+class _Landed:
+    """The messages that tell whether the calls a turn names have an answer (`found`,
+    `answers_lookup`, in `seq` order) as they stand once the blocks still being written land:
+    a call whose named message is not stored while a block is (its turn's insert lost or in
+    flight, within `abandon_after`) is made at the first `seq` still being written, the
+    earliest its message may land at, so an answer stored after it is judged as taking it,
+    as `pending_calls` served it (`seen`); `made_at`, each message's `seq` there (for one not
+    stored, the last of that block: what follows it is another turn's)."""
+
+    seen: Sequence[Mapping[str, Any]]
+    made_at: Mapping[str, int]
+
+    @classmethod
+    def of(
+        cls,
+        found: Sequence[Mapping[str, Any]],
+        named: Mapping[str, str],
+        gaps: Gaps,
+        count: int,
+        unpassed: int | None,
+        now: datetime,
+        rules: TurnRules,
+    ) -> _Landed:
+        """`found` (every message from `unpassed` on among them) with the calls of `named`
+        whose message it lacks made where they may still land (none when no block below
+        `count` is still being written: `Gaps.written`)."""
+        made_at = {str(d["_id"]): int(d["seq"]) for d in found}
+        unstored: dict[str, list[str]] = {}
+        for call_id, message in named.items():
+            if message not in made_at:
+                unstored.setdefault(message, []).append(call_id)
+        if not unstored or unpassed is None:
+            return cls(found, made_at)
+        seqs = {int(d["seq"]) for d in found}
+        missing = [s for s in range(unpassed, count) if s not in seqs]
+        first = gaps.written(missing, now=now, abandon_after=rules.abandon_after)
+        if first is None:
+            return cls(found, made_at)
+        placed = [
+            {"_id": m, "seq": first, "tool_calls": [{"id": c} for c in calls]}
+            for m, calls in unstored.items()
+        ]
+        end = gaps.turn_end(first, count)
+        seen = sorted([*found, *placed], key=lambda d: int(d["seq"]))
+        return cls(seen, {**made_at, **dict.fromkeys(unstored, end)})
+
+    def makes(self, call_id: str, message: str) -> bool:
+        """Whether `message` makes `call_id` here, stored or still to land."""
+        return any(
+            d["_id"] == message and any(c.get("id") == call_id for c in d.get("tool_calls") or ())
+            for d in self.seen
+        )
+
+
+def _answers_judged(
+    plan: TurnPlan,
+    named: Mapping[str, str],
+    calls: Collection[str],
+    found: Sequence[Mapping[str, Any]],
+    landed: _Landed,
+    written: Callable[[int], bool],
+) -> StoreError | None:
+    """Why a turn may not take its answers to `calls` (off `pending_calls`; `named` names the
+    message that made each), judged on the stored messages `found` as they stand once the
+    blocks still being written land (`landed`), the one rule whatever path asks: first
+    `AnsweredBefore` for a call a stored answer takes (a call's first answer is its answer),
+    judged before the message named is looked for, which may still be being written; then
+    `StorageUnavailable` for one a block past its message still being written may answer
+    (`written`, from that message's `seq`); then InvalidInput for a message named that does
+    not make its call here (read from another conversation, a fork: nobody answered that
+    call); then the Conflict of a later call of its id following it (the answer would take
+    that one). None: no answer to them is there."""
+    states = _answer_states(named, calls, landed, written)
+    if answered := [c for c, state in states.items() if state == "answered"]:
+        return _answered_first(plan, answered)
+    if writing := [c for c, state in states.items() if state == "writing"]:
+        return _answer_being_written(plan, writing)
+    if (misnamed := _misnamed(plan, named, found)) is not None:
+        return misnamed
+    if followed := [c for c, state in states.items() if state == "followed"]:
+        return _followed(plan, followed)
+    return None
+
+
+def _answer_states(
+    named: Mapping[str, str],
+    calls: Collection[str],
+    landed: _Landed,
+    written: Callable[[int], bool],
+) -> dict[str, str | None]:
+    """How the messages `landed` leave each of `calls` whose message `named` makes it there
+    (`answer_found`): "answered", "followed", "writing" (no answer there, but a block past its
+    message is still being written: `written`), or None (it awaits its answer)."""
+    states: dict[str, str | None] = {}
+    for call_id in sorted(c for c in calls if landed.makes(c, named[c])):
+        state = answer_found(landed.seen, call_id, named[call_id])
+        if state is None and written(landed.made_at[named[call_id]]):
+            state = "writing"
+        states[call_id] = state
+    return states
+
+
 def _written_after(
     gaps: Gaps,
-    found: Sequence[Mapping[str, Any]],
-    made_by: str,
+    made_at: int,
     stored: Collection[int],
     count: int,
     unpassed: int | None,
     now: datetime,
     rules: TurnRules,
 ) -> bool:
-    """Whether a block past the message `made_by` (in `found`, with every message of the
-    blocks readers may not pass yet, from `unpassed`: `answers_lookup`) is still being
-    written: a `seq` there holds no message (of `stored`, below `count`) and is not passed
-    (`Gaps.written`). Its insert may still land, answering the call the message makes."""
+    """Whether a block past `made_at` (the `seq` of a message making a call; `stored`, the
+    `seq`s of every message of the blocks readers may not pass yet, from `unpassed`:
+    `answers_lookup`) is still being written: a `seq` there holds no message (below `count`)
+    and is not passed (`Gaps.written`). Its insert may still land, answering the call."""
     if unpassed is None:
         return False
-    made_at = next(int(d["seq"]) for d in found if d["_id"] == made_by)
     start = max(made_at + 1, unpassed)
     missing = [s for s in range(start, count) if s not in stored]
     return gaps.written(missing, now=now, abandon_after=rules.abandon_after) is not None
@@ -4316,14 +4457,8 @@ def _answers_landing(plan: TurnPlan, named: Mapping[str, str]) -> Landing:
     def refused(
         conversation: Mapping[str, Any], found: Sequence[Mapping[str, Any]]
     ) -> StoreError | None:
-        if (misnamed := _misnamed(plan, named, found)) is not None:
-            return misnamed
-        states = {c: answer_found(found, c, named[c]) for c in sorted(named)}
-        if answered := [c for c, state in states.items() if state == "answered"]:
-            return _answered_first(plan, answered)
-        if followed := [c for c, state in states.items() if state == "followed"]:
-            return _followed(plan, followed)
-        return None
+        landed = _Landed(found, {str(d["_id"]): int(d["seq"]) for d in found})
+        return _answers_judged(plan, named, named, found, landed, lambda made_at: False)
 
     return Landing(wanted, refused)
 
