@@ -7116,3 +7116,47 @@ async def _lost_insert(*args: Any, **kwargs: Any) -> None:
 
 def _always(name: str, args: tuple[Any, ...]) -> bool:
     return True
+
+
+class _FirstReadThen:
+    """A collection whose first `find_one` answers, then runs `meanwhile` before returning:
+    another writer acting between a reader's read and its next step."""
+
+    def __init__(self, collection: Any, meanwhile: Callable[[], Awaitable[Any]]) -> None:
+        self._collection, self._meanwhile, self._done = collection, meanwhile, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._collection, name)
+
+    async def find_one(self, *args: Any, **kwargs: Any) -> Any:
+        found = await self._collection.find_one(*args, **kwargs)
+        if not self._done:
+            self._done = True
+            await self._meanwhile()
+        return found
+
+
+async def test_a_turn_checked_while_its_own_first_attempt_answers_the_call_is_a_replay(
+    backend: Backend,
+) -> None:
+    """LIBRARY.md `check_turn`: a retry is answered as the logged turn. `check_turn` of t1,
+    answering c1, reads the conversation before t1's own first attempt is stored; that
+    attempt then stores t1, answering c1. The call is answered by the turn checked itself,
+    not by another turn: `check_turn` passes, as for any retry of a logged turn (was:
+    `AnsweredBefore` "another turn answered that call first … Log the turn without that
+    answer", whose advice stores the reply twice); the retry replays it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    t0 = await logger.log_messages(CID, [{"role": "user", "content": "go"}, _calls("c1")])
+    named = {"c1": t0.messages[1].id}
+    t1 = [_answer("c1", "sunny"), {"role": "assistant", "content": "Sunny."}]
+    first = partial(
+        AgentMessageLogger(backend.db).log_messages, CID, t1, turn_id="t1", answers_to=named
+    )
+    checking = AgentMessageLogger(backend.db)
+    checking._conversations = _FirstReadThen(checking._conversations, first)
+
+    await checking.check_turn(CID, t1, turn_id="t1", answers_to=named)
+
+    retried = await logger.log_messages(CID, t1, turn_id="t1", answers_to=named)
+    assert retried.replayed
+    assert [m.content for m in await store.transcript(CID)][2:] == ["sunny", "Sunny."]

@@ -760,7 +760,10 @@ class AgentMessageLogger:
             except AnsweredBefore as refused:
                 if lookups == _ANSWER_LOOKUPS:
                     raise
-                as_read = await self._unanswered(plan, *named, refused)
+                try:
+                    as_read = await self._unanswered(plan, *named, refused)
+                except _LoggedMeanwhile:
+                    continue  # reserved again: the turn's record is there, a replay
                 condition = conditions(as_read)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -778,7 +781,10 @@ class AgentMessageLogger:
         Else raises: `refused` (a person approved a call the turn denies), then what
         `_answers_judged` raises, the one rule: an answer already stored is judged before the
         named message is looked for (one still being written may make the call:
-        `_Landed`). Two reads (the conversation, then the messages), on that refusal only."""
+        `_Landed`); the turn's own record there (another attempt of it logged it since it was
+        judged new: the answer may be its own), `_LoggedMeanwhile`, for the caller to judge it
+        again as a retry. Two reads (the conversation, then the messages), on that refusal
+        only."""
         named = _named_answers(plan, _answers_to(answers_to))
         named = {c: m for c, m in named.items() if c in refused.tool_call_ids}
         if not named:  # denials only: a person approved the calls first
@@ -789,6 +795,11 @@ class AgentMessageLogger:
             )
         if conversation is None:
             raise refused
+        if recorded_block(conversation, plan.key) is not None:
+            raise _LoggedMeanwhile(
+                f"turn {plan.turn_id!r} of conversation {plan.conversation_id!r} was logged "
+                "by another attempt while this one was judged; send it again as it is"
+            )
         gaps, now = Gaps.of(conversation), utc_now()
         from_seq = gaps.unpassed_from(now=now, abandon_after=self.rules.abandon_after)
         query = answers_lookup(plan.conversation_id, named, from_seq)
@@ -856,6 +867,30 @@ class AgentMessageLogger:
             refused=refused_prompts,
             answers_to=answers_to,
         )
+        checked = partial(
+            self._check_as_found,
+            plan,
+            actor,
+            condition,
+            (next_seq, step),
+            (answers_to, refused_prompts),
+        )
+        try:
+            await checked()
+        except _LoggedMeanwhile:  # the turn itself was logged meanwhile: judged again, a retry
+            await checked()
+
+    async def _check_as_found(
+        self,
+        plan: TurnPlan,
+        actor: Actor,
+        condition: Condition | None,
+        at: tuple[int | None, str | None],
+        named: tuple[Mapping[str, str] | None, Mapping[str, str] | None],
+    ) -> None:
+        """`check_turn`'s decision as the conversation stands when read, `at` the turn's
+        `next_seq` and `step`, `named` its `answers_to` and `refused_prompts`."""
+        (next_seq, step), refused_prompts = at, named[1]
         query = {"_id": plan.conversation_id}
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(query, _CHECKED_FIELDS)
@@ -872,8 +907,7 @@ class AgentMessageLogger:
             _check_as_given_back(plan, found, _refused_prompts(refused_prompts))
             condition = None
         if found is not None:
-            named = (answers_to, refused_prompts)
-            await self._check_new_turn(plan, found, condition, (next_seq, step), named)
+            await self._check_new_turn(plan, found, condition, at, named)
 
     async def _check_new_turn(
         self,
@@ -3845,6 +3879,12 @@ def _corrected(plan: TurnPlan) -> Conflict:
         f"turn {plan.turn_id!r} was corrected since it was logged (a pop removed one of "
         "its messages): it cannot be logged again. Use a new turn_id for a new turn"
     )
+
+
+class _LoggedMeanwhile(StorageUnavailable):
+    """A turn judged new whose own record another attempt of it wrote meanwhile (the answer
+    its condition meets may be its own): judged again, as a retry; left uncaught, a 503 to
+    send the turn again as it is."""
 
 
 class Unreserved(StorageUnavailable):
