@@ -39,7 +39,13 @@ from agent_store import (
     StorageUnavailable,
     TurnRules,
 )
-from agent_store.core import PENDING_RESULT
+from agent_store.core import (
+    PENDING_RESULT,
+    AssistantMessage,
+    FunctionCall,
+    ToolCall,
+    UserMessage,
+)
 from agent_store.integrations.exports import chat_completions, check_chat_completions
 from agent_store.integrations.openai_agents import (
     ConversationSession,
@@ -929,6 +935,35 @@ async def test_a_result_whose_call_was_popped_is_left_out_of_the_items(
     assert [i.get("type", i.get("role")) for i in model.inputs[-1]] == [
         "user", "message", "user",
     ]  # fmt: skip
+
+
+async def test_a_pop_of_another_writers_message_of_several_items_removes_nothing(
+    backend: Backend,
+) -> None:
+    """`pop_item` removes one item, as `SQLiteSession` does. Another runtime's message may
+    make several (a text and two calls): removing it would remove items the pop does not
+    return, so the pop is refused, nothing removed; the store's own pop removes it whole."""
+    response = AssistantMessage(
+        content="I will book two seats.",
+        tool_calls=[
+            ToolCall(id=f"c{n}", function=FunctionCall(name="book", arguments=f'{{"n":{n}}}'))
+            for n in (1, 2)
+        ],
+    )
+    await AgentMessageLogger(backend.db).log_messages(
+        CID, [UserMessage(content="book it"), response], turn_id="other-runtime"
+    )
+    session = ConversationSession(CID, backend.db)
+    items = await session.get_items()
+    assert len(items) == 4
+
+    with pytest.raises(Conflict, match=re.escape("makes 3 items")):
+        await session.pop_item()
+
+    assert await session.get_items() == items
+    popped = await session.store.pop_last_message(CID)
+    assert popped is not None
+    assert popped.content == response.content
 
 
 async def test_a_session_of_one_user_neither_reads_nor_writes_anothers(backend: Backend) -> None:

@@ -24,10 +24,13 @@ from pydantic_ai import (
     ToolDenied,
     ToolOutput,
     ToolReturn,
+    capture_run_messages,
 )
+from pydantic_ai.exceptions import UsageLimitExceeded
 from pydantic_ai.messages import (
     BinaryContent,
     CachePoint,
+    Citation,
     CompactionPart,
     DocumentUrl,
     FilePart,
@@ -50,14 +53,16 @@ from pydantic_ai.messages import (
     ToolCallPart,
     ToolReturnPart,
     UserPromptPart,
+    WebCitationSource,
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.output import is_output_tool_part
 from pydantic_ai.ui.vercel_ai import VercelAIAdapter
-from pydantic_ai.usage import RequestUsage
+from pydantic_ai.usage import RequestUsage, UsageLimits
 
 from agent_store import AgentMessageLogger, AnsweredBefore, ConversationStore, TurnRules
 from agent_store.core import (
+    INTERRUPTED_RESULT,
     AssistantMessage,
     FunctionCall,
     MessageError,
@@ -1281,7 +1286,7 @@ async def test_a_dynamic_system_prompt_is_evaluated_again_on_a_history_from_the_
     assert system.native is not None
     assert (system.native.format, system.native.set) == (
         "pydantic-ai",
-        {"dynamic_ref": plan.__qualname__},
+        {"dynamic_ref": plan.__qualname__, "conversation_id": first.conversation_id},
     )
     prompts = [p for m in given[-1] for p in m.parts if isinstance(p, SystemPromptPart)]
     assert [p.content for p in prompts] == ["The user's plan is pro."]
@@ -1796,3 +1801,165 @@ def test_a_response_stored_before_its_accounting_was_kept_replays_as_before() ->
     _, response = history_from_messages(stored)
 
     assert _accounting(response) == (RequestUsage(input_tokens=3), None, None, None, None)
+
+
+# -- a run cut off: what it stopped before acting on is closed, never run ------------------
+
+
+def _researching(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    if isinstance(messages[-1].parts[-1], UserPromptPart) and len(messages) == 1:
+        return ModelResponse(
+            parts=[ToolCallPart("search", {"q": "all"}, tool_call_id="c1")],
+            usage=RequestUsage(input_tokens=900, output_tokens=200),
+        )
+    return ModelResponse(parts=[TextPart("short answer")])
+
+
+def _research_agent(ran: list[str]) -> Agent[None, str]:
+    agent: Agent[None, str] = Agent(FunctionModel(_researching))
+
+    @agent.tool_plain
+    def search(q: str) -> str:
+        ran.append(q)
+        return "results"
+
+    return agent
+
+
+async def test_a_call_a_usage_limit_stopped_is_closed_not_left_awaiting_approval(
+    backend: Backend,
+) -> None:
+    """A response that crossed a usage limit is `interrupted`: Pydantic AI closes its calls
+    when the next run brings a new prompt, never running them. Stored, the mark is kept and
+    the calls are answered `interrupted`: nothing pending, and the next prompt works."""
+    store, ran = ConversationStore(backend.db), []
+    agent = _research_agent(ran)
+    with capture_run_messages() as cut, pytest.raises(UsageLimitExceeded):
+        await agent.run("research everything", usage_limits=UsageLimits(total_tokens_limit=1000))
+    assert cut[-1].state == "interrupted"
+    await log_run(AgentMessageLogger(backend.db), CID, cut, turn_id="run-1", user_id="u1")
+
+    assert await store.pending_calls(CID, user_id="u1") == []
+    stored = await store.transcript(CID, user_id="u1")
+    answers = [m["content"] for m in chat_completions(stored) if m.get("tool_call_id") == "c1"]
+    assert answers == [INTERRUPTED_RESULT]
+    history = history_from_messages(stored)
+    assert [m.state for m in history if isinstance(m, ModelResponse)] == ["interrupted"]
+    result = await agent.run("ok, just a short answer", message_history=history)
+    assert (result.output, ran) == ("short answer", [])
+
+
+def test_calls_a_run_stopped_while_running_its_tools_are_closed() -> None:
+    """A trailing request cut off while its tools ran (`state='interrupted'`) leaves its
+    response's other calls unanswered for good, as Pydantic AI closes them: stored answered."""
+    run = [
+        ModelRequest(parts=[UserPromptPart("book both")]),
+        ModelResponse(
+            parts=[
+                ToolCallPart("book", {"n": 1}, tool_call_id="c1"),
+                ToolCallPart("book", {"n": 2}, tool_call_id="c2"),
+            ]
+        ),
+        ModelRequest(
+            parts=[ToolReturnPart("book", "booked", tool_call_id="c1")], state="interrupted"
+        ),
+    ]
+
+    stored = messages_from_run(run)
+
+    assert [(m.tool_call_id, m.error) for m in stored if isinstance(m, ToolMessage)] == [
+        ("c1", None),
+        ("c2", MessageError(message="tool call interrupted")),
+    ]
+
+
+async def test_a_run_continuing_a_reloaded_history_keeps_its_conversation_id(
+    backend: Backend,
+) -> None:
+    """A run given `message_history` takes the last `conversation_id` on it, as from memory:
+    kept on the stored messages, the next run continues the same conversation."""
+    agent: Agent[None, str] = Agent(FunctionModel(lambda m, i: ModelResponse([TextPart("ok")])))
+    first = await agent.run("hello")
+    await log_run(AgentMessageLogger(backend.db), CID, first.new_messages(), turn_id="run-1")
+    history = history_from_messages(await ConversationStore(backend.db).transcript(CID))
+
+    from_store = await agent.run("again", message_history=history)
+    from_memory = await agent.run("again", message_history=first.all_messages())
+
+    kept = [m.conversation_id for m in first.all_messages()]
+    assert [m.conversation_id for m in history] == kept == [first.conversation_id] * 2
+    continued = {from_store.conversation_id, from_memory.conversation_id}
+    assert continued == {first.conversation_id}
+
+
+_CITED = TextPart(
+    "It is 2.15%.",
+    citations=[Citation(sources=[WebCitationSource(url="https://a.test/rates", title="Rates")])],
+)
+
+
+def _shown(history: list[ModelMessage]) -> list[dict[str, Any]]:
+    """The parts a UI adapter sends of a history's responses."""
+    sent = VercelAIAdapter.dump_messages(history)
+    return [p.model_dump(mode="json") for m in sent if m.role == "assistant" for p in m.parts]
+
+
+async def test_a_texts_citations_come_back_so_a_reloaded_chat_shows_its_sources(
+    backend: Backend,
+) -> None:
+    """A text's `citations` (a web search's sources) are the application's, never sent to
+    the model: kept, a UI adapter sends a chat reloaded from the store with its sources."""
+    run = [
+        ModelRequest(parts=[UserPromptPart("What is the rate?")]),
+        ModelResponse(parts=[TextPart("Looking."), _CITED]),
+    ]
+    await log_run(AgentMessageLogger(backend.db), CID, run, turn_id="run-1")
+    stored = await ConversationStore(backend.db).transcript(CID)
+
+    reloaded = history_from_messages(stored)
+
+    texts = [p for m in reloaded for p in m.parts if isinstance(p, TextPart)]
+    assert [(p.content, p.citations) for p in texts] == [
+        ("Looking.", None),
+        (_CITED.content, _CITED.citations),
+    ]
+    assert _shown(reloaded) == _shown(run)
+    assert "source-url" in [part["type"] for part in _shown(reloaded)]
+    assert "a.test" not in json.dumps(chat_completions(stored))
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        pytest.param(
+            ToolReturnPart(
+                "read",
+                "Try again.",
+                tool_call_id="c1",
+                outcome="retried",
+                retry=RetryInfo("model_retry", attempt=1, max_retries=3),
+            ),
+            id="retried-return",
+        ),
+        pytest.param(
+            RetryFeedbackPart(
+                "Answer with a number.", retry=RetryInfo("no_output", attempt=2, max_retries=2)
+            ),
+            id="retry-feedback",
+        ),
+    ],
+)
+def test_a_retrys_attempt_and_budget_come_back(part: ToolReturnPart | RetryFeedbackPart) -> None:
+    """A retry's `attempt` and `max_retries` are for the application only, never sent to the
+    model: kept, the part comes back with them."""
+    run = [
+        ModelRequest(parts=[UserPromptPart("Read it.")]),
+        ModelResponse(parts=[ToolCallPart("read", {}, tool_call_id="c1")]),
+        ModelRequest(parts=[part]),
+    ]
+
+    replayed = history_from_messages(messages_from_run(run))
+
+    back = replayed[-1].parts[-1]
+    assert isinstance(back, type(part))
+    assert back.retry == part.retry

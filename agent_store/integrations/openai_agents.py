@@ -50,6 +50,7 @@ from pydantic import ValidationError
 from agent_store.core import (
     AgentMessage,
     AssistantMessage,
+    Conflict,
     FunctionCall,
     InvalidInput,
     NotFound,
@@ -303,14 +304,19 @@ class ConversationSession:
         """Remove the last stored message and return its item; None when there is none.
 
         A message that makes no item (another writer's error note) is removed on the way.
-        A call repeating one that raised StorageUnavailable is its retry: it finishes the
-        earlier pop and returns that item, removing no other message (`pop_last_message`).
-        Items added again after a pop removed them are a new turn, even those of an add that
-        raised before it; a pop leaves any other add that raised to its retry. A message a
-        LangGraph checkpoint of the conversation refers to is not removed (Conflict).
+        Another writer's message that makes several items (a response's text and its calls)
+        is not removed (Conflict): the pop would remove items it does not return; the
+        store's `pop_last_message` removes it whole. A call repeating one that raised
+        StorageUnavailable is its retry: it finishes the earlier pop and returns that item,
+        removing no other message (`pop_last_message`). Items added again after a pop
+        removed them are a new turn, even those of an add that raised before it; a pop
+        leaves any other add that raised to its retry. A message a LangGraph checkpoint of
+        the conversation refers to is not removed (Conflict).
         """
         while True:
-            message = await self.store.pop_last_message(self.session_id, user_id=self.user_id)
+            message = await self.store.pop_last_message(
+                self.session_id, user_id=self.user_id, refuse=_of_several_items
+            )
             if message is None:
                 return None
             self._appends.popped(message)
@@ -322,6 +328,22 @@ class ConversationSession:
         """Delete the conversation: its messages and its document."""
         with contextlib.suppress(NotFound):
             await self.store.delete(self.session_id, user_id=self.user_id)
+
+
+def _of_several_items(message: AgentMessage) -> Conflict | None:
+    """Conflict for a message that makes more than one item (another writer's response: its
+    text and its calls), which `pop_item`, returning one item, may not remove; else None."""
+    made = item_from_message(message)
+    if len(made) <= 1:
+        return None
+    kinds = ", ".join(str(item.get("type") or item.get("role")) for item in made)
+    return Conflict(
+        f"could not pop the last item of session {message.conversation_id!r}: its last "
+        f"message (seq {message.seq}), stored by another runtime, makes {len(made)} items "
+        f"({kinds}), and removing it would remove them all, though pop_item returns one; "
+        "nothing was removed. Remove the whole message with "
+        "`session.store.pop_last_message(session_id)`, or go back with that runtime's means"
+    )
 
 
 def _results_before(messages: list[AgentMessage]) -> bool:

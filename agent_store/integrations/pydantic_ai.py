@@ -34,7 +34,10 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
 - a call the run left unanswered (a tool that requires approval, or a
   deferred call: the run ended with `DeferredToolRequests`): stored without
   an answer, so the conversation lists it as pending; the next run's return
-  for it (`deferred_tool_results`) is stored as its answer.
+  for it (`deferred_tool_results`) is stored as its answer. A call the run left
+  unanswered for good (its response `interrupted`: a cancelled stream, a usage limit
+  crossed; or the run cut off while its tools ran) is answered `interrupted`, as
+  Pydantic AI closes it before a new prompt: closed, never run, never pending.
 - thinking: not stored. It is the model's private reasoning, not part of the
   conversation; providers drop or re-sign it across turns, and storing it as
   content would replay it as if the model had said it.
@@ -43,11 +46,12 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
   next run, as from memory.
 - what Pydantic AI holds for the application and never sends the model: a tool's
   `ui_visibility` on its call (in the response's kept parts) and its return, a
-  request's and a response's `metadata` (the request's on the first message stored
-  of it), a response's usage beyond its input and output tokens and the model,
-  provider and finish reason of it (not its `provider_response_id` or
-  `provider_details`, server-side state), a prompt `TextContent`'s `metadata`
-  (the prompt's lines apart): in
+  request's and a response's `metadata` and `conversation_id` (the request's on the
+  first message stored of it), a response's usage beyond its input and output tokens,
+  the model, provider and finish reason of it and its `state` when not `complete`
+  (not its `provider_response_id` or `provider_details`, server-side state), a text's
+  `citations`, a retry's `attempt` and `max_retries`, a prompt `TextContent`'s
+  `metadata` (the prompt's lines apart): in
   `native`, given back where the run held it, so a UI adapter shows a reloaded
   chat as it was streamed.
 - a response part the chat fields have no place for (a provider's own tool
@@ -99,6 +103,7 @@ from agent_store.core import (
     feedback_error,
     outcome_error,
     result_text,
+    stand_in_result,
     tool_content_error,
     tool_outcome,
     whole_millis,
@@ -163,8 +168,19 @@ and why it stopped. The application's accounting (`ModelResponse.cost()`), never
 model. Not its `provider_response_id` or `provider_details`: they name state on the
 provider's servers, which a model given them back would continue (a `previous_response_id`)
 rather than be sent the history."""
+_IN_RUN = ("state", "conversation_id")
+"""A response's fields kept in `native` beside its accounting, for the run that continues
+the history: its `state` when not `complete` (an `interrupted` one the run stopped before
+acting on) and the `conversation_id` a run given the history takes on. Never sent to the
+model."""
 _REQUEST_METADATA = "request_metadata"
 """The `native` key, on the first message stored of a request, of the request's `metadata`."""
+_CONVERSATION_ID = "conversation_id"
+"""The `native` key, on the first message stored of a request, of its `conversation_id`."""
+_RETRY_BUDGET = "retry"
+"""The `native` key of a retry's `attempt` and `max_retries` (`RetryInfo`): for the
+application only; its `cause` is in the `error` marker."""
+_CITATIONS: TypeAdapter[list[pai.Citation]] = TypeAdapter(list[pai.Citation])
 
 
 # -- a run into stored messages -------------------------------------------------------
@@ -192,12 +208,36 @@ def messages_from_run(
             for part in message.parts:
                 from_tool = id(part) in from_tools
                 stored.extend(_from_request_part(part, markers, subject, from_tool=from_tool))
-            if message.metadata is not None and len(stored) > first:
-                kept = {_REQUEST_METADATA: message.metadata}
+            kept = {_REQUEST_METADATA: message.metadata, _CONVERSATION_ID: message.conversation_id}
+            kept = {key: value for key, value in kept.items() if value is not None}
+            if kept and len(stored) > first:
                 stored[first] = _with_kept(stored[first], kept, subject)
         else:
             stored.append(_from_response(message, sent_at, subject))
-    return _with_unique_call_ids(stored)
+    return _with_unique_call_ids([*stored, *_closed_for_good(messages, stored)])
+
+
+def _closed_for_good(
+    messages: Sequence[pai.ModelMessage], stored: Sequence[AgentMessage]
+) -> list[ToolMessage]:
+    """An `interrupted` answer to each call of the run's last response that it left
+    unanswered for good, as Pydantic AI closes them (`_repair_interrupted_tail`): the run
+    was cut off after the response (an `interrupted` request: its tools were running) or
+    stopped before acting on it (an `interrupted` response: a cancelled stream, a usage
+    limit crossed). Stored answered, such a call is never pending: it is closed, never run."""
+    last = messages[-1] if messages else None
+    if last is None or last.state != "interrupted":
+        return []
+    at = next((i for i in reversed(range(len(stored))) if stored[i].role == "assistant"), -1)
+    response = stored[at] if at >= 0 else None
+    if response is None or not response.tool_calls:
+        return []
+    answered = {m.tool_call_id for m in stored[at + 1 :] if isinstance(m, ToolMessage)}
+    return [
+        stand_in_result(call.id, response.created_at)
+        for call in response.tool_calls
+        if call.id not in answered
+    ]
 
 
 def _tool_content(request: pai.ModelRequest, *, opens_run: bool) -> set[int]:
@@ -276,14 +316,21 @@ def _from_request_part(
         )
         content = part.content if not part.files else ""  # with files: the items' text
         kinds = {"tool_kind": part.tool_kind, "ui_visibility": part.ui_visibility}
-        return [_with_content_kind(returned, content, subject, metadata=part.metadata, **kinds)]
+        budget = _retry_budget(part.retry)
+        return [
+            _with_content_kind(
+                returned, content, subject, metadata=part.metadata, retry=budget, **kinds
+            )
+        ]
     if isinstance(part, pai.RetryFeedbackPart):
         feedback = UserMessage(
             content=_retry_text(part.content),
             error=feedback_error(part.retry.cause),
             created_at=part.timestamp,
         )
-        return [_with_content_kind(feedback, part.content, subject)]
+        return [
+            _with_content_kind(feedback, part.content, subject, retry=_retry_budget(part.retry))
+        ]
     if isinstance(part, pai.RetryPromptPart):  # deprecated; only in histories built by hand
         return [_from_retry_prompt(part, subject)]
     return []
@@ -317,17 +364,18 @@ def _with_content_kind(
     tool_kind: str | None = None,
     ui_visibility: str | None = None,
     metadata: Any = None,
+    retry: dict[str, int] | None = None,
 ) -> AgentMessage:
     """`message` keeping in `native` what its text alone does not say of the part: whether its
     content was a `str` or a value (`_CONTENT_KIND`), the tool's kind (an output tool's
-    `output`), what a UI adapter shows of it (`ui_visibility`) and the `metadata` it returned
-    for the application (`ToolReturn(metadata=...)`); the last two are never sent to the
-    model, and kept as a system prompt's `metadata` is, so the history gives the part
-    back as the run held it. A value whose text
-    reads back as another (`Decimal("10.50")`'s `10.50` as 10.5, NaN's `null` as None) is
-    kept as its text, which the model was sent; an empty text with an `error` (the run's
-    own `ModelRetry("")`, `ToolDenied("")`) is kept too, else it reads as another writer's
-    error-only result (`_reads_as_its_error`)."""
+    `output`), what a UI adapter shows of it (`ui_visibility`), the `metadata` it returned
+    for the application (`ToolReturn(metadata=...)`) and a retry's `attempt` and
+    `max_retries` (`_RETRY_BUDGET`); the last three are never sent to the model, and kept
+    as a system prompt's `metadata` is, so the history gives the part back as the run held
+    it. A value whose text reads back as another (`Decimal("10.50")`'s `10.50` as 10.5,
+    NaN's `null` as None) is kept as its text, which the model was sent; an empty text
+    with an `error` (the run's own `ModelRetry("")`, `ToolDenied("")`) is kept too, else it
+    reads as another writer's error-only result (`_reads_as_its_error`)."""
     kept: dict[str, Any] = {_CONTENT_KIND: _kind_sent(message, content)}
     if not message.content and content not in (None, ""):  # a value rendered as no text: []
         kept["content"] = runtime_json(content, subject=subject, fallback=str)
@@ -337,8 +385,18 @@ def _with_content_kind(
         kept["ui_visibility"] = ui_visibility
     if metadata is not None:
         kept["metadata"] = runtime_json(metadata, subject=subject, fallback=str)
+    if retry:
+        kept[_RETRY_BUDGET] = retry
     plain_kind = "error" if _reads_as_its_error(message) else _plain_kind(message)
     return with_native(message, FORMAT, kept, {_CONTENT_KIND: plain_kind}, subject=subject)
+
+
+def _retry_budget(retry: pai.RetryInfo[Any] | None) -> dict[str, int] | None:
+    """A retry's `attempt` and `max_retries`, those it has (`_RETRY_BUDGET`); None for none."""
+    if retry is None:
+        return None
+    budget = {"attempt": retry.attempt, "max_retries": retry.max_retries}
+    return {key: value for key, value in budget.items() if value is not None} or None
 
 
 def _with_kept(message: AgentMessage, kept: Mapping[str, Any], subject: str) -> AgentMessage:
@@ -403,10 +461,11 @@ def _from_response(
 
 def _accounting(response: pai.ModelResponse) -> dict[str, Any]:
     """What `native` keeps of a response for the application, as Pydantic AI serializes it:
-    its `metadata`, the fields `_ACCOUNTING` names that it has, and its usage beyond the
+    its `metadata`, the fields `_ACCOUNTING` and `_IN_RUN` name that it has (a `complete`
+    state is the default: not kept), and its usage beyond the
     tokens `token_usage` holds (cache and audio tokens, `details`, a cost)."""
-    fields = {key: getattr(response, key) for key in (*_ACCOUNTING, "metadata")}
-    kept = {key: value for key, value in fields.items() if value is not None}
+    fields = {key: getattr(response, key) for key in (*_ACCOUNTING, *_IN_RUN, "metadata")}
+    kept = {key: value for key, value in fields.items() if value not in (None, "complete")}
     usage = _USAGE.dump_python(
         response.usage, mode="json", exclude=_IN_TOKEN_USAGE, exclude_defaults=True
     )
@@ -421,14 +480,18 @@ def _dumped_prompt(part: pai.SystemPromptPart, subject: str) -> dict[str, Any]:
 
 def _parts_kept(parts: Sequence[pai.ModelResponsePart], subject: str) -> list[dict[str, Any]]:
     """A response's parts in order as `native` keeps them: one the chat fields hold as a
-    stand-in naming its kind (`text`, for a file's note too; `tool-call`, with the tool's
+    stand-in naming its kind (`text`, for a file's note too, with a text's `citations`, the
+    sources a UI adapter shows; `tool-call`, with the tool's
     `tool_kind` and the call's `ui_visibility` when it has them: an output tool's `output`,
     a private tool's `private`), any other whole as
     Pydantic AI serializes it (a provider's own tool call and its return, a compaction, a
     spoken reply without its audio: the store keeps no files). Thinking is left out."""
     kept: list[dict[str, Any]] = []
     for part in parts:
-        if isinstance(part, pai.TextPart | pai.FilePart):
+        if isinstance(part, pai.TextPart) and part.citations:
+            cited = _CITATIONS.dump_python(part.citations, mode="json", fallback=str)
+            kept.append({"part_kind": "text", "citations": cited})
+        elif isinstance(part, pai.TextPart | pai.FilePart):
             kept.append({"part_kind": "text"})
         elif isinstance(part, pai.ToolCallPart):
             kept.append({"part_kind": "tool-call", **_call_fields(part)})
@@ -583,13 +646,13 @@ def history_from_messages(
     def flush_request(*, at_end: bool = False) -> None:
         leave_open = at_end and _resumes(answering, answers, said)
         request_parts = [*_returns(answering, answers, leave_open=leave_open), *parts]
-        metadata = _first_kept([*_answers_of(answering, answers), *said], _REQUEST_METADATA)
+        kept = _request_kept([*_answers_of(answering, answers), *said])
         answering.clear()
         parts.clear()
         said.clear()
         if request_parts:
             at = request_parts[0].timestamp
-            history.append(pai.ModelRequest(parts=request_parts, timestamp=at, metadata=metadata))
+            history.append(pai.ModelRequest(parts=request_parts, timestamp=at, **kept))
 
     for item in _responses_gathered(messages):
         if isinstance(item, list):
@@ -605,6 +668,15 @@ def history_from_messages(
         # A tool message is placed with the call it answers, by `_returns`.
     flush_request(at_end=True)
     return history
+
+
+def _request_kept(sent: Sequence[AgentMessage]) -> dict[str, Any]:
+    """What the first of a request's stored messages keeps of it in `native`: its `metadata`
+    and its `conversation_id`, each None when none keeps it."""
+    return {
+        "metadata": _first_kept(sent, _REQUEST_METADATA),
+        "conversation_id": _first_kept(sent, _CONVERSATION_ID, str),
+    }
 
 
 def _responses_gathered(
@@ -723,10 +795,11 @@ def _usage_of(message: AssistantMessage) -> RequestUsage:
 
 
 def _accounting_of(messages: Sequence[AssistantMessage]) -> pai.ModelResponse:
-    """An empty response with the model, provider and finish reason (`_ACCOUNTING`) kept by
-    the first of `messages` that keeps any; with none when they are not Pydantic AI's."""
+    """An empty response with the model, provider and finish reason (`_ACCOUNTING`), its state
+    and conversation (`_IN_RUN`) kept by the first of `messages` that keeps any; with none
+    when they are not Pydantic AI's."""
     for message in messages:
-        kept = {key: _kept(message, key) for key in _ACCOUNTING}
+        kept = {key: _kept(message, key) for key in (*_ACCOUNTING, *_IN_RUN)}
         kept = {key: value for key, value in kept.items() if value is not None}
         if kept:
             try:
@@ -736,10 +809,10 @@ def _accounting_of(messages: Sequence[AssistantMessage]) -> pai.ModelResponse:
     return pai.ModelResponse(parts=[])
 
 
-def _first_kept(messages: Iterable[AgentMessage], key: str) -> dict[str, Any] | None:
-    """The first object the messages' own Pydantic AI forms keep under `key` (a response's or
-    a request's `metadata`), or None."""
-    return next((kept for m in messages if isinstance(kept := _kept(m, key), dict)), None)
+def _first_kept(messages: Iterable[AgentMessage], key: str, kind: type[Any] = dict) -> Any:
+    """The first value of `kind` the messages' own Pydantic AI forms keep under `key` (a
+    response's or a request's `metadata`, a request's `conversation_id`), or None."""
+    return next((kept for m in messages if isinstance(kept := _kept(m, key), kind)), None)
 
 
 def _in_kept_order(
@@ -761,15 +834,25 @@ def _in_kept_order(
         if not isinstance(entry, tuple):
             parts.append(entry)
         elif (taken := next(in_chat[entry[0]], None)) is not None:
-            parts.append(_with_call_fields(taken, entry[1]))
+            parts.append(_with_stand_in_fields(taken, entry[1]))
     return [*parts, *in_chat["text"], *in_chat["tool-call"]]
 
 
-def _with_call_fields(part: pai.ModelResponsePart, fields: dict[str, str]) -> pai.ModelResponsePart:
-    """A call the chat fields hold, with the fields its stand-in keeps (`_call_fields`): the
-    tool's kind (an output tool's `output`), as Pydantic AI types a part of that kind, and
-    what a UI adapter shows of it (`ui_visibility`)."""
-    if not fields or not isinstance(part, pai.ToolCallPart):
+def _with_stand_in_fields(
+    part: pai.ModelResponsePart, fields: dict[str, Any]
+) -> pai.ModelResponsePart:
+    """A text or call the chat fields hold, with the fields its stand-in keeps: a text's
+    `citations`; a call's (`_call_fields`) the tool's kind (an output tool's `output`), as
+    Pydantic AI types a part of that kind, and what a UI adapter shows of it
+    (`ui_visibility`)."""
+    if not fields:
+        return part
+    if isinstance(part, pai.TextPart):
+        try:
+            return replace(part, citations=_CITATIONS.validate_python(fields.get("citations")))
+        except ValidationError:
+            return part
+    if not isinstance(part, pai.ToolCallPart):
         return part
     call = replace(
         cast(pai.ToolCallPart, part),
@@ -779,15 +862,15 @@ def _with_call_fields(part: pai.ModelResponsePart, fields: dict[str, str]) -> pa
     return call if call.tool_kind is None else pai.ToolCallPart.narrow_type(call)
 
 
-_StandIn = tuple[str, dict[str, str]]
-"""A part the chat fields hold, in a response's kept order: its kind, and the fields a call's
-stand-in keeps (`_call_fields`)."""
-_CALL_FIELDS = {"tool_kind", "ui_visibility"}
+_StandIn = tuple[str, dict[str, Any]]
+"""A part the chat fields hold, in a response's kept order: its kind, and the fields its
+stand-in keeps (a call's `_call_fields`, a text's `citations`)."""
+_STAND_IN_FIELDS = {"tool-call": {"tool_kind", "ui_visibility"}, "text": {"citations"}}
 
 
 def _kept_order(message: AssistantMessage) -> list[pai.ModelResponsePart | _StandIn] | None:
     """The parts `native` keeps of a response, a stand-in as the kind it stands for (and a
-    call's with the fields it keeps too)."""
+    call's and a text's with the fields it keeps)."""
     kept = _kept(message, "parts")
     if not isinstance(kept, list):
         return None
@@ -798,18 +881,14 @@ def _kept_order(message: AssistantMessage) -> list[pai.ModelResponsePart | _Stan
                 return None
             order.append((entry["part_kind"], {}))
             continue
-        if (
-            isinstance(entry, dict)
-            and "part_kind" in entry
-            and entry.keys() - {"part_kind"} <= _CALL_FIELDS
-        ):
+        kind = entry.get("part_kind") if isinstance(entry, dict) else None
+        if isinstance(kind, str) and kind in _STAND_IN_FIELDS:
             fields = {key: value for key, value in entry.items() if key != "part_kind"}
-            if entry["part_kind"] != "tool-call" or not all(
-                isinstance(v, str) for v in fields.values()
-            ):
-                return None
-            order.append(("tool-call", fields))
-            continue
+            if fields.keys() <= _STAND_IN_FIELDS[kind]:
+                if kind == "tool-call" and not all(isinstance(v, str) for v in fields.values()):
+                    return None
+                order.append((kind, fields))
+                continue
         try:
             order.append(_RESPONSE_PART.validate_python(entry))
         except ValidationError:
@@ -848,13 +927,28 @@ def _to_tool_return(message: ToolMessage, tool_name: str) -> pai.ToolReturnPart:
         tool_call_id=message.tool_call_id,
         timestamp=message.created_at,
         outcome=outcome or "success",
-        retry=pai.RetryInfo(retry_cause) if outcome == "retried" else None,
+        retry=pai.RetryInfo(retry_cause, **_retry_budget_of(message))
+        if outcome == "retried"
+        else None,
         metadata=_kept(message, "metadata"),
         ui_visibility=_ui_visibility(_kept(message, "ui_visibility")),
     )
     if not isinstance(tool_kind, str):
         return returned
     return pai.ToolReturnPart.narrow_type(replace(returned, tool_kind=tool_kind))
+
+
+def _retry_budget_of(message: ToolMessage | UserMessage) -> dict[str, int]:
+    """A retry's `attempt` and `max_retries` as `native` keeps them (`_RETRY_BUDGET`), those
+    that are whole numbers; none when it keeps none (someone else's form, an older message)."""
+    kept = _kept(message, _RETRY_BUDGET)
+    if not isinstance(kept, dict):
+        return {}
+    return {
+        key: value
+        for key in ("attempt", "max_retries")
+        if isinstance(value := kept.get(key), int) and not isinstance(value, bool)
+    }
 
 
 def _ui_visibility(kept: Any) -> pai.ToolUIVisibility | None:
@@ -867,7 +961,9 @@ def _to_user_part(message: UserMessage) -> Any:
     if is_feedback:
         return pai.RetryFeedbackPart(
             _content_of(message, message.content or ""),
-            retry=pai.RetryInfo(_FEEDBACK_CAUSES.get(cause or "", "model_retry")),
+            retry=pai.RetryInfo(
+                _FEEDBACK_CAUSES.get(cause or "", "model_retry"), **_retry_budget_of(message)
+            ),
             timestamp=message.created_at,
         )
     text = prompt_text(message) or ""

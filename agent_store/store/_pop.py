@@ -54,6 +54,7 @@ from agent_store.core import (
     PopInProgress,
     PoppedMessage,
     StorageUnavailable,
+    StoreError,
     message_adapter,
     popped_up_to,
     utc_now,
@@ -183,6 +184,10 @@ class PopMemory:
         return taken, told
 
 
+Refusal = Callable[[AgentMessage], StoreError | None]
+"""A caller's check of the message a pop would remove: the error to raise, or None."""
+
+
 @dataclass(frozen=True)
 class Pop:
     """One pop of the conversation `scope` names: the last message `query` finds."""
@@ -205,6 +210,9 @@ class Pop:
     answers, read before `forget_texts` deletes them."""
     checkpoints: Any
     """The LangGraph checkpointer's collection: a message its checkpoints refer to stays."""
+    refuse: Refusal | None = None
+    """The caller's check of the last message before anything is written: the error it gives
+    is raised, nothing removed (`ConversationStore.pop_last_message`'s `refuse`)."""
 
     async def run(self) -> AgentMessage | None:
         """Remove the last message and answer it; None when there is none."""
@@ -236,6 +244,8 @@ class Pop:
             elif pop is None or pop.message_id != message.id:  # else what it read still holds
                 pop = await self._what_removing_changes(message)
             assert pop is not None
+            if self.refuse is not None and (refused := self.refuse(message)) is not None:
+                raise refused
             await self._refuse_a_threads(scope[0], message)
             count = self._passing(message, conversation)
             removed = await self._remove(scope, message, pop, count)

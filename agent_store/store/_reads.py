@@ -68,7 +68,14 @@ from agent_store.store._indexes import (
     conversation_mark,
 )
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource, not_migrated_yet
-from agent_store.store._pop import POPS_READ, Pop, PopMemory, finish_marked, popped_since_read
+from agent_store.store._pop import (
+    POPS_READ,
+    Pop,
+    PopMemory,
+    Refusal,
+    finish_marked,
+    popped_since_read,
+)
 from agent_store.store._relocated import settle
 from agent_store.store._reservation import (
     CONVERSATION_DOCUMENT,
@@ -1150,7 +1157,7 @@ class ConversationStore:
         return messages_adapter.validate_python(docs)
 
     async def pop_last_message(
-        self, conversation_id: str, *, user_id: str | None = None
+        self, conversation_id: str, *, user_id: str | None = None, refuse: Refusal | None = None
     ) -> AgentMessage | None:
         """Remove the conversation's last message and return it as it was logged, its cut
         fields read back whole before their whole texts are deleted; None when it has none.
@@ -1186,7 +1193,9 @@ class ConversationStore:
         conversation's count of finished pops yet and another pop was finished before, or
         when it passes a block abandoned past the last message; one more when the reads of
         the messages before it find a `seq` with no message (the conversation's gaps).
-        Four more for a cut message: its whole texts read back, then deleted.
+        Four more for a cut message: its whole texts read back, then deleted. `refuse`
+        checks the last message as read before anything is written: an error it returns is
+        raised, nothing removed (the Agents SDK session's refusal of a message of several items).
         """
         query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
         if user_id is not None:
@@ -1204,6 +1213,7 @@ class ConversationStore:
             forget_texts=self._full_texts.forget_files,
             restore=self._full_texts.restore,
             checkpoints=self._checkpoints,
+            refuse=refuse,
         )
         return await pop.run()
 
