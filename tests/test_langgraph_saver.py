@@ -1774,11 +1774,24 @@ async def _crashing_before_the_checkpoints(
     """A copy whose process dies once its transcript is copied, before its checkpoints are."""
     from agent_store.integrations import langgraph
 
+    await _a_copy_dying_in(db, source_id, target_id, monkeypatch, (langgraph, "_insert_new"))
+
+
+async def _a_copy_dying_in(
+    db: Any,
+    source_id: str,
+    target_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+    where: tuple[Any, str],
+) -> None:
+    """A copy whose process dies when it calls `where` (an owner and the name of a function
+    of it)."""
+
     async def died(*args: Any) -> None:
         raise ConnectionError("the process died")
 
     with monkeypatch.context() as patched:
-        patched.setattr(langgraph, "_insert_new", died)
+        patched.setattr(*where, died)
         with pytest.raises(ConnectionError):
             await AgentStoreSaver(db).acopy_thread(source_id, target_id)
 
@@ -2673,13 +2686,8 @@ async def test_a_copy_whose_take_back_was_cut_short_finishes_it_when_run_again(
         db, monkeypatch, 1
     )
 
-    async def died(*args: Any) -> None:
-        raise ConnectionError("the process died")
-
-    with monkeypatch.context() as patched:
-        patched.setattr(ConversationStore, "_delete_marked", died)
-        with pytest.raises(ConnectionError):
-            await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+    where = (ConversationStore, "_delete_marked")
+    await _a_copy_dying_in(db, source_id, target_id, monkeypatch, where)
 
     await AgentStoreSaver(db).acopy_thread(source_id, target_id)
 
