@@ -27,7 +27,12 @@ from pymongo.errors import InvalidURI
 from pymongo.uri_parser import parse_uri, split_options
 
 from agent_store.core import describe_validation_error
-from agent_store.store import DEFAULT_MAX_MESSAGE_BYTES, RuntimeContextMarkers, TurnRules
+from agent_store.store import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    RuntimeContextMarkers,
+    TurnRules,
+    refuse_blank_marker,
+)
 
 JwtAlgorithm = Literal["HS256", "HS384", "HS512", "RS256", "RS384", "RS512"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -318,7 +323,8 @@ class Settings(BaseSettings):
     is removed from the stored message, so it is left out of names, previews and search. One
     empty or of white space alone stops the start (it would cut every user message)."""
     runtime_context_end: str = "[/RUNTIME CONTEXT]"
-    """Where that runtime context ends (empty or white space alone stops the start)."""
+    """Where that runtime context ends (empty or white space alone stops the start, as does
+    the start marker's text, or one holding the other)."""
     name_chars: int = Field(default=60, ge=2, le=200)
     """The longest automatic conversation name, ellipsis included (a name holds at most 200)."""
     legacy_dual_write: bool = False
@@ -331,9 +337,16 @@ class Settings(BaseSettings):
     @classmethod
     def _usable_marker(cls, marker: str, info: ValidationInfo) -> str:
         # The library's rule (RuntimeContextMarkers), for this marker alone: the refusal names it.
-        which = str(info.field_name).removeprefix("runtime_context_")
-        RuntimeContextMarkers(**{which: marker})
+        refuse_blank_marker(marker)
         return marker
+
+    @model_validator(mode="after")
+    def _markers_told_apart(self) -> Settings:
+        try:
+            RuntimeContextMarkers(self.runtime_context_start, self.runtime_context_end)
+        except ValueError as refused:
+            raise ValueError(f"runtime_context_start and runtime_context_end: {refused}") from None
+        return self
 
     @model_validator(mode="after")
     def _docs_need_the_schema(self) -> Settings:

@@ -325,6 +325,18 @@ def test_blank_runtime_context_markers_are_refused_naming_them(
     assert "white space" in str(caught.value)
 
 
+def test_runtime_context_markers_equal_to_each_other_are_refused_naming_both(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("AGENT_STORE_RUNTIME_CONTEXT_START", "<ctx>")
+    monkeypatch.setenv("AGENT_STORE_RUNTIME_CONTEXT_END", "<ctx>")
+    with pytest.raises(ConfigurationError) as caught:
+        settings_from_environment()
+    assert "runtime_context_start" in str(caught.value)
+    assert "runtime_context_end" in str(caught.value)
+    assert "tell them apart" in str(caught.value)
+
+
 def test_runtime_context_markers_with_white_space_around_their_text_are_accepted() -> None:
     settings = Settings(runtime_context_start="<<CONTEXT\n", runtime_context_end="\nCONTEXT>>")
     assert settings.turn_rules().markers.start == "<<CONTEXT\n"

@@ -122,6 +122,21 @@ def test_runtime_context_markers_of_white_space_alone_are_refused(blank: str) ->
             RuntimeContextMarkers(start, end)
 
 
+@pytest.mark.parametrize(
+    ("start", "end"),
+    [("<ctx>", "<ctx>"), ("[CTX]", "[/CTX]x[CTX]"), ("<<ctx>>", "ctx")],
+    ids=["equal", "start-inside-end", "end-inside-start"],
+)
+def test_runtime_context_markers_the_text_cannot_tell_apart_are_refused(
+    start: str, end: str
+) -> None:
+    """A start marker equal to the end, or either holding the other, is read as the other in
+    the text: every block would be taken for a lone end marker, hiding the user's words before
+    it, or never end, hiding those after it."""
+    with pytest.raises(ValueError, match="tell them apart"):
+        RuntimeContextMarkers(start, end)
+
+
 def test_runtime_context_markers_may_have_white_space_around_their_text() -> None:
     markers = RuntimeContextMarkers("<<CONTEXT\n", "\nCONTEXT>>")
     assert strip_runtime_context("<<CONTEXT\ntz=UTC\nCONTEXT>>Plan my trip", markers) == (

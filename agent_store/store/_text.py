@@ -30,17 +30,31 @@ class RuntimeContextMarkers:
     ValueError for a marker of white space alone (or empty): it would match between the
     user's words, and each user message would be stored cut at its first space (a start
     marker hides the rest) or kept from its last (an end marker hides what is before it).
-    White space around a marker's text (`"<<CONTEXT\n"`) is part of it."""
+    White space around a marker's text (`"<<CONTEXT\n"`) is part of it. ValueError too for
+    markers equal to each other, or one holding the other: the text could not tell a start from
+    an end."""
 
     start: str = "[RUNTIME CONTEXT]"
     end: str = "[/RUNTIME CONTEXT]"
 
     def __post_init__(self) -> None:
-        if not self.start.strip() or not self.end.strip():
+        refuse_blank_marker(self.start)
+        refuse_blank_marker(self.end)
+        if self.start in self.end or self.end in self.start:
             raise ValueError(
-                "a runtime context marker must hold more than white space: one of white space "
-                "alone would match between the user's words and hide them"
+                "the runtime context start and end markers must differ, neither holding the "
+                "other: the text could not tell them apart, and a block would hide the user's "
+                "words around it"
             )
+
+
+def refuse_blank_marker(marker: str) -> None:
+    """ValueError for a runtime context marker of white space alone (or empty)."""
+    if not marker.strip():
+        raise ValueError(
+            "a runtime context marker must hold more than white space: one of white space "
+            "alone would match between the user's words and hide them"
+        )
 
 
 DEFAULT_MARKERS = RuntimeContextMarkers()
