@@ -43,7 +43,7 @@ from agent_store.integrations._langgraph_documents import check_metadata_keys, m
 from agent_store.integrations.exports import chat_completions
 from agent_store.integrations.langgraph import CHECKPOINTS, REWRITTEN, AgentStoreSaver
 from agent_store.integrations.pydantic_ai import history_from_messages
-from agent_store.store import CONVERSATIONS, MESSAGES, checkpoints_referring_to
+from agent_store.store import CONVERSATIONS, MESSAGES, BeingDeleted, checkpoints_referring_to
 from scripts.langgraph_agent import approval_agent, comparable, question, tool_agent
 from tests.api_harness import SERVICE_TOKEN, auth_headers, serve
 from tests.conftest import COUNTED, Backend
@@ -1509,10 +1509,10 @@ async def _a_thread_whose_copy_races(
     await run_turns(tool_agent(AgentStoreSaver(db)), config, range(1, 3))
     inserted = langgraph._insert_new
 
-    async def raced(*args: Any) -> None:
+    async def raced(*args: Any) -> Any:
         monkeypatch.setattr(langgraph, "_insert_new", inserted)
         await race()
-        await inserted(*args)
+        return await inserted(*args)
 
     monkeypatch.setattr(langgraph, "_insert_new", raced)
     return str(config["configurable"]["thread_id"])
@@ -1886,17 +1886,24 @@ async def test_a_copy_run_again_keeps_a_target_written_to_since_its_fork(
     assert [m.content for m in await store.transcript(target_id)] == held
 
 
+async def _a_thread_ending_in_a_side_turn(db: Any) -> str:
+    """A thread of user-ada's graph turns 1-2, then a side turn ("side note", "regret")
+    logged into its conversation: its id."""
+    source = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(db)), source, range(1, 3))
+    source_id: str = source["configurable"]["thread_id"]
+    side = [{"role": "user", "content": "side note"}, {"role": "assistant", "content": "regret"}]
+    await AgentMessageLogger(db).log_messages(source_id, side, user_id="user-ada", turn_id="t-side")
+    return source_id
+
+
 async def _a_crashed_copy_of_a_thread_ending_in_a_side_turn(
     db: Any, monkeypatch: pytest.MonkeyPatch, popped: int
 ) -> tuple[str, str]:
     """A thread of one graph turn and a side turn ("side note", "regret"), its copy crashed
     before its checkpoints, then `popped` of its last messages popped: the source and target
     ids."""
-    source = thread("user-ada")
-    await run_turns(tool_agent(AgentStoreSaver(db)), source, range(1, 3))
-    source_id = source["configurable"]["thread_id"]
-    side = [{"role": "user", "content": "side note"}, {"role": "assistant", "content": "regret"}]
-    await AgentMessageLogger(db).log_messages(source_id, side, user_id="user-ada", turn_id="t-side")
+    source_id = await _a_thread_ending_in_a_side_turn(db)
     await _crashing_before_the_checkpoints(db, source_id, source_id + "-copy", monkeypatch)
     for _ in range(popped):
         await ConversationStore(db).pop_last_message(source_id)
@@ -2493,6 +2500,27 @@ async def test_a_copy_into_another_thread_of_its_user_holding_no_message_is_a_co
     assert await ConversationStore(db).transcript(target_id) == []
 
 
+async def test_a_copy_of_a_thread_without_messages_run_again_converges(backend: Backend) -> None:
+    """LANGGRAPH.md `copy_thread`: re-running a copy converges. A graph without a messages
+    channel leaves its copy's conversation empty: the checkpoints the target holds are the
+    source's own, copied, so it is the copy's earlier attempt, not another thread (was: a
+    Conflict on every re-run)."""
+    db = backend.db
+    source, target = thread("user-ada"), thread("user-ada")
+    source_id, target_id = (t["configurable"]["thread_id"] for t in (source, target))
+    await _counter(AgentStoreSaver(db)).ainvoke({"count": 5}, source)
+
+    for _ in range(2):
+        await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+
+    state = await _counter(AgentStoreSaver(db)).aget_state(target)
+    assert state.values == {"count": 6}
+    ids = await db[CHECKPOINTS].distinct("checkpoint_id", {"thread_id": source_id})
+    assert sorted(await db[CHECKPOINTS].distinct("checkpoint_id", {"thread_id": target_id})) == (
+        sorted(ids)
+    )
+
+
 async def test_a_copy_into_an_empty_chat_its_user_named_is_a_conflict(backend: Backend) -> None:
     """LANGGRAPH.md `copy_thread`: an empty conversation someone named is no earlier attempt
     of the copy (which never names its target): Conflict, nothing written."""
@@ -2581,19 +2609,9 @@ async def _a_copy_crashed_once_its_checkpoints_were_in(
     """A thread of two graph turns and a side turn, its copy crashed once its checkpoints
     were copied, then `popped` of the source's last messages popped: the source and target
     ids."""
-    source = thread("user-ada")
-    await run_turns(tool_agent(AgentStoreSaver(db)), source, range(1, 3))
-    source_id = source["configurable"]["thread_id"]
-    side = [{"role": "user", "content": "side note"}, {"role": "assistant", "content": "regret"}]
-    await AgentMessageLogger(db).log_messages(source_id, side, user_id="user-ada", turn_id="t-side")
-
-    async def died(*args: Any) -> None:
-        raise ConnectionError("the process died")
-
-    with monkeypatch.context() as patched:
-        patched.setattr(AgentStoreSaver, "_follow_the_target", died)
-        with pytest.raises(ConnectionError):
-            await AgentStoreSaver(db).acopy_thread(source_id, source_id + "-copy")
+    source_id = await _a_thread_ending_in_a_side_turn(db)
+    where = (AgentStoreSaver, "_follow_the_target")
+    await _a_copy_dying_in(db, source_id, source_id + "-copy", monkeypatch, where)
     for _ in range(popped):
         await ConversationStore(db).pop_last_message(source_id)
     return source_id, source_id + "-copy"
@@ -2670,12 +2688,14 @@ async def test_a_copy_crashed_inside_its_fork_runs_again_after_its_source_went_o
 
 
 @pytest.mark.parametrize("path", ["fork", "turn by turn"])
-async def test_a_copy_whose_take_back_was_cut_short_finishes_it_when_run_again(
+async def test_a_copy_whose_take_back_was_cut_short_is_being_deleted_until_the_id_is_deleted(
     backend: Backend, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
     """LANGGRAPH.md `copy_thread`: a re-run that died part-way through taking back its earlier
-    attempt (its delete marked, not done) is finished by the next re-run, which copies the
-    thread afresh (was: every re-run refused, the target hidden)."""
+    attempt (its delete marked, not done) leaves the id being deleted: the next re-run is
+    BeingDeleted, and never finishes a delete itself, which may be another user's (a copy did
+    so, and deleted the conversation she started under the id since). Once the id is
+    deleted, the copy is made afresh."""
     from agent_store.integrations import _langgraph_transcript
 
     if path == "turn by turn":
@@ -2688,9 +2708,51 @@ async def test_a_copy_whose_take_back_was_cut_short_finishes_it_when_run_again(
 
     where = (ConversationStore, "_delete_marked")
     await _a_copy_dying_in(db, source_id, target_id, monkeypatch, where)
+    with pytest.raises(BeingDeleted):
+        await AgentStoreSaver(db).acopy_thread(source_id, target_id)
 
+    await ConversationStore(db).delete(target_id)
     await AgentStoreSaver(db).acopy_thread(source_id, target_id)
 
     store = ConversationStore(db)
     copied = [m.content for m in await store.transcript(target_id)]
     assert copied == [m.content for m in await store.transcript(source_id)]
+
+
+async def test_a_copy_failing_after_another_copy_into_its_target_succeeded_keeps_its_checkpoints(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a copy that fails takes back only the checkpoints it
+    inserted. Copies write the same checkpoint ids: copy A, held before its checkpoints, while
+    copy B takes A's attempt back and succeeds; A then fails, and B's thread keeps its
+    checkpoints (was: A deleted them by id, B's graph saw an empty thread)."""
+    from agent_store.integrations import _langgraph_transcript, langgraph
+
+    _forced_turn_by_turn(monkeypatch)
+    monkeypatch.setattr(_langgraph_transcript, "MAX_MESSAGES_PER_TURN", 2)
+    db = backend.db
+    config = thread("user-ada")
+    graph = tool_agent(AgentStoreSaver(db))
+    await run_turns(graph, config, range(1, 3))
+    source_id = config["configurable"]["thread_id"]
+    target = thread("user-ada", source_id + "-copy")
+    target_id = target["configurable"]["thread_id"]
+    inserted, a_held, b_done = langgraph._insert_new, asyncio.Event(), asyncio.Event()
+
+    async def held_once(*args: Any) -> Any:
+        if not a_held.is_set():
+            a_held.set()
+            await b_done.wait()
+        return await inserted(*args)
+
+    monkeypatch.setattr(langgraph, "_insert_new", held_once)
+    a = asyncio.create_task(AgentStoreSaver(db).acopy_thread(source_id, target_id))
+    await a_held.wait()
+    await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+    made = await db[CHECKPOINTS].count_documents({"thread_id": target_id})
+    state = (await graph.aget_state(target)).values
+    b_done.set()
+    await asyncio.wait([a])
+
+    assert made == await db[CHECKPOINTS].count_documents({"thread_id": target_id}) > 0
+    assert (await graph.aget_state(target)).values == state

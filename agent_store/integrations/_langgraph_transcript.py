@@ -15,7 +15,6 @@ afresh.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -72,7 +71,6 @@ from agent_store.store import (
     LANGGRAPH_TURN,
     MAX_MESSAGES_PER_TURN,
     AgentMessageLogger,
-    BeingDeleted,
     ConversationStore,
     Database,
     copied_from,
@@ -593,8 +591,9 @@ class TranscriptLink:
         stored once). Either is taken back only while nothing was written to it since it was
         checked (`_take_back`). An earlier attempt still a fork not made yet (a crash or a
         timeout inside the store's fork) is made at its `forked_from.seq` (`_unfinished_fork`);
-        a take-back cut short (the target's delete marked, not done: BeingDeleted) is finished
-        and the source copied afresh. An earlier attempt that is not the copy's own to take
+        a target whose delete was cut short (marked, not done) is BeingDeleted, finished by
+        whoever deletes the id (the copy cannot tell its own take-back from another's delete).
+        An earlier attempt that is not the copy's own to take
         back (`Copied.own`) and holds other than what the copy wrote (`_require_as_copied`) is
         kept as it is: Conflict naming it, before the checkpoints are written. Answers where
         each source `seq` went, with its new message id, and the target conversation
@@ -608,16 +607,7 @@ class TranscriptLink:
             return Copied()
         if named and conversation_mark(source.created_at) not in named:
             raise _source_went(source_id)
-        try:
-            copied = await self._copied(source, target_id)
-        except BeingDeleted as exc:
-            if exc.conversation_id != target_id:
-                raise
-            # A take-back cut short (its delete marked, not done): finished, then copied afresh.
-            with contextlib.suppress(NotFound):
-                await self._store.delete(target_id)
-            self.forget(target_id)
-            copied = await self._copied(source, target_id)
+        copied = await self._copied(source, target_id)
         if not copied.own:
             await self._require_as_copied(copied)
         return copied
@@ -849,13 +839,24 @@ class TranscriptLink:
             if (
                 not held
                 and target.name_source != "set"
-                and not await self._has_checkpoints(target_id)
+                and not await self._has_checkpoints_of_its_own(target_id, source.conversation_id)
             ):
                 return target
         raise Conflict(
             f"conversation {target_id!r} exists already and is no copy of thread "
             f"{source.conversation_id!r}: copy into a new id"
         )
+
+    async def _has_checkpoints_of_its_own(self, thread_id: str, source_id: str) -> bool:
+        """Whether the thread holds a checkpoint no copy of `source_id` wrote: one whose
+        `checkpoint_id` the source thread does not hold (a copy keeps its source's ids). One
+        lookup, two when the thread holds checkpoints."""
+        with storage_errors("read the thread's checkpoints"):
+            held = await self._checkpoints.distinct("checkpoint_id", {"thread_id": thread_id})
+            if not held:
+                return False
+            copied = await self._checkpoints.distinct("checkpoint_id", {"thread_id": source_id})
+        return not set(held) <= set(copied)
 
     async def _has_checkpoints(self, thread_id: str) -> bool:
         """Whether a checkpoint of the thread is stored (one lookup)."""
@@ -930,7 +931,7 @@ class TranscriptLink:
     async def _created_target(self, source: Conversation, target_id: str) -> Conversation:
         """The copy's target conversation, created with the source's owner; Conflict when a
         conversation is under the id (`upsert_conversation(create_only=True)`), BeingDeleted
-        when one whose delete has begun is (`copy` finishes it). Once created,
+        when one whose delete has begun is. Once created,
         it follows its source's owner now (`AgentMessageLogger.follow_its_source`), as the
         store's fork does: a claim of the source's user that moved the source after the copy
         read it, and before the target was there to move, leaves the copy the new owner's

@@ -440,13 +440,13 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         moved, conversation = copied.moved, copied.conversation
         rekeyed = (self._rekeyed(doc, target, moved, conversation) for doc in docs)
         copies = [copy for copy in rekeyed if copy is not None]
-        await _insert_new(self._checkpoints, copies, "copy the thread's checkpoints")
+        ours = await _insert_new(self._checkpoints, copies, "copy the thread's checkpoints")
         try:
             await self._follow_the_target(target, conversation)
             await self._transcripts.hold(copied)
         except StoreError:
-            # The copy's own: a target kept as it is keeps the checkpoints a graph wrote there.
-            ours = [copy["_id"] for copy in copies]
+            # Those this run inserted: a target kept as it is keeps the checkpoints a graph,
+            # an earlier attempt or another copy (the same ids) wrote there.
             with storage_errors("take back the thread's checkpoints"):
                 await self._checkpoints.delete_many({"_id": {"$in": ours}})
             raise
@@ -723,15 +723,19 @@ _CHECKPOINT_FIELDS = (
 """What makes a document a checkpoint; the rest (its names, `extras`) outlives it."""
 
 
-async def _insert_new(collection: Any, documents: list[dict[str, Any]], action: str) -> None:
-    """Insert documents; those already there (a retry's) are the only errors swallowed."""
+async def _insert_new(collection: Any, documents: list[dict[str, Any]], action: str) -> list[Any]:
+    """Insert documents; those already there (a retry's, another copy's) are the only errors
+    swallowed. The ids of those this call inserted."""
     if not documents:
-        return
+        return []
     with storage_errors(action):
         try:
             await collection.insert_many(documents, ordered=False)
         except BulkWriteError as exc:
             only_duplicates(exc)
+            there = {error.get("index") for error in exc.details.get("writeErrors") or ()}
+            return [doc["_id"] for index, doc in enumerate(documents) if index not in there]
+    return [doc["_id"] for doc in documents]
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
