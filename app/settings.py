@@ -87,6 +87,8 @@ def _connection_string_refusal(uri: str) -> str | None:
         named = split_options(options) if options else {}
     except (InvalidURI, DriverConfigurationError, ValueError):
         return "it is not a valid MongoDB connection string"
+    except OSError:  # the driver reads the TLS files it names as it parses the string
+        return "a TLS file it names (tlsCAFile, tlsCertificateKeyFile) cannot be read"
     if srv and (len(parsed["nodelist"]) != 1 or parsed["nodelist"][0][1] is not None):
         return (
             f"a {SRV_SCHEME} connection string names one host and no port (DNS names the "

@@ -432,6 +432,21 @@ def test_a_mongodb_srv_uri_that_does_not_parse_is_refused_without_a_dns_lookup(
     assert "s3cret" not in message
 
 
+@pytest.mark.parametrize(
+    "scheme", ["mongodb://ada:s3cret@db:27017", "mongodb+srv://ada:s3cret@c.example"]
+)
+@pytest.mark.parametrize("option", ["tlsCAFile", "tlsCertificateKeyFile"])
+def test_a_connection_string_naming_a_tls_file_that_cannot_be_read_is_refused(
+    tmp_path: Path, scheme: str, option: str
+) -> None:
+    """The driver reads the file when it parses the string: a missing one, or a directory,
+    was a traceback and exit 1, not a setting's error."""
+    for unreadable in (tmp_path / "missing.pem", tmp_path):
+        message = refusal(mongodb_uri=f"{scheme}/?tls=true&{option}={unreadable}")
+        assert "MONGODB_URI" in message
+        assert "s3cret" not in message
+
+
 def test_an_empty_jwt_algorithm_list_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENT_STORE_JWT_ALGORITHMS", "[]")
     with pytest.raises(ConfigurationError) as caught:

@@ -7160,3 +7160,43 @@ async def test_a_turn_checked_while_its_own_first_attempt_answers_the_call_is_a_
     retried = await logger.log_messages(CID, t1, turn_id="t1", answers_to=named)
     assert retried.replayed
     assert [m.content for m in await store.transcript(CID)][2:] == ["sunny", "Sunny."]
+
+
+async def _lost_insert(*args: Any, **kwargs: Any) -> None:
+    raise ConnectionError("reserved, its insert lost")
+
+
+@pytest.mark.parametrize("first_answer", ["stored", "still being written"])
+async def test_a_bridge_answer_read_while_its_call_was_unstored_is_judged_once_the_call_landed(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, first_answer: str
+) -> None:
+    """LIBRARY.md `calls_answered`: a call off `pending_calls` whose turn is still being written
+    is named as `pending_calls` served it, so a stale tab's answer is refused, never stored
+    twice. When that turn lands between `calls_answered` and `log_messages`, the call is judged
+    by the message that stored it: `AnsweredBefore`, or `StorageUnavailable` while the first
+    answer is still being written (was: a 422 naming the stand-in id, "a fork?")."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    t0 = [{"role": "user", "content": "Look"}, _calls("c0")]
+    with monkeypatch.context() as lost:
+        lost.setattr(logger._messages, "insert_many", _lost_insert)
+        with contextlib.suppress(ConnectionError):
+            await logger.log_messages(CID, t0, turn_id="t0")
+    (read,) = await store.pending_calls(CID)
+    tab_a = partial(logger.log_messages, CID, [_answer("c0", "A")], turn_id="tab-a")
+    with monkeypatch.context() as lost:
+        if first_answer == "still being written":
+            lost.setattr(logger._messages, "insert_many", _lost_insert)
+        with contextlib.suppress(ConnectionError):
+            await tab_a(answers_to={"c0": read.message_id})
+    stale = messages_adapter.validate_python(
+        [_answer("c0", "B"), {"role": "assistant", "content": "B."}]
+    )
+    named = await logger.calls_answered(CID, stale)
+    await logger.log_messages(CID, t0, turn_id="t0")  # the call's turn lands meanwhile
+
+    refused = AnsweredBefore if first_answer == "stored" else StorageUnavailable
+    with pytest.raises(refused):
+        await logger.log_messages(CID, stale, turn_id="tab-b", answers_to=named)
+    assert [m.content for m in await store.transcript(CID)][2:] == (
+        ["A"] if first_answer == "stored" else []
+    )

@@ -1849,6 +1849,28 @@ async def test_a_call_a_usage_limit_stopped_is_closed_not_left_awaiting_approval
     assert (result.output, ran) == ("short answer", [])
 
 
+async def test_a_suspended_response_comes_back_complete_so_the_next_prompt_works(
+    backend: Backend,
+) -> None:
+    """A `suspended` response (a provider's background job, Anthropic's `pause_turn`) is
+    resumed by its `provider_response_id`, which the store does not keep (server-side state):
+    given back `suspended`, the chat would refuse every new prompt and could not be resumed.
+    It comes back as a finished response, as before its state was kept."""
+    run = [
+        ModelRequest(parts=[UserPromptPart("long research")]),
+        ModelResponse(
+            parts=[TextPart("working…")], state="suspended", provider_response_id="resp_1"
+        ),
+    ]
+    await log_run(AgentMessageLogger(backend.db), CID, run, turn_id="run-1", user_id="u1")
+
+    stored = await ConversationStore(backend.db).transcript(CID, user_id="u1")
+    history = history_from_messages(stored)
+    assert [m.state for m in history if isinstance(m, ModelResponse)] == ["complete"]
+    agent = Agent(FunctionModel(lambda messages, info: ModelResponse(parts=[TextPart("ok")])))
+    assert (await agent.run("a new question", message_history=history)).output == "ok"
+
+
 def test_calls_a_run_stopped_while_running_its_tools_are_closed() -> None:
     """A trailing request cut off while its tools ran (`state='interrupted'`) leaves its
     response's other calls unanswered for good, as Pydantic AI closes them: stored answered."""

@@ -340,8 +340,9 @@ def _of_several_items(message: AgentMessage) -> Conflict | None:
     return Conflict(
         f"could not pop the last item of session {message.conversation_id!r}: its last "
         f"message (seq {message.seq}), stored by another runtime, makes {len(made)} items "
-        f"({kinds}), and removing it would remove them all, though pop_item returns one; "
-        "nothing was removed. Remove the whole message with "
+        f"({kinds}), and removing it would remove them all, though pop_item returns one: "
+        "it was not removed (only messages making no item after it were). Remove the whole "
+        "message with "
         "`session.store.pop_last_message(session_id)`, or go back with that runtime's means"
     )
 

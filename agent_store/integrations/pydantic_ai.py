@@ -48,7 +48,7 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
   `ui_visibility` on its call (in the response's kept parts) and its return, a
   request's and a response's `metadata` and `conversation_id` (the request's on the
   first message stored of it), a response's usage beyond its input and output tokens,
-  the model, provider and finish reason of it and its `state` when not `complete`
+  the model, provider and finish reason of it and its `state` when `interrupted`
   (not its `provider_response_id` or `provider_details`, server-side state), a text's
   `citations`, a retry's `attempt` and `max_retries`, a prompt `TextContent`'s
   `metadata` (the prompt's lines apart): in
@@ -169,10 +169,10 @@ model. Not its `provider_response_id` or `provider_details`: they name state on 
 provider's servers, which a model given them back would continue (a `previous_response_id`)
 rather than be sent the history."""
 _IN_RUN = ("state", "conversation_id")
-"""A response's fields kept in `native` beside its accounting, for the run that continues
-the history: its `state` when not `complete` (an `interrupted` one the run stopped before
-acting on) and the `conversation_id` a run given the history takes on. Never sent to the
-model."""
+"""A response's fields kept in `native` beside its accounting, for the run that continues the
+history: its `state` when `interrupted` (the run stopped before acting on it; a `suspended`
+one comes back finished, its `provider_response_id` not kept) and the `conversation_id` a
+run given the history takes on. Never sent to the model."""
 _REQUEST_METADATA = "request_metadata"
 """The `native` key, on the first message stored of a request, of the request's `metadata`."""
 _CONVERSATION_ID = "conversation_id"
@@ -461,11 +461,14 @@ def _from_response(
 
 def _accounting(response: pai.ModelResponse) -> dict[str, Any]:
     """What `native` keeps of a response for the application, as Pydantic AI serializes it:
-    its `metadata`, the fields `_ACCOUNTING` and `_IN_RUN` name that it has (a `complete`
-    state is the default: not kept), and its usage beyond the
+    its `metadata`, the fields `_ACCOUNTING` and `_IN_RUN` name that it has (its state only
+    when `interrupted`: `complete` is the default, and a `suspended` response is resumed by
+    its `provider_response_id`, not kept: it comes back finished), and its usage beyond the
     tokens `token_usage` holds (cache and audio tokens, `details`, a cost)."""
     fields = {key: getattr(response, key) for key in (*_ACCOUNTING, *_IN_RUN, "metadata")}
-    kept = {key: value for key, value in fields.items() if value not in (None, "complete")}
+    kept = {key: value for key, value in fields.items() if value is not None}
+    if kept.get("state") != "interrupted":  # `suspended` is resumed by what is not kept
+        kept.pop("state", None)
     usage = _USAGE.dump_python(
         response.usage, mode="json", exclude=_IN_TOKEN_USAGE, exclude_defaults=True
     )

@@ -795,6 +795,7 @@ class AgentMessageLogger:
             )
         if conversation is None:
             raise refused
+        named = await self._placed(plan.conversation_id, named)
         if recorded_block(conversation, plan.key) is not None:
             raise _LoggedMeanwhile(
                 f"turn {plan.turn_id!r} of conversation {plan.conversation_id!r} was logged "
@@ -824,6 +825,28 @@ class AgentMessageLogger:
             pops=int(conversation.get("pops") or 0),
             epoch=conversation.get("epoch"),
         )
+
+    async def _placed(self, conversation_id: str, named: dict[str, str]) -> dict[str, str]:
+        """`named`, each call `calls_answered` named by `_UNSTORED_CALL` (its turn was still
+        being written) named instead by the stored message making it, once one is (the
+        latest): the turn is judged by the call as it landed. One lookup, only then."""
+        unplaced = [c for c, m in named.items() if m == _UNSTORED_CALL]
+        if not unplaced:
+            return named
+        query = {"conversation_id": conversation_id, "tool_calls.id": {"$in": unplaced}}
+        with storage_errors("read the messages making the calls"):
+            found = (
+                await self._messages.find(query, {"tool_calls.id": 1, "seq": 1})
+                .sort("seq", 1)
+                .to_list(None)
+            )
+        makers = {
+            call["id"]: str(d["_id"])
+            for d in found
+            for call in d.get("tool_calls") or ()
+            if isinstance(call, Mapping) and call.get("id") in unplaced
+        }
+        return {**named, **makers}
 
     @_under_id_before
     async def check_turn(
