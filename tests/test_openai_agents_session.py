@@ -43,6 +43,7 @@ from agent_store.core import (
     PENDING_RESULT,
     AssistantMessage,
     FunctionCall,
+    MessageError,
     ToolCall,
     UserMessage,
 )
@@ -964,6 +965,31 @@ async def test_a_pop_of_another_writers_message_of_several_items_removes_nothing
     popped = await session.store.pop_last_message(CID)
     assert popped is not None
     assert popped.content == response.content
+
+
+async def test_a_refused_pop_says_the_messages_making_no_item_after_it_went(
+    backend: Backend,
+) -> None:
+    """A message making no item (another writer's error note) is removed on the way; the pop
+    then meets a message of several items and is refused: the refusal says that message was
+    not removed, not that nothing was (the note went)."""
+    response = AssistantMessage(
+        content="Booking.",
+        tool_calls=[ToolCall(id="c1", function=FunctionCall(name="book", arguments="{}"))],
+    )
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [UserMessage(content="book it"), response], turn_id="t1")
+    note = AssistantMessage(error=MessageError(message="the provider failed"))
+    await logger.log_messages(CID, [note], turn_id="t2")
+    session = ConversationSession(CID, backend.db)
+
+    with pytest.raises(Conflict) as refused:
+        await session.pop_item()
+
+    assert "nothing was removed" not in str(refused.value)
+    assert "it was not removed" in str(refused.value)
+    stored = await session.store.transcript(CID)
+    assert [m.content for m in stored] == ["book it", "Booking."]
 
 
 async def test_a_session_of_one_user_neither_reads_nor_writes_anothers(backend: Backend) -> None:
