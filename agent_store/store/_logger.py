@@ -801,27 +801,18 @@ class AgentMessageLogger:
                 f"turn {plan.turn_id!r} of conversation {plan.conversation_id!r} was logged "
                 "by another attempt while this one was judged; send it again as it is"
             )
-        gaps, now = Gaps.of(conversation), utc_now()
-        from_seq = gaps.unpassed_from(now=now, abandon_after=self.rules.abandon_after)
-        query = answers_lookup(plan.conversation_id, named, from_seq)
-        with storage_errors("read the messages answers_to names"):
-            found = await self._messages.find(query, ANSWERS_READ).sort("seq", 1).to_list(None)
+        found, landed, written = await self._answers_landing(
+            conversation, named, "read the messages answers_to names"
+        )
         refused_prompts = _refused_prompts(refused_prompts)
         if released_calls(conversation, _denied(plan, refused_prompts), refused_prompts):
             raise refused  # a person approved a call the turn denies first, however it is named
         gone, _ = answered_since(conversation, named)
-        count = int(conversation.get("message_count") or 0)
-        landed = _Landed.of(found, named, gaps, count, from_seq, now, self.rules)
-        stored = {int(d["seq"]) for d in found}
-
-        def written(made_at: int) -> bool:
-            return _written_after(gaps, made_at, stored, count, from_seq, now, self.rules)
-
         if (refusal := _answers_judged(plan, named, gone, found, landed, written)) is not None:
             raise refusal
         return AsRead(
             calls={c: named[c] for c in gone},
-            message_count=count,
+            message_count=int(conversation.get("message_count") or 0),
             pops=int(conversation.get("pops") or 0),
             epoch=conversation.get("epoch"),
         )
@@ -1021,13 +1012,29 @@ class AgentMessageLogger:
         served it (`_unanswered`: `AnsweredBefore`, or `StorageUnavailable` while the answer
         is still being written), never stored as a second answer. None read when no block is
         being written; one (the messages) otherwise."""
-        gaps, now = Gaps.of(conversation), utc_now()
-        from_seq = gaps.unpassed_from(now=now, abandon_after=self.rules.abandon_after)
-        if from_seq is None:
+        unpassed = Gaps.of(conversation).unpassed_from(
+            now=utc_now(), abandon_after=self.rules.abandon_after
+        )
+        if unpassed is None:
             return {}
         named = dict.fromkeys(call_ids, _UNSTORED_CALL)
+        _, landed, written = await self._answers_landing(
+            conversation, named, "read the messages answering the calls"
+        )
+        states = _answer_states(named, call_ids, landed, written)
+        return {c: _UNSTORED_CALL for c, state in states.items() if state in _TAKEN}
+
+    async def _answers_landing(
+        self, conversation: Mapping[str, Any], named: Mapping[str, str], action: str
+    ) -> tuple[list[dict[str, Any]], _Landed, Callable[[int], bool]]:
+        """The stored messages that tell whether the calls `named` (call id to the message
+        making it) have an answer (`answers_lookup`, from the first `seq` readers have not
+        passed), as they stand once the blocks still being written land (`_Landed`), and
+        whether a block past a `seq` may still be written (`_written_after`). One read."""
+        gaps, now = Gaps.of(conversation), utc_now()
+        from_seq = gaps.unpassed_from(now=now, abandon_after=self.rules.abandon_after)
         query = answers_lookup(str(conversation["_id"]), named, from_seq)
-        with storage_errors("read the messages answering the calls"):
+        with storage_errors(action):
             found = await self._messages.find(query, ANSWERS_READ).sort("seq", 1).to_list(None)
         count = int(conversation.get("message_count") or 0)
         landed = _Landed.of(found, named, gaps, count, from_seq, now, self.rules)
@@ -1036,8 +1043,7 @@ class AgentMessageLogger:
         def written(made_at: int) -> bool:
             return _written_after(gaps, made_at, stored, count, from_seq, now, self.rules)
 
-        states = _answer_states(named, call_ids, landed, written)
-        return {c: _UNSTORED_CALL for c, state in states.items() if state in _TAKEN}
+        return found, landed, written
 
     async def _verdict_told(
         self,
