@@ -1985,3 +1985,68 @@ def test_a_retrys_attempt_and_budget_come_back(part: ToolReturnPart | RetryFeedb
     back = replayed[-1].parts[-1]
     assert isinstance(back, type(part))
     assert back.retry == part.retry
+
+
+def _payment_agent(bills: list[str], paid: list[str]) -> Agent[None, str | DeferredToolRequests]:
+    """An agent that asks to pay `bills` at once, each payment needing approval; the
+    gateway is down for bill B (its tool raises, cutting the run off while its tools run)."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if len(messages) == 1:
+            calls = [ToolCallPart("pay", {"bill": b}, tool_call_id=f"c-{b.lower()}") for b in bills]
+            return ModelResponse(parts=list(calls))
+        return ModelResponse(parts=[TextPart("Nothing more to pay.")])
+
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        FunctionModel(respond), output_type=[str, DeferredToolRequests]
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def pay(bill: str) -> str:
+        if bill == "B":
+            raise RuntimeError("payment gateway down")
+        paid.append(bill)
+        return f"paid {bill}"
+
+    return agent
+
+
+@pytest.mark.parametrize(
+    ("bills", "approved"),
+    [(["B"], ["c-b"]), (["A", "B"], ["c-b"]), (["A", "B"], ["c-a", "c-b"])],
+    ids=["nothing-returned", "one-denied", "one-returned"],
+)
+async def test_a_resumed_run_cut_off_while_its_approved_tools_ran_closes_their_calls(
+    backend: Backend, bills: list[str], approved: list[str]
+) -> None:
+    """A run paused for approval, resumed with the approvals, is cut off while the approved
+    tools run: its only message is a request `interrupted` (holding the returns of the tools
+    that finished first). Pydantic AI closes the paused response's calls left unanswered;
+    logged, so are they: nothing pending, the next prompt on the reloaded history works and
+    runs no tool again, and the retry of the cut run is its replay."""
+    logger, store, paid = AgentMessageLogger(backend.db), ConversationStore(backend.db), []
+    agent = _payment_agent(bills, paid)
+    first = await agent.run("Pay the bills.")
+    await log_run(logger, CID, first.new_messages(), turn_id="run-1", user_id="u1")
+    history = history_from_messages(await store.transcript(CID, user_id="u1"))
+    decisions = {f"c-{b.lower()}": f"c-{b.lower()}" in approved for b in bills}
+    with capture_run_messages() as cut, pytest.raises(RuntimeError, match="gateway"):
+        await agent.run(
+            message_history=history, deferred_tool_results=DeferredToolResults(approvals=decisions)
+        )
+    resumed = cut[len(history) :]
+    assert resumed[-1].state == "interrupted"
+
+    await log_run(logger, CID, resumed, turn_id="run-2", user_id="u1")
+
+    assert await store.pending_calls(CID, user_id="u1") == []
+    answers = {
+        m["tool_call_id"]: m["content"]
+        for m in chat_completions(await store.transcript(CID, user_id="u1"))
+        if m["role"] == "tool"
+    }
+    assert answers["c-b"] == INTERRUPTED_RESULT
+    assert (await log_run(logger, CID, resumed, turn_id="run-2", user_id="u1")).replayed
+    reloaded = history_from_messages(await store.transcript(CID, user_id="u1"))
+    result = await agent.run("Never mind.", message_history=reloaded)
+    assert (result.output, paid) == ("Nothing more to pay.", ["A"] if "c-a" in approved else [])
