@@ -6,6 +6,7 @@ import ipaddress
 import json
 import os
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -94,8 +95,18 @@ def _connection_string_refusal(uri: str) -> str | None:
             f"a {SRV_SCHEME} connection string names one host and no port (DNS names the "
             "servers and their ports); list several hosts or a port with mongodb://"
         )
-    if srv and named.get("directConnection"):
+    return _srv_contradiction(named) if srv else None
+
+
+def _srv_contradiction(named: Mapping[str, Any]) -> str | None:
+    """Which options of a `mongodb+srv://` string contradict each other, as the driver tells
+    once DNS gave the servers (options DNS adds cannot be told here); None when none do."""
+    if named.get("directConnection"):
         return f"a {SRV_SCHEME} connection string cannot ask for directConnection=true"
+    if named.get("loadBalanced") and named.get("replicaSet"):
+        return "loadBalanced=true cannot be given with replicaSet"
+    if named.get("srvMaxHosts") and (named.get("loadBalanced") or named.get("replicaSet")):
+        return "srvMaxHosts cannot be given with loadBalanced=true or replicaSet"
     return None
 
 

@@ -419,6 +419,21 @@ def test_mongodb_connection_strings_are_accepted(uri: str) -> None:
             "directConnection",
             id="direct",
         ),
+        pytest.param(
+            "mongodb+srv://ada:s3cret@cluster.example/?loadBalanced=true&replicaSet=rs0",
+            "loadBalanced",
+            id="balanced-set",
+        ),
+        pytest.param(
+            "mongodb+srv://ada:s3cret@cluster.example/?srvMaxHosts=2&replicaSet=rs0",
+            "srvMaxHosts",
+            id="max-set",
+        ),
+        pytest.param(
+            "mongodb+srv://ada:s3cret@cluster.example/?srvMaxHosts=2&loadBalanced=true",
+            "srvMaxHosts",
+            id="max-balanced",
+        ),
     ],
 )
 def test_a_mongodb_srv_uri_that_does_not_parse_is_refused_without_a_dns_lookup(
