@@ -2569,13 +2569,37 @@ async def test_a_stale_tabs_answer_to_a_call_answered_first_is_answered_before(
     assert await store.transcript(CID) == before
 
 
+@pytest.mark.parametrize("stale", _STALE_ANSWERS)
+async def test_a_stale_tabs_answer_once_the_unstored_call_turn_is_passed_is_answered_before(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, stale: dict[str, Any]
+) -> None:
+    """The turn making c0 never stored it (its writer died); tab A answered c0 as
+    `pending_calls` served it. Past `abandon_after` readers pass that turn, and a stale tab's
+    answer naming the same message is still `AnsweredBefore` (A's answer is stored), never
+    `InvalidInput` "does not make call … a fork?", by `check_turn` too, nothing written."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    read = await _call_turn(backend, logger, monkeypatch, stored=False)
+    served = {"c0": read.message_id}
+    await logger.log_messages(CID, [_answer("c0", "A")], turn_id="tab-a", answers_to=served)
+    before, late = await store.transcript(CID), _late_logger(backend)
+
+    for attempt in (late.check_turn, late.log_messages):
+        with pytest.raises(AnsweredBefore, match="'c0'") as refused:
+            await attempt(CID, [stale], turn_id="stale-tab", answers_to=served)
+        assert refused.value.tool_call_ids == ("c0",)
+
+    assert await store.transcript(CID) == before
+
+
+@pytest.mark.parametrize("passed", [False, True], ids=["", "past abandon_after"])
 @pytest.mark.parametrize("stored", _CALL_TURN, ids=_CALL_TURN_IDS)
 async def test_a_stale_streamed_denial_of_a_call_answered_first_is_logged_without_it(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch, stored: bool
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, stored: bool, passed: bool
 ) -> None:
     """A stale streamed turn denies c0, which tab A answered first, then replies:
     `log_streamed_turn` logs the turn without the denial (it denies nothing), its reply kept,
-    whether the turn making c0 is stored or its insert is still to land."""
+    whether the turn making c0 is stored or its insert is still to land, also once readers
+    pass that turn (its writer died: past `abandon_after`)."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     read = await _call_turn(backend, logger, monkeypatch, stored)
     served = {"c0": read.message_id}
@@ -2587,8 +2611,10 @@ async def test_a_stale_streamed_denial_of_a_call_answered_first_is_logged_withou
         answered_calls=(("c0", read.message_id),),
     )
 
+    streaming = _late_logger(backend) if passed else logger
+
     logged = await log_streamed_turn(
-        logger=logger, store=store, conversation_id=CID, turn=turn, turn_id="stale-stream"
+        logger=streaming, store=store, conversation_id=CID, turn=turn, turn_id="stale-stream"
     )
 
     assert [(m.role, m.content) for m in logged.messages] == [

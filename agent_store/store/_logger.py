@@ -4393,8 +4393,11 @@ class _Landed:
     a call whose named message is not stored while a block is (its turn's insert lost or in
     flight, within `abandon_after`) is made at the first `seq` still being written, the
     earliest its message may land at, so an answer stored after it is judged as taking it,
-    as `pending_calls` served it (`seen`); `made_at`, each message's `seq` there (for one not
-    stored, the last of that block: what follows it is another turn's)."""
+    as `pending_calls` served it (`seen`); one whose block is passed (its writer died, past
+    `abandon_after`) will never land, and is made before every message, so the answer a tab
+    stored while its block was written still takes it; `made_at`, each message's `seq` there
+    (for one not stored, the last of that block: what follows it is another turn's; -1 for
+    one that will never land)."""
 
     seen: Sequence[Mapping[str, Any]]
     made_at: Mapping[str, int]
@@ -4411,25 +4414,26 @@ class _Landed:
         rules: TurnRules,
     ) -> _Landed:
         """`found` (every message from `unpassed` on among them) with the calls of `named`
-        whose message it lacks made where they may still land (none when no block below
-        `count` is still being written: `Gaps.written`)."""
+        whose message it lacks made where they may still land (before every message when no
+        block below `count` is still being written: `Gaps.written`)."""
         made_at = {str(d["_id"]): int(d["seq"]) for d in found}
         unstored: dict[str, list[str]] = {}
         for call_id, message in named.items():
             if message not in made_at:
                 unstored.setdefault(message, []).append(call_id)
-        if not unstored or unpassed is None:
+        if not unstored:
             return cls(found, made_at)
         seqs = {int(d["seq"]) for d in found}
-        missing = [s for s in range(unpassed, count) if s not in seqs]
-        first = gaps.written(missing, now=now, abandon_after=rules.abandon_after)
-        if first is None:
-            return cls(found, made_at)
+        missing = range(unpassed, count) if unpassed is not None else range(0)
+        unwritten = [s for s in missing if s not in seqs]
+        first = gaps.written(unwritten, now=now, abandon_after=rules.abandon_after)
+        # no block still being written: the message will never land; made before every
+        # message, an answer stored while its block was written takes its call
+        at, end = (first, gaps.turn_end(first, count)) if first is not None else (-1, -1)
         placed = [
-            {"_id": m, "seq": first, "tool_calls": [{"id": c} for c in calls]}
+            {"_id": m, "seq": at, "tool_calls": [{"id": c} for c in calls]}
             for m, calls in unstored.items()
         ]
-        end = gaps.turn_end(first, count)
         seen = sorted([*found, *placed], key=lambda d: int(d["seq"]))
         return cls(seen, {**made_at, **dict.fromkeys(unstored, end)})
 
