@@ -2591,6 +2591,70 @@ async def test_a_stale_tabs_answer_once_the_unstored_call_turn_is_passed_is_answ
     assert await store.transcript(CID) == before
 
 
+_STAND_IN = "msg-still-being-written"
+"""The id `calls_answered` names a call by while its turn is still being written (LIBRARY.md)."""
+
+
+async def _leftover_of_an_earlier_life(backend: Backend, message_id: str, seq: int) -> None:
+    """The message `message_id` stored again under its conversation's id at `seq`, as a late
+    insert of the life a delete ended leaves it until the delete's sweep (RELIABILITY.md)."""
+    messages = backend.db["agent_messages"]
+    stored = await messages.find_one({"_id": message_id})
+    await ConversationStore(backend.db).delete(CID)
+    await AgentMessageLogger(backend.db).log_messages(
+        CID, [_user("A new start."), _say("Hello.")], turn_id="new-life"
+    )
+    await messages.insert_one({**stored, "seq": seq})
+
+
+async def test_an_answer_naming_a_call_of_an_earlier_life_of_the_id_is_refused_while_left(
+    backend: Backend,
+) -> None:
+    """A stale tab read c0 before the conversation was deleted and started again; it answers
+    c0 naming the message that made it then. That message, left under the id by a late insert
+    until the delete's sweep, is no message of this conversation: 422, nothing stored, as
+    once it is swept (was: stored, a result for a call the conversation never made)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Look it up."), _calls("c0")], turn_id="t0")
+    (read,) = await store.pending_calls(CID)
+    await _leftover_of_an_earlier_life(backend, read.message_id, seq=5)
+    before = await store.transcript(CID)
+
+    for attempt in (logger.check_turn, logger.log_messages):
+        with pytest.raises(InvalidInput, match="does not make call 'c0'"):
+            await attempt(
+                CID, [_answer("c0", "B")], turn_id="stale", answers_to={"c0": read.message_id}
+            )
+
+    assert await store.transcript(CID) == before
+
+
+async def test_a_bridge_answer_is_judged_by_this_lifes_call_not_an_earlier_lifes_leftover(
+    backend: Backend,
+) -> None:
+    """The call c0 `calls_answered` named by its stand-in (its turn was still being written)
+    is placed at the message of this life that stored it, never at a leftover of an earlier
+    life of the id making a call of the same id: tab A's answer is there, `AnsweredBefore`,
+    nothing stored twice (was: judged from the leftover, a second answer stored)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Look it up."), _calls("c0")], turn_id="old")
+    (old,) = await store.pending_calls(CID)
+    await _leftover_of_an_earlier_life(backend, old.message_id, seq=40)
+    await logger.log_messages(CID, [_user("Look again."), _calls("c0")], turn_id="t0")
+    (read,) = await store.pending_calls(CID)
+    await logger.log_messages(
+        CID, [_answer("c0", "A")], turn_id="tab-a", answers_to={"c0": read.message_id}
+    )
+    before = await store.transcript(CID)
+
+    with pytest.raises(AnsweredBefore, match="'c0'"):
+        await logger.log_messages(
+            CID, [_answer("c0", "B")], turn_id="tab-b", answers_to={"c0": _STAND_IN}
+        )
+
+    assert await store.transcript(CID) == before
+
+
 @pytest.mark.parametrize("passed", [False, True], ids=["", "past abandon_after"])
 @pytest.mark.parametrize("stored", _CALL_TURN, ids=_CALL_TURN_IDS)
 async def test_a_stale_streamed_denial_of_a_call_answered_first_is_logged_without_it(
@@ -7162,30 +7226,36 @@ class _FirstReadThen:
         return found
 
 
+@pytest.mark.parametrize("later", [0, 3], ids=["", "its record dropped since"])
 async def test_a_turn_checked_while_its_own_first_attempt_answers_the_call_is_a_replay(
-    backend: Backend,
+    backend: Backend, later: int
 ) -> None:
     """LIBRARY.md `check_turn`: a retry is answered as the logged turn. `check_turn` of t1,
     answering c1, reads the conversation before t1's own first attempt is stored; that
-    attempt then stores t1, answering c1. The call is answered by the turn checked itself,
-    not by another turn: `check_turn` passes, as for any retry of a logged turn (was:
-    `AnsweredBefore` "another turn answered that call first … Log the turn without that
-    answer", whose advice stores the reply twice); the retry replays it."""
-    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    attempt then stores t1, answering c1 (and `later` turns follow it, past the records
+    kept). The call is answered by the turn checked itself, not by another turn:
+    `check_turn` passes, as for any retry of a logged turn (was: `AnsweredBefore` "another
+    turn answered that call first … Log the turn without that answer", whose advice stores
+    the reply twice, and still so once t1's record was dropped); the retry replays it."""
+    rules = TurnRules(turns_recorded=2)
+    logger, store = AgentMessageLogger(backend.db, rules=rules), ConversationStore(backend.db)
     t0 = await logger.log_messages(CID, [{"role": "user", "content": "go"}, _calls("c1")])
     named = {"c1": t0.messages[1].id}
     t1 = [_answer("c1", "sunny"), {"role": "assistant", "content": "Sunny."}]
-    first = partial(
-        AgentMessageLogger(backend.db).log_messages, CID, t1, turn_id="t1", answers_to=named
-    )
-    checking = AgentMessageLogger(backend.db)
+
+    async def first() -> None:
+        await logger.log_messages(CID, t1, turn_id="t1", answers_to=named)
+        for n in range(later):
+            await logger.log_messages(CID, [_user(f"later {n}")], turn_id=f"later-{n}")
+
+    checking = AgentMessageLogger(backend.db, rules=rules)
     checking._conversations = _FirstReadThen(checking._conversations, first)
 
     await checking.check_turn(CID, t1, turn_id="t1", answers_to=named)
 
     retried = await logger.log_messages(CID, t1, turn_id="t1", answers_to=named)
     assert retried.replayed
-    assert [m.content for m in await store.transcript(CID)][2:] == ["sunny", "Sunny."]
+    assert [m.content for m in await store.transcript(CID)][2:4] == ["sunny", "Sunny."]
 
 
 async def _lost_insert(*args: Any, **kwargs: Any) -> None:

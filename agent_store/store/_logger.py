@@ -159,6 +159,7 @@ from agent_store.store._reservation import (
     literal,
     moved_key,
     new_epoch,
+    of_epoch,
     recorded_block,
     released_calls,
     relocation,
@@ -795,15 +796,15 @@ class AgentMessageLogger:
             )
         if conversation is None:
             raise refused
-        named = await self._placed(plan.conversation_id, named)
-        if recorded_block(conversation, plan.key) is not None:
+        named = await self._placed(conversation, named)
+        found, landed, written = await self._answers_landing(
+            conversation, named, "read the messages answers_to names"
+        )
+        if recorded_block(conversation, plan.key) is not None or _its_own_answers(plan, found):
             raise _LoggedMeanwhile(
                 f"turn {plan.turn_id!r} of conversation {plan.conversation_id!r} was logged "
                 "by another attempt while this one was judged; send it again as it is"
             )
-        found, landed, written = await self._answers_landing(
-            conversation, named, "read the messages answers_to names"
-        )
         refused_prompts = _refused_prompts(refused_prompts)
         if released_calls(conversation, _denied(plan, refused_prompts), refused_prompts):
             raise refused  # a person approved a call the turn denies first, however it is named
@@ -817,23 +818,26 @@ class AgentMessageLogger:
             epoch=conversation.get("epoch"),
         )
 
-    async def _placed(self, conversation_id: str, named: dict[str, str]) -> dict[str, str]:
+    async def _placed(
+        self, conversation: Mapping[str, Any], named: dict[str, str]
+    ) -> dict[str, str]:
         """`named`, each call `calls_answered` named by `_UNSTORED_CALL` (its turn was still
-        being written) named instead by the stored message making it, once one is (the
-        latest): the turn is judged by the call as it landed. One lookup, only then."""
+        being written) named instead by the stored message of this life of the conversation
+        making it, once one is (the latest): the turn is judged by the call as it landed. One
+        lookup, only then."""
         unplaced = [c for c, m in named.items() if m == _UNSTORED_CALL]
         if not unplaced:
             return named
-        query = {"conversation_id": conversation_id, "tool_calls.id": {"$in": unplaced}}
+        query = {"conversation_id": conversation["_id"], "tool_calls.id": {"$in": unplaced}}
         with storage_errors("read the messages making the calls"):
             found = (
-                await self._messages.find(query, {"tool_calls.id": 1, "seq": 1})
+                await self._messages.find(query, {"tool_calls.id": 1, "seq": 1, "epoch": 1})
                 .sort("seq", 1)
                 .to_list(None)
             )
         makers = {
             call["id"]: str(d["_id"])
-            for d in found
+            for d in of_epoch(found, conversation.get("epoch"))
             for call in d.get("tool_calls") or ()
             if isinstance(call, Mapping) and call.get("id") in unplaced
         }
@@ -1074,7 +1078,8 @@ class AgentMessageLogger:
         from_seq = gaps.unpassed_from(now=now, abandon_after=self.rules.abandon_after)
         query = answers_lookup(str(conversation["_id"]), named, from_seq)
         with storage_errors(action):
-            found = await self._messages.find(query, ANSWERS_READ).sort("seq", 1).to_list(None)
+            read = await self._messages.find(query, ANSWERS_READ).sort("seq", 1).to_list(None)
+        found = of_epoch(read, conversation.get("epoch"))
         count = int(conversation.get("message_count") or 0)
         landed = _Landed.of(found, named, gaps, count, from_seq, now, self.rules)
         stored = {int(d["seq"]) for d in found}
@@ -4445,6 +4450,17 @@ class _Landed:
         )
 
 
+def _its_own_answers(plan: TurnPlan, found: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether an answer the lookup found (`answers_lookup`) to a call the turn answers is the
+    turn's own (another attempt of it stored it, its record maybe dropped since)."""
+    return any(
+        d.get("role") == "tool"
+        and d.get("tool_call_id") in plan.answered_calls
+        and d.get("turn_id") == plan.turn_id
+        for d in found
+    )
+
+
 def _answers_judged(
     plan: TurnPlan,
     named: Mapping[str, str],
@@ -4569,8 +4585,9 @@ def _answers_landing(plan: TurnPlan, named: Mapping[str, str]) -> Landing:
     wanted = tuple(answers_lookup(plan.conversation_id, named, None)["$or"])
 
     def refused(
-        conversation: Mapping[str, Any], found: Sequence[Mapping[str, Any]]
+        conversation: Mapping[str, Any], read: Sequence[Mapping[str, Any]]
     ) -> StoreError | None:
+        found = of_epoch(read, conversation.get("epoch"))
         landed = _Landed(found, {str(d["_id"]): int(d["seq"]) for d in found})
         return _answers_judged(plan, named, named, found, landed, lambda made_at: False)
 

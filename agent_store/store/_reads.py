@@ -92,6 +92,7 @@ from agent_store.store._reservation import (
     concerned_calls,
     is_standing,
     life_named,
+    of_epoch,
     refuse_unless_fallback_serves,
     refuse_unless_standing,
     resolution,
@@ -2498,7 +2499,7 @@ class ConversationStore:
             else:
                 assert pin is not None  # pinned by the first batch
                 read = await self._stream_batch(scope, pin, after, size)
-                docs = _of_epoch(read, pin.get("epoch"))
+                docs = of_epoch(read, pin.get("epoch"))
             last = len(read) < size
             if read:
                 after, largest = int(read[-1]["seq"]), max(map(_approximate_size, read))
@@ -2735,12 +2736,7 @@ def _its_messages(
     refuse_unless_fallback_serves(conversation_id, found)
     if found is None or (found.get(MIGRATING) is not None and not being_migrated):
         return None  # one the migration is still writing is read from its legacy turns
-    return _of_epoch(docs, found.get("epoch"))
-
-
-def _of_epoch(docs: list[dict[str, Any]], epoch: Any) -> list[dict[str, Any]]:
-    """The messages of the life whose `epoch` is given, and those stored before epochs."""
-    return [doc for doc in docs if doc.get("epoch") in (None, epoch)]
+    return of_epoch(docs, found.get("epoch"))
 
 
 async def _bounded_page(

@@ -1047,9 +1047,22 @@ def answered_since(
     return gone, [c for c, m in stale if (c, m) in keys]
 
 
-ANSWERS_READ: dict[str, Any] = {"seq": 1, "role": 1, "tool_call_id": 1, "tool_calls.id": 1}
+ANSWERS_READ: dict[str, Any] = {
+    "seq": 1,
+    "role": 1,
+    "tool_call_id": 1,
+    "tool_calls.id": 1,
+    "epoch": 1,
+    "turn_id": 1,
+}
 """What the lookup of the answers to calls off `pending_calls` reads of each message
 (`answers_lookup`)."""
+
+
+def of_epoch(docs: Sequence[Mapping[str, Any]], epoch: Any) -> list[Any]:
+    """The messages of the life whose `epoch` is given, and those stored before epochs: never
+    what a late insert of a life a delete ended left under the id until the delete's sweep."""
+    return [doc for doc in docs if doc.get("epoch") in (None, epoch)]
 
 
 def answers_lookup(
