@@ -42,7 +42,9 @@ def start_banner(
         if embedded_uri is not None or not settings.mongodb_uri
         else redact_uri(settings.mongodb_uri)
     )
-    base = f"http://{settings.host}:{settings.port}"
+    # An IPv6 address is bracketed in a URL (RFC 3986), as uvicorn's own line does it.
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    base = f"http://{host}:{settings.port}"
     lines += [
         f"Serving on {base} with data in {where}",
         f"  API:     {base}/v1/users/{EXAMPLE_USER_ID}/conversations  (Authorization: Bearer …)",

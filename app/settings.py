@@ -5,7 +5,9 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import secrets
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -23,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from pymongo import MongoClient
 from pymongo.errors import ConfigurationError as DriverConfigurationError
 from pymongo.errors import InvalidURI
 from pymongo.uri_parser import parse_uri, split_options
@@ -39,6 +42,9 @@ JwtAlgorithm = Literal["HS256", "HS384", "HS512", "RS256", "RS384", "RS512"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 MetricsExposure = Literal["public", "token", "off"]
 MIN_SERVICE_TOKEN_CHARS = 32
+MIN_MESSAGE_BYTES = 4096
+"""The smallest `max_message_bytes`: below it a message's envelope and the truncation mark
+leave little or none of its text."""
 HMAC_KEY_BYTES = {"HS256": 32, "HS384": 48, "HS512": 64}
 """RFC 7518 §3.2: an HMAC key at least as long as the hash it signs with."""
 TcpPort = Annotated[int, Field(ge=1, le=65535)]
@@ -46,6 +52,11 @@ DATABASE_NAME_REFUSED = frozenset('/\\. "$\x00')
 """Characters MongoDB refuses in a database name (on every platform it runs on)."""
 DATABASE_NAME_MAX_BYTES = 63
 SRV_SCHEME = "mongodb+srv://"
+SRV_ONLY = frozenset({"srvservicename", "srvmaxhosts"})
+"""Options the driver takes in a `mongodb+srv://` string alone (lower case)."""
+TLS_FILE_REFUSED = (
+    "a TLS file it names (tlsCAFile, tlsCertificateKeyFile) cannot be read or does not load as PEM"
+)
 
 
 class ConfigurationError(ValueError):
@@ -80,7 +91,8 @@ def _connection_string_refusal(uri: str) -> str | None:
 
     A `mongodb+srv://` string names one host and no port (DNS gives the servers and their
     ports when connecting): the rest is read as the driver reads it, its credentials, host
-    and database as the same `mongodb://` string's, its options each (`split_options`)."""
+    and database as the same `mongodb://` string's, its options each (`split_options`).
+    Then the options together, as the driver builds its client from them (`_client_refusal`)."""
     srv = uri.startswith(SRV_SCHEME)
     address, _, options = uri.removeprefix(SRV_SCHEME).partition("?") if srv else (uri, "", "")
     try:
@@ -89,13 +101,44 @@ def _connection_string_refusal(uri: str) -> str | None:
     except (InvalidURI, DriverConfigurationError, ValueError):
         return "it is not a valid MongoDB connection string"
     except OSError:  # the driver reads the TLS files it names as it parses the string
-        return "a TLS file it names (tlsCAFile, tlsCertificateKeyFile) cannot be read"
+        return TLS_FILE_REFUSED
     if srv and (len(parsed["nodelist"]) != 1 or parsed["nodelist"][0][1] is not None):
         return (
             f"a {SRV_SCHEME} connection string names one host and no port (DNS names the "
             "servers and their ports); list several hosts or a port with mongodb://"
         )
-    return _srv_contradiction(named) if srv else None
+    contradiction = _srv_contradiction(named) if srv else None
+    return contradiction or _client_refusal(_srv_stand_in(address, options) if srv else uri)
+
+
+def _srv_stand_in(address: str, options: str) -> str:
+    """The `mongodb://` string a `mongodb+srv://` one builds its client as, without DNS:
+    the same host, credentials and options, TLS on unless told (as for every SRV string),
+    less the options only SRV takes (`srvServiceName`, `srvMaxHosts`)."""
+    kept = [o for o in re.split("[&;]", options) if o.partition("=")[0].lower() not in SRV_ONLY]
+    if not any(o.partition("=")[0].lower() in {"tls", "ssl"} for o in kept):
+        kept.append("tls=true")
+    return "mongodb://" + address + "?" + "&".join(o for o in kept if o)
+
+
+def _client_refusal(uri: str) -> str | None:
+    """Why the driver would refuse to build its client from `uri` (options that contradict
+    each other, a TLS file that does not load), told by building one that never connects."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the service's own client warns as it starts
+            MongoClient(uri, connect=False).close()
+    except OSError:  # ssl.SSLError too: a file that is not PEM
+        return TLS_FILE_REFUSED
+    except (DriverConfigurationError, ValueError, TypeError) as refused:
+        if isinstance(refused.__cause__ or refused.__context__, OSError):
+            return TLS_FILE_REFUSED  # a certificate and key file that does not load
+        return (
+            "the driver refuses its options together (such as w=0 with journal=true, "
+            "readPreference=primary with tags, an authMechanism given a user or password it "
+            "does not take, or TLS files with tls=false)"
+        )
+    return None
 
 
 def _srv_contradiction(named: Mapping[str, Any]) -> str | None:
@@ -137,8 +180,10 @@ class Settings(BaseSettings):
         default=None, validation_alias=AliasChoices("MONGODB_URI", "AGENT_STORE_MONGODB_URI")
     )
     """A MongoDB connection string (`MONGODB_URI`: `mongodb://`, or `mongodb+srv://` with one
-    host and no port, its servers found in DNS when connecting). One that does not parse
-    stops the start. Unset: start the embedded server."""
+    host and no port, its servers found in DNS when connecting). One that does not parse,
+    or whose client the driver refuses to build (options that contradict each other, such as
+    `w=0` with `journal=true`; a TLS file that cannot be read or is not PEM), stops the
+    start, told without DNS or network. Unset: start the embedded server."""
     database: str = "agent_store"
     """The database holding the store's collections (a name MongoDB accepts: 1 to 63 bytes,
     none of `/\\. "$`)."""
@@ -182,9 +227,11 @@ class Settings(BaseSettings):
     jwt_public_key: str | None = None
     """The PEM public key of RSA user tokens; one that does not load stops the start."""
     jwt_audience: str = "agent-store"
-    """Required `aud` of user tokens."""
+    """Required `aud` of user tokens; empty or white space alone stops the start (no token
+    would match)."""
     jwt_issuer: str | None = None
-    """Required `iss` of user tokens; user tokens are refused while it is unset."""
+    """Required `iss` of user tokens; user tokens are refused while it is unset. Empty or
+    white space alone stops the start: leave it unset to refuse user tokens."""
     max_request_bytes: PositiveInt = 1_048_576 + 65_536
     """Request bodies over this are refused with 413 (a 1 MiB message plus its envelope), but
     for the turns and steering deliveries `max_turn_bytes` caps."""
@@ -244,6 +291,21 @@ class Settings(BaseSettings):
                 "default, this machine only) or 0.0.0.0 (every interface)"
             )
         return host
+
+    @field_validator("jwt_audience", "jwt_issuer")
+    @classmethod
+    def _named_claim(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # `AGENT_STORE_JWT_ISSUER=${ISSUER}` with ISSUER unset: no real user token would
+        # match, and a token with an empty claim would.
+        if value is not None and not value.strip():
+            unset = (
+                "; leave it unset to refuse user tokens" if info.field_name == "jwt_issuer" else ""
+            )
+            raise ValueError(
+                "empty or white space alone matches no token from a real issuer: name the "
+                f"value your user tokens carry{unset}"
+            )
+        return value
 
     @field_validator("jwt_algorithms")
     @classmethod
@@ -329,8 +391,10 @@ class Settings(BaseSettings):
             )
         return self
 
-    max_message_bytes: PositiveInt = DEFAULT_MAX_MESSAGE_BYTES
-    """A stored message is cut to this size; the whole text of a cut field is kept in GridFS."""
+    max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=MIN_MESSAGE_BYTES)
+    """A stored message is cut to this size; the whole text of a cut field is kept in GridFS.
+    Under 4096 bytes stops the start: a message's envelope and the truncation mark would
+    leave little or no text of any message."""
     runtime_context_start: str = "[RUNTIME CONTEXT]"
     """Where runtime context injected into a user message starts: what the markers enclose
     is removed from the stored message, so it is left out of names, previews and search. One

@@ -69,10 +69,13 @@ its settings once, from environment variables, when it starts. Values that are
 lists or objects are JSON (`AGENT_STORE_SERVICE_TOKENS='["…"]'`; plain text such as
 `AGENT_STORE_TRUSTED_PROXIES=10.0.0.1` is refused). Invalid or weak settings (a
 port outside 1-65535, an empty host, a database name MongoDB refuses, a connection
-string (`mongodb+srv://` ones too, checked without DNS) or a JWT public key that
-does not parse, an empty list of JWT algorithms, a trusted proxy that is no
-address or network, a runtime context marker that is empty or white space alone,
-a data directory the embedded server cannot create) stop it before it serves, as
+string (`mongodb+srv://` ones too, checked without DNS or network) that does not
+parse or whose client the driver refuses to build (options that contradict each
+other, a TLS file that does not load), a JWT public key that does not parse, an
+empty list of JWT algorithms, an empty JWT issuer or audience, a message bound
+under 4096 bytes, a trusted proxy that is no address or network, a runtime context
+marker that is empty or white space alone, a data directory the embedded server
+cannot create) stop it before it serves, as
 `invalid configuration: <setting>: <why>`, never repeating a refused value (exit
 status 2 for `python -m app`; see docs/SECURITY.md). What only the network tells
 (a port in use, a host that does not resolve, a database that does not answer)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import certifi
 import jwt
 import pytest
 from pydantic import ValidationError
@@ -385,6 +388,7 @@ def no_dns(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(dns.resolver, "resolve", looked_up)
     monkeypatch.setattr(dns.asyncresolver, "resolve", looked_up)
+    monkeypatch.setattr(socket, "getaddrinfo", looked_up)
 
 
 @pytest.mark.usefixtures("no_dns")
@@ -395,6 +399,10 @@ def no_dns(monkeypatch: pytest.MonkeyPatch) -> None:
         "mongodb+srv://ada:pw@cluster.example",
         "mongodb+srv://ada:p%40ss@cluster.example.com/app?retryWrites=true&w=majority&appName=x",
         "mongodb+srv://cluster.example.com/?srvServiceName=custom&srvMaxHosts=2&authSource=admin",
+        "mongodb://db.example/?authMechanism=MONGODB-X509&tls=true",
+        "mongodb://ada:pw@db.example/?w=0&journal=false&readPreference=nearest&readPreferenceTags=dc:ny",
+        f"mongodb://db.example/?tls=true&tlsCAFile={certifi.where()}",
+        f"mongodb+srv://cluster.example.com/?tlsCAFile={certifi.where()}&loadBalanced=true",
     ],
 )
 def test_mongodb_connection_strings_are_accepted(uri: str) -> None:
@@ -460,6 +468,87 @@ def test_a_connection_string_naming_a_tls_file_that_cannot_be_read_is_refused(
         message = refusal(mongodb_uri=f"{scheme}/?tls=true&{option}={unreadable}")
         assert "MONGODB_URI" in message
         assert "s3cret" not in message
+
+
+@pytest.mark.usefixtures("no_dns")
+@pytest.mark.parametrize("scheme", ["mongodb://", "mongodb+srv://"])
+@pytest.mark.parametrize(
+    ("rest", "why"),
+    [
+        pytest.param("ada:s3cret@db.example/?w=0&journal=true", "options", id="w0-journal"),
+        pytest.param(
+            "ada:s3cret@db.example/?readPreference=primary&readPreferenceTags=dc:ny",
+            "options",
+            id="primary-with-tags",
+        ),
+        pytest.param(
+            "ada:s3cret@db.example/?authMechanism=MONGODB-X509", "options", id="x509-password"
+        ),
+        pytest.param("db.example/?authMechanism=SCRAM-SHA-256", "options", id="scram-no-user"),
+        pytest.param(
+            "ada:s3cret@db.example/?tls=false&tlsCAFile={pem}", "options", id="tls-off-with-ca"
+        ),
+        pytest.param("ada:s3cret@db.example/?tls=true&tlsCAFile={pem}", "PEM", id="ca-not-pem"),
+        pytest.param(
+            "ada:s3cret@db.example/?tls=true&tlsCertificateKeyFile={pem}", "PEM", id="key-not-pem"
+        ),
+    ],
+)
+def test_a_connection_string_the_driver_refuses_to_build_a_client_from_is_refused(
+    tmp_path: Path, scheme: str, rest: str, why: str
+) -> None:
+    """It parses, but the client is refused when the service builds it, after the banner
+    (exit 3, read as "cannot reach the database"): told offline, in the setting's words."""
+    pem = tmp_path / "mounted-by-mistake.pem"
+    pem.write_text("not a certificate\n")
+    message = refusal(mongodb_uri=scheme + rest.format(pem=pem))
+    assert "MONGODB_URI" in message
+    assert why in message
+    assert "s3cret" not in message
+    assert str(pem) not in message
+
+
+@pytest.mark.parametrize("setting", ["jwt_issuer", "jwt_audience"])
+@pytest.mark.parametrize("blank", ["", " ", "\t"], ids=["empty", "a-space", "a-tab"])
+def test_a_blank_jwt_issuer_or_audience_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch, setting: str, blank: str
+) -> None:
+    """`AGENT_STORE_JWT_ISSUER=${ISSUER}` with ISSUER unset: no real user token would match
+    (a token with an empty `iss` would); the setting is at fault, not the tokens."""
+    monkeypatch.setenv(f"AGENT_STORE_{setting.upper()}", blank)
+    with pytest.raises(ConfigurationError) as caught:
+        settings_from_environment()
+    assert str(caught.value).startswith(f"{setting}: ")
+
+
+@pytest.mark.parametrize("bound", [1, 256, 4095])
+def test_a_message_bound_that_would_cut_every_message_to_nothing_is_refused(bound: int) -> None:
+    """A bound under a message's envelope and the truncation mark stores every message as
+    `…[truncated]`, names and previews included."""
+    message = refusal(max_message_bytes=bound)
+    assert "max_message_bytes" in message
+    assert "4096" in message
+    assert Settings(max_message_bytes=4096).max_message_bytes == 4096
+
+
+@pytest.mark.parametrize(
+    ("host", "base"),
+    [
+        ("::1", "http://[::1]:8000"),
+        ("::", "http://[::]:8000"),
+        ("127.0.0.1", "http://127.0.0.1:8000"),
+        ("localhost", "http://localhost:8000"),
+    ],
+)
+def test_the_start_banner_brackets_an_ipv6_host_in_its_urls_as_uvicorn_does(
+    host: str, base: str
+) -> None:
+    banner = start_banner(Settings(host=host), dev_token=None)
+    urls = [word for line in banner for word in line.split() if word.startswith("http")]
+    assert len(urls) > 3
+    for url in urls:
+        assert url.startswith(base)
+        assert urllib.parse.urlsplit(url).port == 8000
 
 
 def test_an_empty_jwt_algorithm_list_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -553,6 +642,14 @@ def test_a_data_dir_is_created_when_the_embedded_server_will_use_it(tmp_path: Pa
                 "AGENT_STORE_SERVICE_TOKENS": f'["{STRONG}"]',
             },
             id="srv-with-a-port",
+        ),
+        pytest.param(
+            "MONGODB_URI",
+            {
+                "MONGODB_URI": "mongodb://ada:s3cret@127.0.0.1:9/?w=0&journal=true",
+                "AGENT_STORE_SERVICE_TOKENS": f'["{STRONG}"]',
+            },
+            id="options-the-driver-refuses",
         ),
     ],
 )
