@@ -18,13 +18,13 @@ from typing import Annotated, Any, TypedDict
 import httpx
 import pytest
 from bson import DBRef
-from langchain_core.messages import AIMessage, HumanMessage, RemoveMessage
+from langchain_core.messages import AIMessage, HumanMessage, RemoveMessage, ToolMessage
 from langgraph.checkpoint.base import copy_checkpoint, empty_checkpoint
 from langgraph.checkpoint.base.id import uuid6
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
-from langgraph.graph import END, START, StateGraph
-from langgraph.types import Command
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.types import Command, Send, interrupt
 from pydantic_ai.messages import ModelRequest, ToolReturnPart
 from pymongo import AsyncMongoClient
 
@@ -1031,6 +1031,61 @@ async def test_a_graph_of_an_erased_user_cannot_write_into_the_thread_another_us
     assert await AgentStoreSaver(backend.db).aget_tuple(mallory) == mallorys
 
 
+async def test_every_config_the_saver_hands_back_names_the_user_it_was_read_or_written_for(
+    backend: Backend,
+) -> None:
+    """LangGraph's time travel goes on from the configs the saver hands back (a state's, its
+    parent's, the one `update_state` answers): each names the user, so going on from one is
+    that user's write, stored in that user's name; a service's name none."""
+    ada = thread("user-ada")
+    thread_id = ada["configurable"]["thread_id"]
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    await run_turns(graph, ada, range(1, 3))
+    history = [state async for state in graph.aget_state_history(ada)]
+    forked = await graph.aupdate_state(history[2].config, _said("a new branch"))
+    states = [await graph.aget_state(ada), *history]
+    configs = [forked, *(s.config for s in states), *(s.parent_config for s in states[:-1])]
+    assert all(c is not None and c["configurable"].get("user_id") == "user-ada" for c in configs)
+    stored = await backend.db[CHECKPOINTS].find_one(
+        {"checkpoint_id": forked["configurable"]["checkpoint_id"]}
+    )
+    assert stored is not None
+    assert stored["user_id"] == "user-ada"
+
+    service = thread(thread_id=thread_id)
+    served = [
+        await graph.aget_state(service),
+        *[s async for s in graph.aget_state_history(service)],
+    ]
+    assert all("user_id" not in s.config["configurable"] for s in served)
+
+
+async def test_time_travel_of_a_deleted_conversations_graph_never_writes_into_the_ids_next_owner(
+    backend: Backend,
+) -> None:
+    """A process still holding a state of Ada's thread after her conversation was deleted and
+    the id taken by Grace: going back to that state (`update_state`, then a run) is Ada's
+    write, refused, as is a run from it; Grace's transcript and state are as she left them."""
+    thread_id = "conv-time-travel"
+    ada = thread("user-ada", thread_id)
+    adas_graph = tool_agent(AgentStoreSaver(backend.db))
+    await adas_graph.ainvoke(_said("ADA SECRET"), ada)
+    kept = [state async for state in adas_graph.aget_state_history(ada)][-2].config
+    store = ConversationStore(backend.db)
+    await store.delete(thread_id, user_id="user-ada")
+    grace = thread("user-grace", thread_id)
+    await tool_agent(AgentStoreSaver(backend.db)).ainvoke(_said("grace's own words"), grace)
+    graces = (await adas_graph.aget_state(grace)).values
+    transcript = await store.transcript(thread_id, user_id="user-grace")
+
+    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+        await adas_graph.aupdate_state(kept, _said("written by Ada's process"))
+    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+        await adas_graph.ainvoke(_said("a run from Ada's process"), kept)
+    assert (await adas_graph.aget_state(grace)).values == graces
+    assert await store.transcript(thread_id, user_id="user-grace") == transcript
+
+
 async def test_deleting_a_conversation_deletes_its_checkpoints(backend: Backend) -> None:
     """The conversation is the thread: deleting it through the store (or the HTTP API) leaves
     no checkpoint for whoever takes the id next, as `delete_thread` does."""
@@ -1262,6 +1317,137 @@ async def test_an_old_ids_pending_writes_after_a_claim_never_reach_the_new_owner
     adas = await AgentStoreSaver(backend.db).aget_tuple(thread("user-ada", thread_id))
     assert adas is not None
     assert [w[1:] for w in adas.pending_writes] == [("note", "Ada's")]
+
+
+async def test_parallel_writes_of_a_user_into_a_services_checkpoint_are_all_stored(
+    backend: Backend,
+) -> None:
+    """Parallel tasks of the owner's graph (`Send` branches) write their pending writes into a
+    checkpoint a service wrote at once: each is stored, the first naming the document hers."""
+    ada = thread("user-ada")
+    saver = AgentStoreSaver(backend.db)  # her graph's, which wrote the thread before
+    await saver.aput(ada, empty_checkpoint(), {"source": "input", "step": 0}, {})
+    service = thread(thread_id=ada["configurable"]["thread_id"])
+    saved = await AgentStoreSaver(backend.db).aput(
+        service, empty_checkpoint(), {"source": "loop", "step": 1}, {}
+    )
+    mine = {"configurable": saved["configurable"] | {"user_id": "user-ada"}}
+    tasks = [f"task-{n}" for n in range(3)]
+    await asyncio.gather(*(saver.aput_writes(mine, [("note", t)], t) for t in tasks))
+    stored = await AgentStoreSaver(backend.db).aget_tuple(mine)
+    assert stored is not None
+    assert sorted(w[1:] for w in stored.pending_writes) == [("note", t) for t in tasks]
+    document = await backend.db[CHECKPOINTS].find_one(
+        {"checkpoint_id": saved["configurable"]["checkpoint_id"]}
+    )
+    assert document is not None
+    assert document["user_id"] == "user-ada"
+
+
+class _Branch(TypedDict):
+    call: dict[str, Any]
+
+
+def _parallel_approvals(checkpointer: Any, *, stable_ids: bool = False) -> Any:
+    """Asked for the weather, the model calls the tool for two cities at once; each call waits
+    for a person's decision in a branch of its own (`Send`, then `interrupt`). `stable_ids`:
+    each result's id is derived from its call's (an idempotency choice LangChain allows)."""
+
+    def agent(state: MessagesState) -> dict[str, list[Any]]:
+        last = state["messages"][-1]
+        if isinstance(last, HumanMessage) and "weather" in str(last.content):
+            calls = [
+                {"name": "weather", "args": {"city": city}, "id": f"call-{city}"}
+                for city in ("Oslo", "Rome")
+            ]
+            return {"messages": [AIMessage("", id=f"ai-{last.id}", tool_calls=calls)]}
+        return {"messages": [AIMessage("done", id=f"ai-after-{len(state['messages'])}")]}
+
+    def route(state: MessagesState) -> Any:
+        last = state["messages"][-1]
+        if isinstance(last, AIMessage) and last.tool_calls:
+            return [Send("approve", {"call": call}) for call in last.tool_calls]
+        return END
+
+    def approve(branch: _Branch) -> dict[str, list[Any]]:
+        call = branch["call"]
+        decision = interrupt({"tool_call_id": call["id"]})
+        said = f"{call['args']['city']}: {decision}"
+        result_id = f"result-{call['id']}" if stable_ids else None
+        return {"messages": [ToolMessage(said, tool_call_id=call["id"], id=result_id)]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("agent", agent)
+    builder.add_node("approve", approve)
+    builder.add_edge(START, "agent")
+    builder.add_conditional_edges("agent", route, ["approve", END])
+    builder.add_edge("approve", "agent")
+    return builder.compile(checkpointer=checkpointer)
+
+
+@pytest.mark.parametrize("api", ["async", "sync"])
+async def test_the_owner_resumes_the_parallel_pauses_of_a_services_turn_as_langgraphs_saver_does(
+    backend: Backend, api: str
+) -> None:
+    """A service's turn (a backend job) pauses on two calls at once in the user's thread; the
+    user resumes both (LangGraph's map of interrupt ids): the branches' writes land in the
+    service's checkpoint at once, and the run ends as with LangGraph's own saver."""
+    ada = thread("user-ada")
+    thread_id = ada["configurable"]["thread_id"]
+    service = thread(thread_id=thread_id)
+    ours, theirs = (
+        _parallel_approvals(AgentStoreSaver(backend.db)),
+        _parallel_approvals(InMemorySaver()),
+    )
+    for graph in (ours, theirs):
+        await graph.ainvoke(_said("hello"), ada)
+        await graph.ainvoke({"messages": [HumanMessage("weather?", id="human-2")]}, service)
+        paused = await graph.aget_state(ada)
+        assert len(paused.interrupts) == 2
+        resume = Command(resume={i.id: "yes" for i in paused.interrupts})
+        if api == "sync":
+            await asyncio.to_thread(graph.invoke, resume, ada)
+        else:
+            await graph.ainvoke(resume, ada)
+    mine = (await ours.aget_state(ada)).values["messages"]
+    assert comparable(mine) == comparable((await theirs.aget_state(ada)).values["messages"])
+    assert [m.content for m in mine[-3:]] == ["Oslo: yes", "Rome: yes", "done"]
+    store = ConversationStore(backend.db)
+    assert await store.pending_calls(thread_id, user_id="user-ada") == []
+
+
+async def test_a_branch_from_before_a_reviewers_edit_stores_its_results_under_their_stable_ids(
+    backend: Backend,
+) -> None:
+    """Results whose ids are derived from their calls: the reviewer edits the paused calls, the
+    edited calls run, then the user goes back to the first pause and resumes it. The branch's
+    results reuse the ids of the edited calls' results with other content: new messages, logged,
+    so the conversation ends as the branch does, with no call left pending."""
+    ada = thread("user-ada")
+    thread_id = ada["configurable"]["thread_id"]
+    ours = _parallel_approvals(AgentStoreSaver(backend.db), stable_ids=True)
+    theirs = _parallel_approvals(InMemorySaver(), stable_ids=True)
+    for graph in (ours, theirs):
+        await graph.ainvoke({"messages": [HumanMessage("weather?", id="human-1")]}, ada)
+        paused = await graph.aget_state(ada)
+        first = Command(resume={i.id: "went back" for i in paused.interrupts})
+        calls = paused.values["messages"][-1].tool_calls
+        edited = [call | {"args": {"city": f"{call['args']['city']} (edited)"}} for call in calls]
+        await graph.aupdate_state(
+            ada, {"messages": [AIMessage("", id="ai-human-1", tool_calls=edited)]}
+        )
+        await graph.ainvoke(None, ada)
+        again = await graph.aget_state(ada)
+        await graph.ainvoke(Command(resume={i.id: "yes" for i in again.interrupts}), ada)
+        await graph.ainvoke(first, paused.config)
+    mine = (await ours.aget_state(ada)).values["messages"]
+    assert comparable(mine) == comparable((await theirs.aget_state(ada)).values["messages"])
+    store = ConversationStore(backend.db)
+    assert await store.pending_calls(thread_id, user_id="user-ada") == []
+    replay = chat_completions(await store.transcript(thread_id, user_id="user-ada"))
+    results = [m["content"] for m in replay if m["role"] == "tool"]
+    assert results[-2:] == ["Oslo: went back", "Rome: went back"]
+    assert PENDING_RESULT not in results
 
 
 async def test_a_users_list_names_its_thread(backend: Backend) -> None:

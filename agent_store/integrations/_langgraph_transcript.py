@@ -56,12 +56,14 @@ from agent_store.integrations._langgraph_branches import (
 )
 from agent_store.integrations._langgraph_documents import (
     CHECKPOINTS,
+    CONVERSATION,
     Deserialize,
     Inline,
     Segment,
     SeqRange,
     Serialize,
     conversation_mark,
+    decode_segments,
     place_all,
     places_of,
 )
@@ -263,8 +265,8 @@ class TranscriptLink:
         """The segments of a checkpoint's messages, logging the ones not stored yet, and the
         extras of the messages logged (for the checkpoint's document).
 
-        When the messages extend the parent checkpoint's (the common case), only the
-        new tail is looked at. Otherwise every message is matched by its LangChain id
+        When the messages extend the parent checkpoint's (the common case; `_parent`), only
+        the new tail is looked at. Otherwise every message is matched by its LangChain id
         against the transcript: a stored, unchanged message is referenced by its `seq`,
         an edited one (same id, other content) is held inline, an unknown one is logged.
         A branch that leaves the transcript with a call open that the transcript answers
@@ -283,7 +285,7 @@ class TranscriptLink:
         state = self.thread(thread_id)
         messages = messages if isinstance(messages, list) else list(messages)
         async with state.lock:
-            head = state.head
+            head = await self._parent(state, thread_id, parent_id, owner)
             base = head if _extends(head, parent_id, messages) else None
             if base is None:
                 calls = open_calls(messages)
@@ -310,6 +312,40 @@ class TranscriptLink:
             f"thread {thread_id!r}: other puts kept logging messages while this one was placed; "
             "retry it"
         )
+
+    async def _parent(
+        self, state: _Thread, thread_id: str, parent_id: str | None, owner: Owner
+    ) -> _Head | None:
+        """The messages of a put's parent: the checkpoint this process last read or wrote for
+        the thread (`_Thread.head`) when it is the parent, else the parent read (LangGraph read
+        the thread's latest after the checkpoint a time travel goes on from, or a sibling's put
+        landed), as reading it by its id reads it (not settled), so what the graph appended to
+        it is told from what it edited (`_place`): one round trip, on that path only. The head
+        when the parent is none, not the thread's, or holds no messages."""
+        head = state.head
+        if parent_id is None or (head is not None and head.checkpoint_id == parent_id):
+            return head
+        query: dict[str, Any] = {
+            "thread_id": thread_id,
+            "checkpoint_ns": "",
+            "checkpoint_id": parent_id,
+            "type": {"$exists": True},
+        }
+        if state.conversation is not None:
+            query[CONVERSATION] = {"$in": [state.conversation, None]}
+        if owner.user_id is not None:
+            query["user_id"] = {"$in": [owner.user_id, None]}
+        with storage_errors("read the parent checkpoint"):
+            doc = await self._checkpoints.find_one(query, {"messages": 1})
+        stored = None if doc is None else doc.get("messages")
+        if stored is None:
+            return head
+        segments = decode_segments(stored["segments"], self._loads)
+        stop = _refers_until(segments)
+        if stop > state.loaded_until:
+            await self._load(state, thread_id, owner, start=state.loaded_until, stop=stop)
+        messages = _assemble(state, thread_id, segments)
+        return _Head(parent_id, messages, segments, open_calls(messages), stop, settled=False)
 
     def _refuse_lost(self, step: _Step, moved: TranscriptMoved) -> None:
         """StorageFailure when the transcript moved back below a message the step's parent

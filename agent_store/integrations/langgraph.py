@@ -19,7 +19,9 @@ in the `langgraph_checkpoints` collection with LangGraph's serializer.
 
 The thread's owner is `config["configurable"]["user_id"]` (see `owner_key`):
 such a graph reads and writes only that user's threads, as a user token does.
-Without it the saver acts as a service. Each checkpoint document names the
+Without it the saver acts as a service. Every config the saver hands back names the
+owner it was read or written for (`_handed_back`), so LangGraph's time travel through
+one is that owner's write. Each checkpoint document names the
 user it was written for (`user_id`: a user graph's user; none for a service's,
 which are the thread's owner's) and the conversation (`conversation_created_ms`);
 a user reads only its own thread's, of the conversation it is now (`_readable`),
@@ -254,15 +256,30 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
                 as_head=as_head,
                 latest=latest,
             )
-        address = {"thread_id": doc["thread_id"], "checkpoint_ns": doc["checkpoint_ns"]}
+        address = (doc["thread_id"], doc["checkpoint_ns"])
         parent = doc.get("parent_checkpoint_id")
         return CheckpointTuple(
-            config={"configurable": address | {"checkpoint_id": doc["checkpoint_id"]}},
+            config=self._handed_back(*address, doc["checkpoint_id"], owner),
             checkpoint=checkpoint,
             metadata=doc["metadata"],
-            parent_config={"configurable": address | {"checkpoint_id": parent}} if parent else None,
+            parent_config=self._handed_back(*address, parent, owner) if parent else None,
             pending_writes=pending_writes(doc.get("writes") or (), self.serde.loads_typed),
         )
+
+    def _handed_back(
+        self, thread_id: str, checkpoint_ns: str, checkpoint_id: str, owner: Owner
+    ) -> RunnableConfig:
+        """The config of a checkpoint the saver hands back (a state's, its parent's, a put's),
+        naming the owner it was read or written for: LangGraph goes on from it as it is (time
+        travel, `update_state`), and that write is the same owner's, checked as any other."""
+        configurable: dict[str, Any] = {
+            "thread_id": thread_id,
+            "checkpoint_ns": checkpoint_ns,
+            "checkpoint_id": checkpoint_id,
+        }
+        if owner.user_id is not None:
+            configurable[self.owner_key] = owner.user_id
+        return {"configurable": configurable}
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -316,13 +333,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         else:  # a service's names no user; one it finds there keeps its own
             update["$setOnInsert"] = {"user_id": None}
         await self._store(thread_id, key, update, owner, "store the checkpoint")
-        return {
-            "configurable": {
-                "thread_id": thread_id,
-                "checkpoint_ns": checkpoint_ns,
-                "checkpoint_id": checkpoint_id,
-            }
-        }
+        return self._handed_back(thread_id, checkpoint_ns, checkpoint_id, owner)
 
     async def aput_writes(
         self,
@@ -573,7 +584,9 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         owner) only after the thread's owner is checked again (two round trips more, on that
         path only: a graph still running for a user the thread is no longer, after a claim,
         is refused), and then it names the user; one written for another user is left as it
-        is (NotFound).
+        is (NotFound). Parallel writes of the user's tasks (`Send` branches) into one such
+        document all take that path at once: the first names it the user's, and the others
+        find it hers.
         """
         user_id = owner.user_id
         with storage_errors(action):
@@ -584,7 +597,10 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             except DuplicateKeyError:
                 pass  # another user's, or no user's
         admission = await self._admission(thread_id, owner, again=True)
-        unowned = {"user_id": None, CONVERSATION: {"$in": [admission.conversation, None]}}
+        unowned = {
+            "user_id": {"$in": [None, user_id]},  # or named hers meanwhile, by a parallel task
+            CONVERSATION: {"$in": [admission.conversation, None]},
+        }
         # The owner's now: named so, its next write is the common path.
         named = {op: v for op, v in update.items() if op != "$setOnInsert"}
         named["$set"] = update.get("$set", {}) | {"user_id": user_id}
