@@ -2776,6 +2776,249 @@ async def test_a_copy_whose_target_is_written_to_while_it_is_made_is_a_conflict(
     assert bool(left) == (writer == "a graph run")
 
 
+@pytest.mark.parametrize("window", ["a delete of the copy", "an erasure of its user"])
+async def test_a_copy_never_takes_a_conversation_started_under_its_target_after_its_fork(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, window: str
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a copy acts only on the life of the target its fork
+    created. That fork deleted (its user erased) and another user's chat started under the
+    id, with as many messages, before the copy goes on: NotFound, her chat kept as she wrote
+    it, no checkpoint of the copy in it (was: the copy's checkpoints in her thread, named
+    hers; or her chat deleted as the copy's take-back)."""
+    db = backend.db
+    source = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(db)), source, range(1, 3))
+    source_id = source["configurable"]["thread_id"]
+    target_id = source_id + "-copy"
+    store = ConversationStore(db)
+    count = len(await store.messages_by_seq(source_id))
+    grace = [{"role": "user", "content": f"grace's own {i}"} for i in range(count)]
+    fork = AgentMessageLogger.fork
+
+    async def then_replaced(logger: Any, source_id: str, at_seq: int, new_id: str) -> Any:
+        made = await fork(logger, source_id, at_seq, new_id)
+        if window == "a delete of the copy":
+            await store.delete(new_id)
+        else:
+            await store.erase_user("user-ada")
+        await AgentMessageLogger(db).log_messages(new_id, grace, user_id="user-grace")
+        return made
+
+    monkeypatch.setattr(AgentMessageLogger, "fork", then_replaced)
+    with pytest.raises(NotFound):
+        await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+
+    hers = await store.get_conversation(target_id)
+    assert hers.user_id == "user-grace"
+    assert [m.content for m in await store.transcript(target_id)] == [m["content"] for m in grace]
+    assert await db[CHECKPOINTS].count_documents({"thread_id": target_id}) == 0
+
+
+@pytest.mark.parametrize("path", ["fork", "turn by turn"])
+async def test_a_copy_taken_back_after_a_pop_keeps_a_turn_logged_into_its_target_meanwhile(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a copy takes back only what is unchanged since its own last
+    write. A turn logged into the target once the copies are in, and a pop of the source
+    landing too: the turn stays as acknowledged, and the copy is a Conflict naming the target
+    (was: the target deleted with the turn, the copy made afresh, a success)."""
+    from agent_store.integrations._langgraph_transcript import TranscriptLink
+
+    if path == "turn by turn":
+        _forced_turn_by_turn(monkeypatch)
+    db = backend.db
+    source_id = await _a_thread_ending_in_a_side_turn(db)
+    target_id = source_id + "-copy"
+    mine = [{"role": "user", "content": "my own note in the copy"}]
+    popped_since, written = TranscriptLink._popped_since, []
+
+    async def written_and_popped(link: Any, source: Any, end: int) -> Any:
+        if not written:
+            written.append(True)
+            await AgentMessageLogger(db).log_messages(target_id, mine, user_id="user-ada")
+            await ConversationStore(db).pop_last_message(source_id)
+        return await popped_since(link, source, end)
+
+    monkeypatch.setattr(TranscriptLink, "_popped_since", written_and_popped)
+    with pytest.raises(Conflict, match=re.escape(repr(target_id))):
+        await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+
+    kept = [m.content for m in await ConversationStore(db).transcript(target_id)]
+    assert kept[-1] == "my own note in the copy"
+
+
+@pytest.mark.parametrize("longer", [False, True])
+async def test_a_copy_into_a_fork_of_an_earlier_life_of_its_source_is_a_conflict(
+    backend: Backend, longer: bool
+) -> None:
+    """LANGGRAPH.md `copy_thread`: an earlier attempt is a fork of this source's life. A fork
+    the user made of her thread before she deleted it and ran her graph on its id again is
+    another conversation: a Conflict, the fork kept as it is (was: deleted, the only copy of
+    the deleted thread, and the new thread copied in its place)."""
+    db = backend.db
+    source = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(db)), source, range(1, 3))
+    source_id = source["configurable"]["thread_id"]
+    target_id = source_id + "-fork"
+    store = ConversationStore(db)
+    last = (await store.messages_by_seq(source_id))[-1].seq
+    assert last is not None
+    await AgentMessageLogger(db).fork(source_id, last, target_id, user_id="user-ada")
+    kept = [m.content for m in await store.transcript(target_id)]
+    await AgentStoreSaver(db).adelete_thread(source_id)
+    await run_turns(tool_agent(AgentStoreSaver(db)), source, range(7, 10 if longer else 9))
+
+    with pytest.raises(Conflict, match="no copy of thread"):
+        await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+
+    assert [m.content for m in await store.transcript(target_id)] == kept
+
+
+@pytest.mark.parametrize("owner", ["user-ada", "user-grace"])
+async def test_a_copy_crashed_inside_its_fork_runs_again_once_its_source_started_again(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, owner: str
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a fork not made yet of an earlier life of the source is no
+    attempt of this copy: once the thread was deleted and run again under its id, the re-run
+    copies the thread as it stands, at the first call (was: NotFound, "deleted while the fork
+    copied it", though the source stands)."""
+    db = backend.db
+    source_id = str(thread()["configurable"]["thread_id"])
+    target_id = source_id + "-copy"
+    await run_turns(tool_agent(AgentStoreSaver(db)), thread("user-ada", source_id), range(1, 3))
+
+    async def died(*args: Any, **kwargs: Any) -> Any:
+        raise ConnectionError("the process died")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(AgentMessageLogger, "_unless_its_source_went", died)
+        with pytest.raises(ConnectionError):
+            await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+    await AgentStoreSaver(db).adelete_thread(source_id)
+    await run_turns(tool_agent(AgentStoreSaver(db)), thread(owner, source_id), range(7, 9))
+
+    await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+
+    store = ConversationStore(db)
+    assert (await store.get_conversation(target_id)).user_id == owner
+    copied = [m.content for m in await store.transcript(target_id)]
+    assert copied == [m.content for m in await store.transcript(source_id)]
+
+
+async def test_a_copy_logged_turn_by_turn_waits_for_a_source_turn_still_being_written(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a copy logged turn by turn refuses a source turn still
+    being written as the store's fork does: StorageUnavailable, nothing written; once it
+    landed, the copy holds it (was: a success holding the turn logged after it, without it)."""
+    _forced_turn_by_turn(monkeypatch)
+    db = backend.db
+    source = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(db)), source, range(1, 3))
+    source_id = source["configurable"]["thread_id"]
+    target_id = source_id + "-copy"
+    reached, release, stored = asyncio.Event(), asyncio.Event(), AgentMessageLogger._store
+
+    async def slow(logger: Any, plan: Any, *args: Any) -> Any:
+        if plan.turn_id == "t-slow":
+            reached.set()
+            await release.wait()
+        return await stored(logger, plan, *args)
+
+    monkeypatch.setattr(AgentMessageLogger, "_store", slow)
+    logger = AgentMessageLogger(db)
+    earlier = [{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "e"}]
+    slow_turn = asyncio.create_task(
+        logger.log_messages(source_id, earlier, user_id="user-ada", turn_id="t-slow")
+    )
+    await reached.wait()
+    later = [{"role": "user", "content": "later"}, {"role": "assistant", "content": "l"}]
+    await logger.log_messages(source_id, later, user_id="user-ada", turn_id="t-fast")
+
+    with pytest.raises(StorageUnavailable, match="still being written"):
+        await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+
+    store = ConversationStore(db)
+    with pytest.raises(NotFound):
+        await store.get_conversation(target_id, fallback=False)
+    release.set()
+    await slow_turn
+    await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+    copied = [m.content for m in await store.transcript(target_id)]
+    assert copied == [m.content for m in await store.transcript(source_id)]
+
+
+async def test_a_copy_into_an_empty_target_another_threads_copy_created_is_a_conflict(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANGGRAPH.md `copy_thread`: an empty target is a copy's earlier attempt only when it
+    names this source's life. One a copy of another thread of the user created (it died, or
+    is still logging) is a Conflict, nothing written into it (was: taken for the second
+    copy's own, its thread's turns logged into the first copy); the first copy's re-run
+    finishes it."""
+    from agent_store.integrations._langgraph_transcript import TranscriptLink
+
+    _forced_turn_by_turn(monkeypatch)
+    db = backend.db
+    first, second = thread("user-ada"), thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(db)), first, range(1, 3))
+    await run_turns(tool_agent(AgentStoreSaver(db)), second, range(5, 7))
+    first_id, second_id = first["configurable"]["thread_id"], second["configurable"]["thread_id"]
+    target_id = first_id + "-copy"
+    created = TranscriptLink._created_target
+
+    async def created_then_died(link: Any, *args: Any) -> Any:
+        await created(link, *args)
+        raise ConnectionError("the process died")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(TranscriptLink, "_created_target", created_then_died)
+        with pytest.raises(ConnectionError):
+            await AgentStoreSaver(db).acopy_thread(first_id, target_id)
+
+    with pytest.raises(Conflict, match="no copy of thread"):
+        await AgentStoreSaver(db).acopy_thread(second_id, target_id)
+    store = ConversationStore(db)
+    assert await store.transcript(target_id) == []
+
+    await AgentStoreSaver(db).acopy_thread(first_id, target_id)
+    copied = [m.content for m in await store.transcript(target_id)]
+    assert copied == [m.content for m in await store.transcript(first_id)]
+
+
+async def test_a_copy_of_a_thread_without_messages_whose_target_a_graph_runs_on_is_a_conflict(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a target written to while the copy is made is kept as it
+    is, the copy a Conflict; for a graph without a messages channel too, whose run writes
+    checkpoints only (was: a success, the source's state mixed into the target's history)."""
+    from agent_store.integrations._langgraph_transcript import TranscriptLink
+
+    db = backend.db
+    source = thread("user-ada")
+    for _ in range(3):
+        await _counter(AgentStoreSaver(db)).ainvoke({"count": 10}, source)
+    source_id = source["configurable"]["thread_id"]
+    target_id = source_id + "-copy"
+    target, logged = thread("user-ada", target_id), TranscriptLink._logged
+
+    async def then_run_on_the_target(link: Any, *args: Any) -> Any:
+        made = await logged(link, *args)
+        await _counter(AgentStoreSaver(db)).ainvoke({"count": 1000}, target)
+        return made
+
+    monkeypatch.setattr(TranscriptLink, "_logged", then_run_on_the_target)
+    with pytest.raises(Conflict, match="written to while this copy was made"):
+        await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+
+    state = await _counter(AgentStoreSaver(db)).aget_state(target)
+    assert state.values == {"count": 1001}
+    ids = await db[CHECKPOINTS].distinct("checkpoint_id", {"thread_id": source_id})
+    left = await db[CHECKPOINTS].distinct("checkpoint_id", {"thread_id": target_id})
+    assert left
+    assert not set(ids) & set(left)
+
+
 async def _a_finished_copy_popped_in_its_target(db: Any) -> tuple[str, str]:
     """A thread of two graph turns and a side turn, copied, then the copy's side answer
     popped in the target (no checkpoint refers to it): the source and target ids."""

@@ -1292,6 +1292,10 @@ class Conversation(_Model):
     usage: Usage = Field(default_factory=Usage)
     forked_from: ForkOrigin | None = None
     """The conversation and `seq` this one was forked from (extension); null if it was not."""
+    copy_of: str | None = Field(default=None, exclude=True)
+    """The `version` of the conversation a LangGraph thread's copy logged turn by turn created
+    this one to copy (`copy_thread`; the store's bookkeeping, never served): it tells the
+    copy's earlier attempt from another copy's, or one of an earlier life of its source."""
     fork_check: ForkCheck | None = Field(default=None, exclude=True)
     """Set as a fork creates this conversation, cleared once the fork's check found its source
     whole (`ForkCheck`; the store's bookkeeping, never served): a fork still holding it has

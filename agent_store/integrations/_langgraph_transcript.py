@@ -171,6 +171,10 @@ class Copied:
     own: bool = False
     """Whether the target is this copy's to take back: created by it, or its earlier
     attempt found untouched (`_untouched_attempt`), or empty, or a fork not made yet."""
+    checkpoints: frozenset[str] = frozenset()
+    """The `checkpoint_id`s the copy copies (its source thread's, as read): a checkpoint of
+    another id in the target is a write of someone else's (`hold`). Empty until the copy's
+    transcript is made (`TranscriptLink.copy`)."""
 
 
 _FORK_ATTEMPTS = 3
@@ -597,7 +601,14 @@ class TranscriptLink:
 
     # -- forking -----------------------------------------------------------------------------
 
-    async def copy(self, source_id: str, target_id: str, *, named: Collection[int] = ()) -> Copied:
+    async def copy(
+        self,
+        source_id: str,
+        target_id: str,
+        *,
+        named: Collection[int] = (),
+        checkpoints: Collection[str] = (),
+    ) -> Copied:
         """Copy a thread's transcript into a new conversation: a fork.
 
         `named`: the conversations the thread's checkpoints name (`conversation_mark`), as
@@ -606,6 +617,7 @@ class TranscriptLink:
         checkpoints are of a conversation gone: NotFound, nothing written, as `hold` answers
         once the copy is written. Only a thread whose checkpoints name none (stored before
         they named their conversation) and that has no conversation is copied without one.
+        `checkpoints`: the `checkpoint_id`s the copy copies (`Copied.checkpoints`).
 
         A transcript one fork of the store copies is copied by it (`_forked`): its messages
         are copies, and the answers the person gave stay given. A longer one (the fork refused
@@ -644,6 +656,7 @@ class TranscriptLink:
         if named and conversation_mark(source.created_at) not in named:
             raise _source_went(source_id)
         copied = await self._copied(source, target_id)
+        copied = dataclasses.replace(copied, checkpoints=frozenset(checkpoints))
         if not copied.own:
             await self._require_as_copied(copied)
         return copied
@@ -662,7 +675,7 @@ class TranscriptLink:
                 return replayed
             target = None
         elif await self._untouched_attempt(source, target):
-            await self._take_back(target, untouched=True)
+            await self._take_back(target)
             target = None
         stored = await self._store.messages_by_seq(source.conversation_id)
         if target is None and stored:
@@ -684,6 +697,14 @@ class TranscriptLink:
         try:
             return await self._forked(source, target_id, at_seq, up_to, own=True)
         except (InvalidInput, Conflict):
+            return None
+        except NotFound:
+            # A fork of an earlier life of the source, taken back by the store's fork (its
+            # source went): the copy is made afresh while this life stands.
+            try:
+                await self._store.require_standing(source_id, source.version)
+            except NotFound:
+                raise _source_went(source_id) from None
             return None
 
     async def hold(self, copied: Copied, refused: StoreError | None = None) -> None:
@@ -715,9 +736,12 @@ class TranscriptLink:
         self.forget(target_id)
         if now is None:
             raise went or refused or NotFound(f"conversation {target_id!r} was not found")
-        if went is None and refused is None and _as_copied(now, copied):
+        as_copied = _as_copied(now, copied) and not (
+            copied.checkpoints and await self._holds_checkpoints_but(target_id, copied.checkpoints)
+        )
+        if went is None and refused is None and as_copied:
             return
-        if not copied.own or not _as_copied(now, copied):
+        if not copied.own or not as_copied:
             raise _kept(target_id, copied, went)
         try:
             await self._store.delete(target_id, version=target.version, unchanged_since=now)
@@ -771,7 +795,7 @@ class TranscriptLink:
             if now is None:
                 return copied
             assert copied.target is not None
-            await self._take_back(copied.target)
+            await self._take_back(copied.target, copied)
             source, stored = now, await self._store.messages_by_seq(source_id)
             if not stored:
                 return None  # all popped: nothing to fork, an empty copy is logged
@@ -803,7 +827,7 @@ class TranscriptLink:
         except Conflict:
             if not await self._untouched_attempt(source, target):
                 raise
-            await self._take_back(target, untouched=True)
+            await self._take_back(target)
             return None
         return dataclasses.replace(replayed, own=await self._untouched_attempt(source, target))
 
@@ -826,22 +850,23 @@ class TranscriptLink:
                 return False
         return not await self._has_checkpoints(target.conversation_id)
 
-    async def _take_back(self, target: Conversation, *, untouched: bool = False) -> None:
-        """Delete the target's life a copy wrote, or its earlier attempt did (nothing else
-        under the id is touched: `version`). `untouched`: an earlier attempt found so
-        (`_untouched_attempt`), deleted only while nothing was written to it since `target`
-        was read, checked in the command that marks it deleting
-        (`ConversationStore.delete(unchanged_since=…)`): a turn logged into it meanwhile
-        stays, and the copy is a Conflict."""
+    async def _take_back(self, target: Conversation, copied: Copied | None = None) -> None:
+        """Delete the target's life a copy wrote, or its earlier attempt did, only while
+        nothing was written to it since the copy's own last write (`target`: as an earlier
+        attempt was read, found untouched by `_untouched_attempt`; with `copied`, as that copy
+        left it, `_as_left`), checked in the command that marks it deleting
+        (`ConversationStore.delete(unchanged_since=…)`; nothing else under the id is touched). A
+        turn, pop or claim landing since stays, and the copy is a Conflict naming the target,
+        kept as it is (`_kept`)."""
         target_id = target.conversation_id
+        as_left = target if copied is None else _as_left(copied)
         try:
-            if untouched:
-                await self._store.delete(target_id, unchanged_since=target)
-            else:
-                await self._store.delete(target_id, version=target.version)
+            await self._store.delete(target_id, unchanged_since=as_left)
         except (NotFound, VersionMismatch):
             pass
         except Conflict as exc:
+            if copied is not None:
+                raise _kept(target_id, copied, None) from exc
             raise Conflict(
                 f"conversation {target_id!r} was written to as this copy took back its earlier "
                 "attempt there: it is kept as it is; copy into a new id"
@@ -851,7 +876,8 @@ class TranscriptLink:
 
     async def _earlier_attempt(self, source: Conversation, target_id: str) -> Conversation | None:
         """The target conversation when it is an earlier attempt of this copy (a fork of the
-        source, or a conversation of the source's owner whose messages are all this copy's
+        source's life as read, `_forked_from_this_life`, or a conversation of the source's
+        owner created by a copy of that life, `copy_of`, whose messages are all this copy's
         turns, told by their ids whatever the source holds now, `copied_from`, or that has
         none yet, and neither a name someone set nor a checkpoint of its thread: a copy
         creates it so, and logs its first turn before its checkpoints); None when there is no
@@ -861,19 +887,24 @@ class TranscriptLink:
             target = await self._store.get_conversation(target_id, fallback=False)
         except NotFound:
             return None
-        origin = target.forked_from
-        if origin is not None and origin.conversation_id == source.conversation_id:
+        if _forked_from_this_life(target, source):
             return target
+        origin = target.forked_from
         if target.user_id is not None and target.user_id != source.user_id:
             raise Conflict(
                 f"conversation {target_id!r} belongs to another user: copy into a new id"
             )
         if origin is None and target.user_id == source.user_id:
             held = await self._store.messages_by_seq(target_id)
-            if held and all(copied_from(source.conversation_id, m.turn_id) for m in held):
+            # Created by a copy of this life of the source (`copy_of`; none: by a copy of
+            # before it was recorded, told by its turns only).
+            named = target.copy_of == source.version
+            copies = all(copied_from(source.conversation_id, m.turn_id) for m in held)
+            if held and copies and (named or target.copy_of is None):
                 return target
             if (
                 not held
+                and named
                 and target.name_source != "set"
                 and not await self._has_checkpoints_of_its_own(target_id, source.conversation_id)
             ):
@@ -893,6 +924,13 @@ class TranscriptLink:
                 return False
             copied = await self._checkpoints.distinct("checkpoint_id", {"thread_id": source_id})
         return not set(held) <= set(copied)
+
+    async def _holds_checkpoints_but(self, thread_id: str, ids: Collection[str]) -> bool:
+        """Whether the thread holds a checkpoint whose `checkpoint_id` is none of `ids` (a
+        copy keeps its source's ids: one a graph's run on the thread wrote). One lookup."""
+        with storage_errors("read the thread's checkpoints"):
+            held = await self._checkpoints.distinct("checkpoint_id", {"thread_id": thread_id})
+        return not set(held) <= set(ids)
 
     async def _has_checkpoints(self, thread_id: str) -> bool:
         """Whether a checkpoint of the thread is stored (one lookup)."""
@@ -915,7 +953,7 @@ class TranscriptLink:
             if now is None:  # no pop of what it copied; or its source gone: `hold` takes it back
                 return copied
             assert copied.target is not None
-            await self._take_back(copied.target)
+            await self._take_back(copied.target, copied)
             source, earlier = now, None
         raise StorageUnavailable(
             f"thread {source_id!r} kept being popped while it was copied: copy it again"
@@ -939,12 +977,17 @@ class TranscriptLink:
         user's erasure included, is never started again by a later turn: the copy is taken
         back and NotFound (its source gone) or the refusal raised (`hold`)."""
         source_id = source.conversation_id
+        read = await self._store.messages_by_seq(source_id)
+        # A turn still being written among those read: StorageUnavailable, as the store's fork
+        # answers, nothing written (a copy holding the turns after it only is no state the
+        # source held).
+        await self._logger.require_written(source_id, [m.seq for m in read if m.seq is not None])
         own = earlier is None or not (earlier.message_count or earlier.pops)
         target = earlier or await self._created_target(source, target_id)
         copied = Copied({}, conversation_mark(target.created_at), source, target, own)
         # Cut messages go from their whole texts (two lookups, only when one was cut), as the
         # store's own fork copies them: the logger cuts them again and keeps the copy's own.
-        stored = await self._store.with_full_texts(await self._store.messages_by_seq(source_id))
+        stored = await self._store.with_full_texts(read)
         for chunk in _turn_chunks(stored):
             try:
                 logged = await self._logger.log_messages(
@@ -974,7 +1017,7 @@ class TranscriptLink:
         too. A claim landing later moves the target itself, with the turns logged into it."""
         try:
             created = await self._logger.upsert_conversation(
-                target_id, user_id=source.user_id, create_only=True
+                target_id, user_id=source.user_id, create_only=True, copy_of=source.version
             )
         except Conflict as exc:
             raise Conflict(
@@ -995,7 +1038,11 @@ class TranscriptLink:
         """The copy made by the store's fork at `at_seq`, of the source's messages `stored` up
         to it as read before: the copies are copies (kept as stored, whole texts and all), and
         the answers the person gave (resolved prompts, released calls, approvals) are kept as
-        the fork keeps them. `own`: the target is the copy's to take back (`Copied.own`)."""
+        the fork keeps them. `own`: the target is the copy's to take back (`Copied.own`).
+
+        Its target is the life the fork wrote, named by the `epoch` its copies carry: a fork
+        deleted since it returned (its user erased), perhaps another conversation started under
+        the id, is NotFound, nothing written or deleted by the copy (`_fork_went`)."""
         logged = await self._logger.fork(source.conversation_id, at_seq, target_id)
         moved: dict[int, tuple[int, str]] = {}
         for old, new in zip(stored, logged.messages, strict=True):
@@ -1003,8 +1050,13 @@ class TranscriptLink:
             assert new.seq is not None
             assert new.id is not None
             moved[old.seq] = (new.seq, new.id)
-        target = await self._store.get_conversation(target_id, fallback=False)
         self.forget(target_id)
+        try:
+            target = await self._store.get_conversation(target_id, fallback=False)
+        except NotFound:
+            raise _fork_went(target_id) from None
+        if any(m.epoch != target.epoch for m in logged.messages):
+            raise _fork_went(target_id)
         return Copied(moved, conversation_mark(target.created_at), source, target, own)
 
 
@@ -1014,6 +1066,24 @@ def _source_went(source_id: str) -> NotFound:
         f"conversation {source_id!r} was deleted, or its user erased, while it was copied: "
         "nothing of the copy is left"
     )
+
+
+def _fork_went(target_id: str) -> NotFound:
+    """What a copy whose fork was deleted (its user erased) once made answers."""
+    return NotFound(
+        f"conversation {target_id!r} was deleted, or its user erased, while it was copied "
+        "into: nothing of the copy is left"
+    )
+
+
+def _forked_from_this_life(target: Conversation, source: Conversation) -> bool:
+    """Whether the target is a fork of the source's life as read: its `forked_from` names
+    the source's id, and it was created since that life began (a fork of an earlier
+    conversation under the id, deleted since, was created before)."""
+    origin = target.forked_from
+    if origin is None or origin.conversation_id != source.conversation_id:
+        return False
+    return target.created_at >= source.created_at
 
 
 def _as_copied(now: Conversation, copied: Copied) -> bool:
@@ -1026,6 +1096,13 @@ def _as_copied(now: Conversation, copied: Copied) -> bool:
         and not now.pops
         and now.popping is None
     )
+
+
+def _as_left(copied: Copied) -> Conversation:
+    """The target as the copy left it: its life, a message for each `seq` copied, no pop."""
+    assert copied.target is not None
+    unchanged = {"message_count": len(copied.moved), "pops": 0, "popping": None}
+    return copied.target.model_copy(update=unchanged)
 
 
 def _kept(target_id: str, copied: Copied, went: NotFound | None) -> StoreError:

@@ -447,7 +447,8 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         if not docs:
             return
         named = {doc[CONVERSATION] for doc in docs if doc.get(CONVERSATION) is not None}
-        copied = await self._transcripts.copy(source, target, named=named)
+        ids = {doc["checkpoint_id"] for doc in docs}
+        copied = await self._transcripts.copy(source, target, named=named, checkpoints=ids)
         moved, conversation = copied.moved, copied.conversation
         rekeyed = (self._rekeyed(doc, target, moved, conversation) for doc in docs)
         copies = [copy for copy in rekeyed if copy is not None]

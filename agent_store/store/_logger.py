@@ -462,6 +462,7 @@ class AgentMessageLogger:
         user_id: str | None = None,
         name: str | None = None,
         create_only: bool = False,
+        copy_of: str | None = None,
     ) -> Conversation:
         """Create a conversation if it is missing; set its name when one is given.
 
@@ -473,7 +474,9 @@ class AgentMessageLogger:
         and a wait of `claim_grace` while a turn is still being written; naming the owner of
         one it owns already costs one round trip, a new one two). With `create_only` it only
         creates: a conversation already under the id (anyone's, in any state) is a Conflict,
-        nothing written (one round trip, and the legacy lookup when wired to legacy turns).
+        nothing written (one round trip, and the legacy lookup when wired to legacy turns);
+        `copy_of` (create-only) records the version of the conversation it is created to copy
+        (`Conversation.copy_of`).
         """
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         if user_id is not None:
@@ -491,7 +494,8 @@ class AgentMessageLogger:
         if changed:
             update["$set"] = changed
         if create_only:
-            return await self._created_only(conversation_id, Actor(user_id), on_insert | changed)
+            fields = on_insert | changed | ({} if copy_of is None else {"copy_of": copy_of})
+            return await self._created_only(conversation_id, Actor(user_id), fields)
         if user_id is not None:  # the user's already, the common case: one round trip
             owned = await self._upsert(conversation_id, Actor(user_id, True), update, create=False)
             if owned is not None:
@@ -1464,6 +1468,21 @@ class AgentMessageLogger:
         if fork is None:
             return None
         return ForkOrigin.model_validate(fork["forked_from"]).seq
+
+    async def require_written(self, conversation_id: str, stored: Collection[int]) -> None:
+        """StorageUnavailable (retry shortly), as `fork` answers, when a turn below the last of
+        the `seq`s `stored` (those a read of the conversation's messages found), or the turn
+        that `seq` is in, is still being written: a copy of what was read would miss its
+        messages. Blocks older than `abandon_after`, and `seq`s a pop removed, are passed
+        (`Gaps.passed`). One round trip; none when nothing was read."""
+        if not stored:
+            return
+        with storage_errors("read the conversation"):
+            source = await self._conversations.find_one(
+                {"_id": conversation_id}, {"message_count": 1, **GAPS_READ}
+            )
+        if source is not None:
+            self._refuse_unfinished(conversation_id, source, stored, max(stored))
 
     async def _copies_stored(self, fork: Mapping[str, Any]) -> bool:
         """Whether any message of the fork's conversation (its `epoch`) is stored."""

@@ -180,6 +180,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   name_message_id?: string | null;
   /**
+   * The `version` of the conversation a LangGraph thread's copy logged turn by turn created this one to copy (`copy_thread`; the store's bookkeeping, never served): it tells the copy's earlier attempt from another copy's, or one of an earlier life of its source.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  copy_of?: string | null;
+  /**
    * Set as a fork creates this conversation, cleared once the fork's check found its source whole (`ForkCheck`; the store's bookkeeping, never served): a fork still holding it has not stood yet.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
