@@ -31,20 +31,12 @@ from pymongo.errors import InvalidURI
 from pymongo.uri_parser import parse_uri, split_options
 
 from agent_store.core import describe_validation_error
-from agent_store.store import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    RuntimeContextMarkers,
-    TurnRules,
-    refuse_blank_marker,
-)
+from agent_store.store import TurnSettings
 
 JwtAlgorithm = Literal["HS256", "HS384", "HS512", "RS256", "RS384", "RS512"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 MetricsExposure = Literal["public", "token", "off"]
 MIN_SERVICE_TOKEN_CHARS = 32
-MIN_MESSAGE_BYTES = 4096
-"""The smallest `max_message_bytes`: below it a message's envelope and the truncation mark
-leave little or none of its text."""
 HMAC_KEY_BYTES = {"HS256": 32, "HS384": 48, "HS512": 64}
 """RFC 7518 §3.2: an HMAC key at least as long as the hash it signs with."""
 TcpPort = Annotated[int, Field(ge=1, le=65535)]
@@ -161,8 +153,10 @@ def _loopback_only() -> list[str]:
     return ["127.0.0.1"]
 
 
-class Settings(BaseSettings):
-    """Every setting; environment variables are prefixed `AGENT_STORE_` unless noted."""
+class Settings(BaseSettings, TurnSettings):
+    """Every setting; environment variables are prefixed `AGENT_STORE_` unless noted. Those
+    of how turns are stored (`TurnSettings`: markers, message bound, name length) are the
+    library's definition, which `python -m migrations` reads the same environment with."""
 
     # Inputs stay out of error messages: a refused token or secret must not reach a log.
     # Each field's docstring is its description in docs/CONFIGURATION.md (scripts/configuration.py).
@@ -391,39 +385,11 @@ class Settings(BaseSettings):
             )
         return self
 
-    max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=MIN_MESSAGE_BYTES)
-    """A stored message is cut to this size; the whole text of a cut field is kept in GridFS.
-    Under 4096 bytes stops the start: a message's envelope and the truncation mark would
-    leave little or no text of any message."""
-    runtime_context_start: str = "[RUNTIME CONTEXT]"
-    """Where runtime context injected into a user message starts: what the markers enclose
-    is removed from the stored message, so it is left out of names, previews and search. One
-    empty or of white space alone stops the start (it would cut every user message)."""
-    runtime_context_end: str = "[/RUNTIME CONTEXT]"
-    """Where that runtime context ends (empty or white space alone stops the start, as does
-    the start marker's text, or one holding the other)."""
-    name_chars: int = Field(default=60, ge=2, le=200)
-    """The longest automatic conversation name, ellipsis included (a name holds at most 200)."""
     legacy_dual_write: bool = False
     """Also keep each logged turn as a legacy turn document, so the old service can take over
     again during the migration's rollback window."""
     legacy_read_fallback: bool = True
     """Serve conversations not migrated yet from the legacy turns."""
-
-    @field_validator("runtime_context_start", "runtime_context_end")
-    @classmethod
-    def _usable_marker(cls, marker: str, info: ValidationInfo) -> str:
-        # The library's rule (RuntimeContextMarkers), for this marker alone: the refusal names it.
-        refuse_blank_marker(marker)
-        return marker
-
-    @model_validator(mode="after")
-    def _markers_told_apart(self) -> Settings:
-        try:
-            RuntimeContextMarkers(self.runtime_context_start, self.runtime_context_end)
-        except ValueError as refused:
-            raise ValueError(f"runtime_context_start and runtime_context_end: {refused}") from None
-        return self
 
     @model_validator(mode="after")
     def _docs_need_the_schema(self) -> Settings:
@@ -433,13 +399,6 @@ class Settings(BaseSettings):
                 "set AGENT_STORE_EXPOSE_DOCS=false too"
             )
         return self
-
-    def turn_rules(self) -> TurnRules:
-        return TurnRules(
-            markers=RuntimeContextMarkers(self.runtime_context_start, self.runtime_context_end),
-            max_message_bytes=self.max_message_bytes,
-            name_chars=self.name_chars,
-        )
 
 
 def serving_settings(settings: Settings, *, demo_explicit: bool) -> tuple[Settings, str | None]:

@@ -1,8 +1,9 @@
 """`python -m migrations <status|run|verify|finish>`: the legacy-turns migration for operators.
 
 Exit codes: 0 success; 1 `verify` found differences or `finish` found work left;
-2 misuse (bad options, no legacy data); 3 the lock is held; 4 the database is
-unreachable, the URI is wrong, or the database refused a command; 130 and 143
+2 misuse (bad options, a turn setting the service refuses, no legacy data); 3 the
+lock is held; 4 the database is unreachable, the URI is wrong, or the database
+refused a command; 130 and 143
 stopped by SIGINT or SIGTERM (the lock released, what was written kept: `run`
 again resumes).
 """
@@ -41,6 +42,7 @@ from migrations import problems as problem_report
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS
 from migrations.connection import database
 from migrations.errors import MigrationError, Misuse
+from migrations.settings import service_rules
 from migrations.verify import verify
 
 LEGACY_INDEX = [("conversation_id", 1)]
@@ -262,6 +264,7 @@ def _explode(
         max_command_documents=args.max_command_documents,
         max_command_bytes=args.max_command_bytes,
         spread=args.spread,
+        rules=args.rules,
     )
     run = explode.Explosion(db, options, lease=held, source=source)
     run.also = also
@@ -484,6 +487,7 @@ def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             undated_at=explode.undated_time(db, record=False),
             on_batch=progress.advance,
+            rules=args.rules,
         )
     finally:
         progress.close()
@@ -582,7 +586,12 @@ def _finish(
             f"recorded: the unplaced content of {conversation_id!r}{named} is accepted "
             f"({args.note})"
         )
-    found = gate.check(db, undated_at=explode.undated_time(db, record=False), renew=held.renew)
+    found = gate.check(
+        db,
+        undated_at=explode.undated_time(db, record=False),
+        renew=held.renew,
+        rules=args.rules,
+    )
     _report(found)
     problem_report.print_summary(db, sys.stdout)
     if not found.open:
@@ -720,6 +729,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
+        # Read before any database is looked for: a setting the service refuses is misuse.
+        args.rules = service_rules()
         with database(args) as (client, where):
             if where not in ("--uri", "MONGODB_URI"):
                 print(f"database {args.database!r} on {where}")

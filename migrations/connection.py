@@ -66,6 +66,11 @@ def database(args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
             )
         except ConfigurationError as exc:
             raise Unreachable(f"invalid MongoDB URI {redact_uri(uri)!r}: {exc}") from exc
+        except OSError as exc:  # the driver reads the TLS files it names (ssl.SSLError too)
+            raise Unreachable(
+                f"invalid MongoDB URI {redact_uri(uri)!r}: a TLS file it names (tlsCAFile, "
+                f"tlsCertificateKeyFile) cannot be read ({exc.strerror or type(exc).__name__})"
+            ) from exc
         stack.callback(client.close)
         try:
             client.admin.command("ping")

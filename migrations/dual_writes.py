@@ -51,9 +51,16 @@ from agent_store.legacy import (
     sort_turns,
     stored_conversation_id,
 )
-from agent_store.store import MESSAGES, turn_key
+from agent_store.store import (
+    DEFAULT_MARKERS,
+    MESSAGES,
+    RuntimeContextMarkers,
+    TurnRules,
+    turn_key,
+)
 from migrations import full_texts
 from migrations.lease import STATE, STATE_ID, Lease
+from migrations.settings import SERVICE_DEFAULTS
 from migrations.transcript import NO_CALL, Transcript, contains, from_legacy, from_messages
 from migrations.transcript import differences as transcript_differences
 from migrations.writes import is_migrated, readable
@@ -131,11 +138,13 @@ def differences(
     documents: Iterable[Mapping[str, Any]],
     legacy: Mapping[str, Sequence[LegacyTurn]],
     conversations: Mapping[str, Mapping[str, Any]],
+    rules: TurnRules = SERVICE_DEFAULTS,
 ) -> dict[str, list[str]]:
-    """For held dual-written turns: by conversation, each turn that converts to anything else
-    than its stored messages hold (`_unheld`), and a name the latest of them gives their
-    conversation that its document does not hold (`_unnamed`, read with the conversation's
-    `legacy` turns and its document among the batch's `conversations`, by its id)."""
+    """For held dual-written turns: by conversation, each turn that converts (by `rules`) to
+    anything else than its stored messages hold (`_unheld`), and a name the latest of them
+    gives their conversation that its document does not hold (`_unnamed`, read with the
+    conversation's `legacy` turns and its document among the batch's `conversations`, by its
+    id)."""
     turns: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for document in documents:
         if (key := _turn(document)) is not None:
@@ -161,13 +170,13 @@ def differences(
             found.setdefault(cid, []).append(_refiled(turn_id, cid, moved))
             continue
         try:
-            conversion = convert(group)
+            conversion = convert(group, rules=rules)
         except InvalidInput as exc:
             found.setdefault(cid, []).append(f"dual-written turn {turn_id!r}: {exc.message}")
             continue
         held.setdefault(cid, {})[turn_id] = parse_turns(group)
         messages = [m for m in stored.get(cid, []) if m.turn_id == turn_id]
-        unheld = _unheld(group, conversion, messages, conversations.get(cid))
+        unheld = _unheld(group, conversion, messages, conversations.get(cid), rules.markers)
         if unheld:
             found.setdefault(cid, []).append(
                 f"the dual-written turn {turn_id!r} holds content its stored messages do not "
@@ -238,6 +247,7 @@ def _unheld(
     conversion: LegacyConversion,
     messages: Sequence[AgentMessage],
     recorded: Mapping[str, Any] | None = None,
+    markers: RuntimeContextMarkers = DEFAULT_MARKERS,
 ) -> str:
     """What a dual-written turn converts to that its stored messages do not hold, for a
     person; "" when they hold it all: its problems (any kind, placed or not, but the derived
@@ -257,7 +267,7 @@ def _unheld(
     if problems:
         kinds = ", ".join(sorted({p.kind for p in problems}))
         return f"it converts with problems: {kinds}"
-    legacy = from_legacy(parse_turns(group), conversion.unplaced)
+    legacy = from_legacy(parse_turns(group), conversion.unplaced, markers)
     transcript = from_messages(messages)
     if not contains(transcript, legacy):
         return "; ".join(transcript_differences(legacy, transcript)[:3])

@@ -82,6 +82,7 @@ from migrations.keys import id_key, identity
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.order import Ranges, plan_ranges, range_ids, spread_ids
 from migrations.relocate import LATE, LATE_OVERFLOW, TURN_FILTER, held_back, turns_at
+from migrations.settings import SERVICE_DEFAULTS
 from migrations.writes import ALREADY_LIVE, Converted
 
 LEGACY_FILTER: dict[str, Any] = TURN_FILTER
@@ -210,10 +211,24 @@ class Options:
     max_command_bytes: int = MAX_COMMAND_BYTES
     spread: int = 16
     """Ranges of the id space each batch takes its ids from in turn (1: sorted order)."""
+    rules: TurnRules = SERVICE_DEFAULTS
+    """How the service stores turns (`migrations.settings`): the run converts by them."""
 
     @property
     def bounds(self) -> Bounds:
         return Bounds(self.max_command_documents, self.max_command_bytes)
+
+    def recorded(self) -> dict[str, Any]:
+        """The options as the run's record keeps them, the rules by the settings they are
+        made of: which markers, bound and name length the run converted by."""
+        rules = self.rules
+        made_of = {
+            "runtime_context_start": rules.markers.start,
+            "runtime_context_end": rules.markers.end,
+            "max_message_bytes": rules.max_message_bytes,
+            "name_chars": rules.name_chars,
+        }
+        return {k: v for k, v in self.__dict__.items() if k != "rules"} | {"rules": made_of}
 
 
 @dataclass
@@ -486,15 +501,11 @@ def convert_batch(
             continue
         for cid, group in group_conversations(parsed).items():
             groups.setdefault(cid, []).extend(group)
-    converted = []
     spellings = _spellings(read + joined, alike)
-    for cid, group in groups.items():
-        turns[cid] = len(group)
-        # The legacy spelling first, then the dual writes naming the derived id: the same
-        # order whichever of the two a batch reads first (ties in time keep it).
-        group.sort(key=lambda t: t.conversation_id == t.stored_conversation_id)
-        conversion = convert(group, rules=rules, undated_at=undated_at)
-        converted.append(Converted(group, conversion, spellings=spellings.get(cid, 1)))
+    turns |= {cid: len(group) for cid, group in groups.items()}
+    converted = [
+        _converted(group, rules, undated_at, spellings.get(cid, 1)) for cid, group in groups.items()
+    ]
     held_documents = [d for _, found in read + joined for d in found if id(d) in stored]
     _as_copies_say(converted, held_documents)
     hitl = read_session_hitl(
@@ -504,6 +515,17 @@ def convert_batch(
         with_session_prompts(item.conversion, hitl.get(item.conversion.conversation_id, []))
     converted += _answered_live(db, live_only(held_documents, set(groups), rules, undated_at))
     return converted, failed, turns
+
+
+def _converted(
+    group: list[LegacyTurn], rules: TurnRules, undated_at: datetime | None, spellings: int
+) -> Converted:
+    """One conversation's turns (named `spellings` ways) converted by `rules`."""
+    # The legacy spelling first, then the dual writes naming the derived id: the same
+    # order whichever of the two a batch reads first (ties in time keep it).
+    group.sort(key=lambda t: t.conversation_id == t.stored_conversation_id)
+    conversion = convert(group, rules=rules, undated_at=undated_at)
+    return Converted(group, conversion, spellings=spellings, markers=rules.markers)
 
 
 def _answered_live(db: Database[dict[str, Any]], live: list[Converted]) -> list[Converted]:
@@ -598,7 +620,9 @@ def live_only(
             continue
         summary = conversion.conversation.model_copy(update={"message_count": 0})
         conversion = LegacyConversion(cid, [], summary, [], 0)
-        found.append(Converted([], conversion, held=group, copies=len(group)))
+        found.append(
+            Converted([], conversion, held=group, copies=len(group), markers=rules.markers)
+        )
     return found
 
 
@@ -714,7 +738,7 @@ class Explosion:
         self.db = db
         self.options = options
         self.lease = lease
-        self.rules = TurnRules()
+        self.rules = options.rules
         self.source = turns_at(db) if source is None else source
         """Where this run reads the legacy turns (`relocate.turns_at`, unless told)."""
         self.also: tuple[str, ...] = ()
@@ -759,7 +783,7 @@ class Explosion:
                     "counts": self.counts.as_document(),
                     **extra,
                 },
-                "$setOnInsert": {"started_at": utc_now(), "options": self.options.__dict__},
+                "$setOnInsert": {"started_at": utc_now(), "options": self.options.recorded()},
             },
             upsert=True,
         )
@@ -888,7 +912,7 @@ class Explosion:
             for c in converted
             if not self.options.dry_run or c.conversion.conversation_id not in before
         ]
-        planned = writes.plan(self.db, planning)
+        planned = writes.plan(self.db, planning, self.rules)
         found += planned.live
         # A dry run predicts what the plan writes; a run counts what it wrote.
         applied = writes.Applied(

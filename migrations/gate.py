@@ -39,6 +39,7 @@ from migrations import abandoned, dual_writes, full_texts, orphan_prompts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
 from migrations.relocate import UNREAD, held_back, turns_at
+from migrations.settings import SERVICE_DEFAULTS
 from migrations.verify import compare, name_reasons
 from migrations.writes import (
     ALREADY_LIVE,
@@ -439,16 +440,18 @@ def check(
     batch_size: int = 200,
     undated_at: datetime | None = None,
     renew: Callable[[], None] = lambda: None,
+    rules: TurnRules = SERVICE_DEFAULTS,
 ) -> Gate:
-    """Check every legacy conversation against what is stored. `renew` is called after each
-    batch and chunk read (`finish` renews its lease so: a gate may take longer than one). The
-    legacy turns are read where they are (`relocate.turns_at`)."""
+    """Check every legacy conversation against what is stored, converted by `rules` (the
+    service's: `migrations.settings`). `renew` is called after each batch and chunk read
+    (`finish` renews its lease so: a gate may take longer than one). The legacy turns are
+    read where they are (`relocate.turns_at`)."""
     gate = Gate()
     accepted = problem_report.accepted(db)
     moved_at = dual_writes.moved_at(db)
     source = turns_at(db)
     for ids in batches(conversation_ids(db, source=source), batch_size):
-        _check_batch(db, gate, ids, accepted, undated_at, moved_at, source=source)
+        _check_batch(db, gate, ids, accepted, undated_at, moved_at, source=source, rules=rules)
         renew()
     _check_orphan_prompts(db, gate, accepted, renew, source=source)
     listed = {left.conversation_id: left for left in gate.left}
@@ -512,19 +515,20 @@ def _check_batch(
     moved_at: dual_writes.Moves | None,
     *,
     source: str,
+    rules: TurnRules,
 ) -> None:
     """Check one batch of legacy conversations (`moved_at`: when the legacy turns were first
     and last moved aside, `dual_writes.moved_at`; `source`: where they are now)."""
     held: list[dict[str, Any]] = []
     converted, failed, _ = convert_batch(
-        db, ids, TurnRules(), source=source, undated_at=undated_at, held=held
+        db, ids, rules, source=source, undated_at=undated_at, held=held
     )
     gate.conversations += len(failed)
     gate.left += [WorkLeft(p.conversation_id, [f"cannot be converted: {p.detail}"]) for p in failed]
     legacy = {c.conversion.conversation_id: c.turns for c in converted}
     messages = full_texts.stored_messages(db, [c.conversion.conversation_id for c in converted])
     stored = _stored(db, converted, messages)
-    dual = dual_writes.differences(db, held, legacy, stored.conversations)
+    dual = dual_writes.differences(db, held, legacy, stored.conversations, rules)
     for cid, found in dual_writes.deleted(
         db, held, messages, stored.conversations, moved_at, source=source
     ).items():

@@ -52,7 +52,7 @@ from agent_store.legacy import (
     turn_uploads,
     user_text,
 )
-from agent_store.store import strip_runtime_context
+from agent_store.store import DEFAULT_MARKERS, RuntimeContextMarkers, strip_runtime_context
 
 NO_CALL = "<no call>"
 """How a transcript names the tool of a result whose call its messages do not make."""
@@ -94,10 +94,14 @@ class Skipped:
     contexts: set[Place] = field(default_factory=set)
     """Texts (the user's, an upload's parsed text) whose runtime context is kept in a
     problem, not in the message, by their place."""
+    markers: RuntimeContextMarkers = DEFAULT_MARKERS
+    """The markers the converter stripped that context by (the service's)."""
 
     @classmethod
-    def of(cls, unplaced: Iterable[Problem]) -> Skipped:
-        skipped = cls()
+    def of(
+        cls, unplaced: Iterable[Problem], markers: RuntimeContextMarkers = DEFAULT_MARKERS
+    ) -> Skipped:
+        skipped = cls(markers=markers)
         for problem in unplaced:
             place = (problem.legacy_id, problem.field, problem.part_index)
             if problem.kind == HIDDEN_RUNTIME_CONTEXT:
@@ -126,17 +130,19 @@ def _value(value: Any) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False, default=repr)
 
 
-def _upload(upload: Any, *, context_kept: bool = False) -> str:
+def _upload(upload: Any, *, context_kept: RuntimeContextMarkers | None = None) -> str:
     """An upload's line: every field, its parsed text too (content a reader may not see), the
-    runtime context of each of its texts left out when a problem keeps this upload's
-    (`context_kept`, as `_shown`)."""
+    runtime context of each of its texts left out, by the markers `context_kept` names, when
+    a problem keeps this upload's (as `_shown`)."""
     try:
         found = FileUpload.model_validate(upload)
     except ValidationError:
         return f"upload: {upload!r}"
-    if context_kept:
+    if context_kept is not None:
         texts = {
-            k: strip_runtime_context(v) for k, v in found.__dict__.items() if isinstance(v, str)
+            k: strip_runtime_context(v, context_kept)
+            for k, v in found.__dict__.items()
+            if isinstance(v, str)
         }
         found = found.model_copy(update=texts)
     line = f"upload: {found.filename} ({found.file_type}, {found.size} B)"
@@ -167,7 +173,7 @@ def _uploads(turn: LegacyTurn, legacy_id: str, skipped: Skipped) -> list[str]:
     """The lines of the turn's uploads as the converter gathers them, less those it could not
     place, each with its runtime context left out where a problem keeps it."""
     return [
-        _upload(upload, context_kept=place in skipped.contexts)
+        _upload(upload, context_kept=skipped.markers if place in skipped.contexts else None)
         for index, upload in turn_uploads(turn)
         if (place := _part(legacy_id, index)) not in skipped.places
     ]
@@ -215,7 +221,7 @@ class _Calls:
 def _shown(text: str, legacy_id: str, skipped: Skipped) -> str:
     """A user's text as written, its runtime context left out only where a problem keeps it."""
     kept = (legacy_id, "user_message", None) in skipped.contexts
-    return strip_runtime_context(text) if kept else text
+    return strip_runtime_context(text, skipped.markers) if kept else text
 
 
 def _turn_lines(
@@ -235,10 +241,15 @@ def _turn_lines(
     return lines, calls.turn_results(parts)
 
 
-def from_legacy(turns: Iterable[LegacyTurn], unplaced: Sequence[Problem] = ()) -> Transcript:
-    """Render legacy turns; what the converter reported as not placed is left out, each turn
-    named as the converter names it (`turn_names`: two turns whose ids read alike apart)."""
-    skipped = Skipped.of(unplaced)
+def from_legacy(
+    turns: Iterable[LegacyTurn],
+    unplaced: Sequence[Problem] = (),
+    markers: RuntimeContextMarkers = DEFAULT_MARKERS,
+) -> Transcript:
+    """Render legacy turns; what the converter reported as not placed is left out (runtime
+    context by the `markers` it stripped it by), each turn named as the converter names it
+    (`turn_names`: two turns whose ids read alike apart)."""
+    skipped = Skipped.of(unplaced, markers)
     lines: list[str] = []
     results: list[str] = []
     calls = _Calls()
@@ -318,13 +329,17 @@ def contains(new: Transcript, legacy: Transcript) -> bool:
 
 
 def not_held(
-    live: Sequence[AgentMessage], turns: Iterable[LegacyTurn], conversion: LegacyConversion
+    live: Sequence[AgentMessage],
+    turns: Iterable[LegacyTurn],
+    conversion: LegacyConversion,
+    markers: RuntimeContextMarkers = DEFAULT_MARKERS,
 ) -> list[str]:
     """Why a conversation logged to live before its migration does not hold its legacy turns
-    (none: it does): its live messages are another user's, or lack legacy content."""
+    (none: it does): its live messages are another user's, or lack legacy content (its
+    runtime context left out by the `markers` of its conversion)."""
     owner = conversion.conversation.user_id if conversion.conversation is not None else None
     others = sorted({repr(m.user_id) for m in live if m.user_id != owner})
     if others:
         return [f"its live messages are user {', '.join(others)}'s, its legacy turns {owner!r}'s"]
-    legacy, new = from_legacy(turns, conversion.unplaced), from_messages(live)
+    legacy, new = from_legacy(turns, conversion.unplaced, markers), from_messages(live)
     return [] if contains(new, legacy) else differences(legacy, new)

@@ -34,6 +34,7 @@ from migrations import dual_writes, full_texts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch, undated_time
 from migrations.relocate import turns_at
+from migrations.settings import SERVICE_DEFAULTS
 from migrations.transcript import differences, from_legacy, from_messages, not_held
 from migrations.writes import (
     ALREADY_LIVE,
@@ -99,10 +100,11 @@ def compare(item: Converted, stored: list[AgentMessage], popped: Collection[str]
         stored = sorted([*stored, *back], key=lambda m: m.seq or 0)
     migrated = [m for m in stored if (m.turn_id or "").startswith(MIGRATED_TURN_PREFIX)]
     if migrated or not stored:
-        found = differences(from_legacy(item.turns, conversion.unplaced), from_messages(migrated))
+        legacy = from_legacy(item.turns, conversion.unplaced, item.markers)
+        found = differences(legacy, from_messages(migrated))
         return found + misdated(conversion.messages, migrated)
     # Logged to live where its legacy turns go: they were not merged.
-    unheld = not_held(stored, item.turns, conversion)
+    unheld = not_held(stored, item.turns, conversion, item.markers)
     if not unheld:
         return []
     cid = conversion.conversation_id
@@ -228,11 +230,12 @@ def verify(
     batch_size: int = 100,
     undated_at: datetime | None = None,
     on_batch: Callable[[int], None] | None = None,
+    rules: TurnRules = SERVICE_DEFAULTS,
 ) -> Verification:
     """Compare the conversations (one, a sample, or all) with their legacy turns, converted
     as a run converts them (`undated_at`: the time of conversations without any readable
     time, `explode.undated_time`, so their problems read as recorded), read where they are
-    (`relocate.turns_at`)."""
+    (`relocate.turns_at`), by `rules` (the service's: `migrations.settings`)."""
     result = Verification()
     source = turns_at(db)
     ids: Iterator[Any]
@@ -247,7 +250,9 @@ def verify(
     moved_at = dual_writes.moved_at(db)
     accepted = problem_report.accepted(db)
     for batch in batches(ids, batch_size):
-        _verify_batch(db, result, batch, undated_at, (moved_at, accepted), source=source)
+        _verify_batch(
+            db, result, batch, undated_at, (moved_at, accepted), source=source, rules=rules
+        )
         if on_batch is not None:
             on_batch(len(batch))
     return result
@@ -261,13 +266,14 @@ def _verify_batch(
     read: tuple[dual_writes.Moves | None, dict[str, list[str]]],
     *,
     source: str,
+    rules: TurnRules,
 ) -> None:
     """Compare one batch of conversations, adding what it finds to `result` (`read`: when
     the legacy turns were moved, and the acceptances recorded; `source`: where they are)."""
     moved_at, accepted = read
     held: list[dict[str, Any]] = []
     converted, failed, _ = convert_batch(
-        db, batch, TurnRules(), source=source, undated_at=undated_at, held=held
+        db, batch, rules, source=source, undated_at=undated_at, held=held
     )
     for problem in failed:
         result.conversations += 1
@@ -279,7 +285,7 @@ def _verify_batch(
         d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": checked}}, _DOCUMENT_READ)
     }
     recorded = problem_report.records(db, checked, placed=None)
-    dual = dual_writes.differences(db, held, legacy, documents)
+    dual = dual_writes.differences(db, held, legacy, documents, rules)
     copies_gone = dual_writes.deleted(db, held, stored, documents, moved_at, source=source)
     for cid, deleted in copies_gone.items():
         dual.setdefault(cid, []).extend(deleted)

@@ -50,12 +50,14 @@ from agent_store.legacy import (
 )
 from agent_store.store import (
     CONVERSATIONS,
+    DEFAULT_MARKERS,
     MESSAGES,
     MIGRATED_TURN_PREFIX,
     MIGRATING,
     NAMED_WINDOW,
     FullText,
     Named,
+    RuntimeContextMarkers,
     TurnRules,
     count_turn_starts,
     first_named,
@@ -72,6 +74,7 @@ from migrations.bounds import Bounds, bounded
 from migrations.keys import id_key, identity
 from migrations.lease import STATE, STATE_ID
 from migrations.relocate import CONVERSATION_FILTER
+from migrations.settings import SERVICE_DEFAULTS
 from migrations.transcript import not_held
 
 
@@ -93,6 +96,9 @@ class Converted:
     """How many values (BSON values of `conversation_id`) its legacy turns name it by: `42` and
     `"42"`, a legacy id and the id derived from it. A conversation named more than one way is
     converted whole by each batch holding one of them (`explode.convert_batch`)."""
+    markers: RuntimeContextMarkers = DEFAULT_MARKERS
+    """The markers its conversion stripped runtime context by (the service's): its
+    transcript leaves that context out by them too (`transcript.from_legacy`)."""
 
 
 @dataclass
@@ -120,6 +126,9 @@ class Planned:
     converted: dict[str, Converted] = field(default_factory=dict)
     """What each conversation it writes to converts to: a live turn since the plan makes it
     `conversation_already_live` (`apply`)."""
+    rules: TurnRules = SERVICE_DEFAULTS
+    """How the service stores turns (`migrations.settings`): the turn records kept on a
+    document, the length of the automatic names retaken."""
     names_given: dict[str, str | None] = field(default_factory=dict)
     """For each conversation some of whose migrated messages' turns no legacy turn makes now
     (erased, deleted): the name its legacy turns give as their own (`name`, `_turns_name`;
@@ -405,7 +414,7 @@ def _live_problem(db: Database[dict[str, Any]], item: Converted, detail: str) ->
     conversion = item.conversion
     cid = conversion.conversation_id
     live = full_texts.stored_messages(db, [cid])[cid]
-    unheld = not_held(live, item.turns, conversion)
+    unheld = not_held(live, item.turns, conversion, item.markers)
     held = not unheld
     detail += "; its legacy turns were not merged"
     detail += "; the live messages hold their content" if held else f"; {unheld[0]}"
@@ -541,20 +550,20 @@ def _answers(
     return answers + [(r, past, None) for r in document.resolved_hitl if r not in given]
 
 
-def _live_records(live: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _live_records(live: Sequence[dict[str, Any]], kept: int) -> dict[str, Any]:
     """The turn records of the live turns stored past the legacy ones (in `seq` order),
     rebuilt from their messages: theirs went with the conversation document a rollback moved
     away, and a runtime retrying one of those turns must get its stored messages back, at
-    the cost of any turn (the store's bookkeeping, never served: written by hand)."""
+    the cost of any turn (the store's bookkeeping, never served: written by hand), the last
+    `kept` of them (`TurnRules.turns_recorded`)."""
     recorded = (d for d in live if d.get("turn_id") is not None)  # a record is by turn id
     turns = itertools.groupby(recorded, key=lambda d: d.get("turn_id"))
     records = [stored_turn_record(list(run)) for _, run in turns]
-    kept = TurnRules().turns_recorded
     return {"turns": records[-kept:], "turns_dropped": Int64(max(0, len(records) - kept))}
 
 
 def _as_stored_messages_leave_it(
-    document: Conversation, live: Sequence[dict[str, Any]]
+    document: Conversation, live: Sequence[dict[str, Any]], name_chars: int
 ) -> Conversation:
     """The document of a conversation only live turns wrote (`explode.live_only`), with what
     its stored messages say where its dual writes cannot: what it awaits, by the ids of those
@@ -565,7 +574,7 @@ def _as_stored_messages_leave_it(
     conversation had, so one holding the name its stored messages give (`first_named`) is
     taken from them, as the store took it, and a pop of that message retakes it."""
     messages = messages_adapter.validate_python(live)
-    named = first_named(messages, TurnRules().name_chars)
+    named = first_named(messages, name_chars)
     automatic: dict[str, Any] = {}
     if named is not None and document.name_source == "runtime" and named.name == document.name:
         automatic = {"name_source": "auto", "name_message_id": named.message_id}
@@ -632,9 +641,12 @@ def _plan_messages(
             planned.rewritten.append(dumped)
 
 
-def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
-    """Read what is stored and work out the batch's writes."""
-    planned = Planned()
+def plan(
+    db: Database[dict[str, Any]], batch: Sequence[Converted], rules: TurnRules = SERVICE_DEFAULTS
+) -> Planned:
+    """Read what is stored and work out the batch's writes, by the `rules` it was converted
+    by."""
+    planned = Planned(rules=rules)
     wanted = [item for item in batch if item.conversion.conversation is not None]
     if not wanted:
         return planned
@@ -716,7 +728,7 @@ def _plan_one(
     live_messages = messages_adapter.validate_python(live)
     document = wanted_document(conversion, found, live_messages, carried)
     if item.held and live:
-        document = _as_stored_messages_leave_it(document, live)
+        document = _as_stored_messages_leave_it(document, live, planned.rules.name_chars)
     planned.read[cid] = found
     planned.converted[cid] = item
     before = len(planned.messages) + len(planned.rewritten)
@@ -773,13 +785,15 @@ def _plan_document(
     marked |= fills and not written_since(found)
     if not marked and not document_differs(found, document):
         return
-    dumped = _dumped(document, live)
+    dumped = _dumped(document, live, planned.rules)
     if marked:
         dumped[MIGRATING] = True  # until its messages are in (`apply`)
     planned.conversations.append(dumped)
 
 
-def _dumped(document: Conversation, live: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _dumped(
+    document: Conversation, live: Sequence[dict[str, Any]], rules: TurnRules
+) -> dict[str, Any]:
     """A conversation document as a run writes it, with the turn records of the `live`
     messages kept past the legacy ones (`_live_records`)."""
     dumped = document.model_dump(by_alias=True)
@@ -799,7 +813,7 @@ def _dumped(document: Conversation, live: Sequence[dict[str, Any]]) -> dict[str,
             a.model_dump(by_alias=True) for a in document.answered_prompts
         ]
     if live:
-        dumped |= _live_records(live)
+        dumped |= _live_records(live, rules.turns_recorded)
     return dumped
 
 
@@ -820,7 +834,7 @@ def _plan_moved_away(
         item.conversion, None, messages_adapter.validate_python(live), carried
     )
     cid = item.conversion.conversation_id
-    planned.conversations.append(_dumped(document, live))
+    planned.conversations.append(_dumped(document, live, planned.rules))
     planned.read[cid] = None
     planned.converted[cid] = item
 
@@ -1045,7 +1059,7 @@ def _name_retaken(
     """One conversation's retake (`_names_retaken`), `found` its document as read."""
     fields = {"name": 1, "name_source": 1, "name_message_id": 1, "epoch": 1}
     query: dict[str, Any] = {"_id": cid}
-    update: Any = renamed(found, _stored_name(db, cid, found.get("epoch")))
+    update: Any = renamed(found, _stored_name(db, cid, found.get("epoch"), planned.rules))
     if update:
         update = [{"$set": update}]
     elif (given := _given_by(db, planned, cid, found)) is not None:
@@ -1082,22 +1096,24 @@ def _given_by(
         return None
     if given is not None:
         return {"$set": {"name": given, "name_source": "runtime"}}
-    named = _stored_name(db, cid, found.get("epoch"))
+    named = _stored_name(db, cid, found.get("epoch"), planned.rules)
     if named is None:
         return {"$set": {"name": None, "name_source": None}, "$unset": {"name_message_id": ""}}
     auto = {"name": named.name, "name_source": "auto", "name_message_id": named.message_id}
     return {"$set": auto}
 
 
-def _stored_name(db: Database[dict[str, Any]], cid: str, epoch: Any) -> Named | None:
+def _stored_name(
+    db: Database[dict[str, Any]], cid: str, epoch: Any, rules: TurnRules
+) -> Named | None:
     """The automatic name the conversation's stored user messages (of its `epoch`, or none)
-    give (`first_named`), as the store reads it."""
+    give (`first_named`), as the store reads it by `rules`."""
     after = -1
     while True:
         window = named_window(cid, epoch if isinstance(epoch, str) else None, after)
         docs = list(db[MESSAGES].find(window).sort("seq", 1).limit(NAMED_WINDOW))
         stored = [m for d in docs if (m := full_texts.stored_message(d)[0]) is not None]
-        named = first_named(stored, TurnRules().name_chars)
+        named = first_named(stored, rules.name_chars)
         if named is not None or len(docs) < NAMED_WINDOW:
             return named
         after = int(docs[-1]["seq"])

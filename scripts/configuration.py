@@ -81,7 +81,9 @@ status 2 for `python -m app`; see docs/SECURITY.md). What only the network tells
 (a port in use, a host that does not resolve, a database that does not answer)
 stops the start after the banner, with uvicorn's error (the database:
 docs/OPERATIONS.md, "Upgrading"). The library itself (`agent_store`) reads no
-environment variable.
+environment variable. `python -m migrations` reads the settings of "Messages and
+names" from the same variables, so it converts legacy turns by the service's rules, and
+stops (exit 2) on a value the service refuses (docs/MIGRATION.md).
 
 Tracing also follows OpenTelemetry's own variables (`OTEL_EXPORTER_OTLP_ENDPOINT`,
 `OTEL_SERVICE_NAME`, …); see docs/OPERATIONS.md.

@@ -1097,3 +1097,123 @@ def test_the_migrations_client_decodes_a_date_outside_pythons_range(wire_uri: st
     with database(args) as (client, _):
         decoded = bson.decode(OUT_OF_RANGE, codec_options=client.codec_options)
     assert decoded["t"] == DatetimeMS(2**62)
+
+
+SERVICE_TURN_SETTINGS = {
+    "AGENT_STORE_RUNTIME_CONTEXT_START": "<ctx>",
+    "AGENT_STORE_RUNTIME_CONTEXT_END": "</ctx>",
+    "AGENT_STORE_MAX_MESSAGE_BYTES": "4096",
+    "AGENT_STORE_NAME_CHARS": "12",
+}
+"""A service's own rules for turns: markers, a smaller bound, shorter names."""
+
+
+def context_turns(conversation_id: str = "leg-ctx") -> list[dict[str, Any]]:
+    """Legacy turns holding runtime context in the service's markers, and a long answer."""
+    at = datetime(2026, 3, 1, 10, tzinfo=UTC)
+    asked = "<ctx>account=ACME-SECRET-42; tier=gold</ctx>Where is my order?"
+    return [
+        {"_id": ObjectId(), "conversation_id": conversation_id, "user_id": "u1", "name": None,
+         "created_at": at, "user_message": asked, "response_text": "It ships tomorrow.",
+         "response_parts": [{"type": "text", "content": "It ships tomorrow."}]},
+        {"_id": ObjectId(), "conversation_id": conversation_id, "user_id": "u1", "name": None,
+         "created_at": at + timedelta(minutes=1), "user_message": "Summarise this",
+         "response_text": "S" * 9000, "response_parts": [{"type": "text", "content": "S" * 9000}]},
+    ]  # fmt: skip
+
+
+def with_service_turn_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in SERVICE_TURN_SETTINGS.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.wire
+def test_the_migration_stores_turns_by_the_rules_the_service_reads_from_the_environment(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The service's markers strip hidden context (kept in a problem), its bound cuts the
+    long answer, its name length names the conversation: what the read fallback served
+    before the migration is what is stored after it, and `verify` agrees."""
+    from agent_store.legacy import convert
+    from app.settings import Settings
+
+    with_service_turn_settings(monkeypatch)
+    turns = context_turns()
+    database[CONVERSATIONS].insert_many(turns)
+    served = convert(turns, rules=Settings().turn_rules())
+
+    assert cli(wire_uri, database, "run") == 0
+    stored = list(database[MESSAGES].find({"conversation_id": "leg-ctx"}).sort("seq", 1))
+    assert [m["content"] for m in stored] == [m.content for m in served.messages]
+    assert stored[0]["content"] == "Where is my order?"
+    assert "ACME" not in json.dumps(stored, default=str)
+    assert stored[3]["truncated"]
+    assert len(bson.encode(stored[3])) <= 4096
+    document = database[CONVERSATIONS].find_one({"_id": "leg-ctx"})
+    assert document is not None
+    assert served.conversation is not None
+    assert document["name"] == served.conversation.name == "Where is my…"
+    kinds = [p["kind"] for p in database[PROBLEMS].find({"conversation_id": "leg-ctx"})]
+    assert kinds == ["hidden_runtime_context"]
+    record = database[lease.STATE].find_one({"kind": "run"})
+    assert record is not None
+    assert record["options"]["rules"]["runtime_context_start"] == "<ctx>"
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0
+    assert "1 match, 0 differ" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "setting"),
+    [
+        pytest.param(
+            "AGENT_STORE_RUNTIME_CONTEXT_START", "\u00a0\t", "runtime_context_start", id="blank"
+        ),
+        pytest.param(
+            "AGENT_STORE_RUNTIME_CONTEXT_END",
+            "[RUNTIME",
+            "runtime_context_start and runtime_context_end",
+            id="one-holding-the-other",
+        ),
+        pytest.param("AGENT_STORE_MAX_MESSAGE_BYTES", "-5", "max_message_bytes", id="no-bound"),
+        pytest.param("AGENT_STORE_MAX_MESSAGE_BYTES", "1MiB", "max_message_bytes", id="no-int"),
+        pytest.param("AGENT_STORE_NAME_CHARS", "1", "name_chars", id="name-too-short"),
+    ],
+)
+@pytest.mark.parametrize("command", ["status", "run", "verify", "finish"])
+def test_a_turn_setting_the_service_refuses_stops_every_command_as_misuse(
+    command: str,
+    variable: str,
+    value: str,
+    setting: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Exit 2 naming the setting, as the service's start refuses it, before any database is
+    looked for (never a run by other rules than the service's)."""
+    monkeypatch.setenv(variable, value)
+    closed = "mongodb://127.0.0.1:9/?directConnection=true"
+
+    assert main([command, "--uri", closed, "--timeout", "0.2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: invalid configuration: {setting}: ")
+    assert value not in err.removeprefix("error: invalid configuration: ")
+
+
+def test_a_tls_file_the_uri_names_that_cannot_be_read_is_a_bad_uri_exit_4(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing file, or one that is no PEM: exit 4 with one line, never a traceback (exit 1
+    reads as "verify found differences")."""
+    not_pem = tmp_path / "ca.pem"
+    not_pem.write_text("not a certificate\n")
+    for path in ("/nonexistent/ca.pem", str(not_pem)):
+        uri = f"mongodb://127.0.0.1:9/?tls=true&tlsCAFile={path}"
+        assert main(["status", "--uri", uri, "--timeout", "0.2"]) == 4
+        err = capsys.readouterr().err
+        assert err.startswith("error: invalid MongoDB URI ")
+        assert "a TLS file it names (tlsCAFile, tlsCertificateKeyFile) cannot be read" in err
+        assert len(err.splitlines()) == 1

@@ -7347,3 +7347,30 @@ def test_a_dual_written_copy_the_old_service_refiled_or_redated_is_work_left_nev
     assert cli(wire_uri, database, "run") == 0
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_verify_and_finish_compare_by_the_rules_the_service_reads_from_the_environment(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A migration made by other rules than the service's (the defaults: hidden context kept
+    visible, the long answer whole) is a difference to `verify` and work left to `finish`
+    once the service's settings are there; `run` again under them converges."""
+    from tests.test_migration_cli import context_turns, with_service_turn_settings
+
+    database[CONVERSATIONS].insert_many(context_turns())
+    assert cli(wire_uri, database, "run") == 0
+    with_service_turn_settings(monkeypatch)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify") == 1
+    assert any(line.startswith("leg-ctx: ") for line in capsys.readouterr().out.splitlines())
+    assert cli(wire_uri, database, "finish") == 1
+    assert "leg-ctx" in capsys.readouterr().out
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish", "--accept", "leg-ctx", "--note", "context") == 0

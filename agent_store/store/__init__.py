@@ -118,6 +118,7 @@ from agent_store.store._truncation import (
     bound_message,
     document_size,
 )
+from agent_store.store._turn_settings import TurnSettings
 from agent_store.store._turns import (
     FORK_TURN,
     MAX_MESSAGES_PER_TURN,
@@ -214,6 +215,7 @@ __all__ = [
     "TurnObserver",
     "TurnPlan",
     "TurnRules",
+    "TurnSettings",
     "async_database",
     "auto_name",
     "blob_documents",

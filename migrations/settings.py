@@ -1,0 +1,40 @@
+"""What the migration reads of the service's settings: how turns are stored.
+
+A run converts legacy turns, and `verify` and `finish` compare them, by the rules the
+service logs and serves turns with (its read fallback converts the same legacy turns): the
+runtime context markers, the message bound and the name length. So the migration reads
+them from the same environment variables (`AGENT_STORE_RUNTIME_CONTEXT_START`, …), through
+the library's one definition of them (`TurnSettings`, which `app.settings.Settings` is made
+of too), and a value the service's start refuses stops every command as misuse (exit 2),
+before it looks for a database.
+"""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from agent_store.core import describe_validation_error
+from agent_store.store import TurnRules, TurnSettings
+from migrations.errors import Misuse
+
+SERVICE_DEFAULTS = TurnRules()
+"""The rules of a service none of whose turn settings is set."""
+
+
+class _TurnEnvironment(BaseSettings, TurnSettings):
+    """The turn settings, read from the environment as the service reads them."""
+
+    # As `app.settings.Settings` reads the environment: the same prefix, the rest ignored.
+    model_config = SettingsConfigDict(
+        env_prefix="AGENT_STORE_", extra="ignore", hide_input_in_errors=True
+    )
+
+
+def service_rules() -> TurnRules:
+    """The rules the service stores turns by, as the environment sets them; Misuse naming
+    the setting (never its value) for one the service's start refuses."""
+    try:
+        return _TurnEnvironment().turn_rules()
+    except ValidationError as exc:
+        raise Misuse(describe_validation_error(exc, subject="configuration")) from None
