@@ -248,6 +248,50 @@ async def test_a_stream_read_by_a_service_is_whole_when_its_conversation_changes
     assert [m.content for m in served] == [f"ALICE {i}" for i in range(40)]
 
 
+async def regenerated(
+    logger: AgentMessageLogger, store: ConversationStore, pops: int, turns: int
+) -> None:
+    """The runtime regenerates: the last `pops` messages popped, `turns` turns logged after."""
+    for _ in range(pops):
+        await store.pop_last_message(LIFE)
+    for n in range(turns):
+        await logger.log_messages(LIFE, said(f"NEW{n}", 2), user_id="alice", turn_id=f"n-{n}")
+
+
+@pytest.mark.parametrize("turns", [2, 0], ids=["logged again", "popped only"])
+async def test_a_stream_fails_when_a_pop_removed_a_message_it_served_before_its_end(
+    backend: Backend, turns: int
+) -> None:
+    """After the first batch (32 of 40 messages), the last 10 are popped, and turns logged at
+    their `seq`s or not: the stream fails, never serves popped messages with the turns logged
+    after them, a transcript that never was (nor, one pop check for both, without them)."""
+    logger, store = quick(backend.db)
+    await logger.log_messages(LIFE, said("ALICE", 40), user_id="alice", turn_id="t-1")
+    batches = store.stream_transcript(LIFE)
+    served = await anext(batches)
+    await regenerated(logger, store, 10, turns)
+
+    with pytest.raises(Conflict, match="popped while its transcript was read"):
+        await read_on(batches, served)
+    assert len(served) == 32
+
+
+async def test_a_stream_is_whole_when_a_pop_removed_only_messages_it_had_not_served(
+    backend: Backend,
+) -> None:
+    """A pop past what the first batch served, nothing logged after: the stream serves the
+    conversation as it stands after it, a transcript that was."""
+    logger, store = quick(backend.db)
+    await logger.log_messages(LIFE, said("ALICE", 40), user_id="alice", turn_id="t-1")
+    batches = store.stream_transcript(LIFE)
+    served = await anext(batches)
+    await regenerated(logger, store, 4, 0)
+
+    await read_on(batches, served)
+    assert served == await store.transcript(LIFE)
+    assert len(served) == 36
+
+
 async def stored_before_epochs(db: Any, conversation_id: str, messages: int) -> None:
     """A conversation as stored before conversations had an `epoch`: its messages name none."""
     await add_big_conversation(db, conversation_id, messages=messages, chars=10, user_id="alice")
@@ -313,6 +357,21 @@ async def test_the_transcript_route_cuts_its_answer_rather_than_send_two_lives(
             await logger.log_messages(LIFE, said("BOB", 40), user_id="bob", turn_id="t-1")
 
         after_first_batch(monkeypatch, store, started_again)
+        with pytest.raises(Exception) as cut:  # noqa: PT011 - what the server raises to cut it
+            await api.http.get(f"/v1/conversations/{LIFE}/transcript?full=true", headers=SERVICE)
+        assert cut_by(cut.value, Conflict)
+
+
+async def test_the_transcript_route_cuts_its_answer_when_a_pop_removed_a_message_it_sent(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runtime regenerates (10 messages popped, two turns logged) after the first batch
+    was sent: the answer is cut, never a 200 mixing popped messages with the turns after."""
+    async with serve(backend.db, seeded=False) as api:
+        store, logger = api.store.conversations, api.store.logger
+        await logger.log_messages(LIFE, said("ALICE", 40), user_id="alice", turn_id="t-1")
+
+        after_first_batch(monkeypatch, store, lambda: regenerated(logger, store, 10, 2))
         with pytest.raises(Exception) as cut:  # noqa: PT011 - what the server raises to cut it
             await api.http.get(f"/v1/conversations/{LIFE}/transcript?full=true", headers=SERVICE)
         assert cut_by(cut.value, Conflict)

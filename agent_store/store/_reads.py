@@ -392,8 +392,9 @@ def _not_resolvable(
     )
 
 
-_STANDING_READ = {"epoch": 1, "created_at": 1, "user_id": 1, **UNSTANDING_READ}
-"""What a read of messages looks up of their conversation, at once (`_in_scope`)."""
+_STANDING_READ = {"epoch": 1, "created_at": 1, "user_id": 1, "pops": 1, **UNSTANDING_READ}
+"""What a read of messages looks up of their conversation, at once (`_in_scope`): with the
+pops finished, which a streamed transcript pins at its first batch."""
 
 
 def _scoped(found: Mapping[str, Any] | None, user_id: str | None) -> Mapping[str, Any] | None:
@@ -1065,7 +1066,9 @@ class ConversationStore:
     ) -> list[AgentMessage]:
         """Every message of a conversation in `seq` order, in one round trip: its messages
         and its document, which says whether they are a conversation's (`_its_messages`), read
-        at once.
+        at once. Up to the first `seq` a turn is still writing below a stored message, as an
+        ascending page stops (`_committed`: one lookup more, only then), never a later turn
+        without it.
 
         With `fallback=False`, a conversation not migrated yet has no messages
         rather than those converted from its legacy turns.
@@ -1077,6 +1080,7 @@ class ConversationStore:
         if docs is None:  # no conversation document: a conversation not migrated yet, or none
             conversion = await self._legacy(conversation_id, user_id)
             return conversion.messages if fallback else []
+        docs, _ = await self._committed(conversation_id, docs, 0)
         return messages_adapter.validate_python(docs)
 
     def _transcript_cursor(self, conversation_id: str, user_id: str | None) -> Any:
@@ -1132,30 +1136,39 @@ class ConversationStore:
     async def recent_messages(
         self, conversation_id: str, *, limit: int | None = None, user_id: str | None = None
     ) -> list[AgentMessage]:
-        """The last `limit` messages of a conversation (all with None), in `seq` order.
+        """The last `limit` messages of a conversation (all with None), in `seq` order, of
+        those below the first `seq` a turn is still writing below a stored message, as the
+        transcript serves them (`_committed`).
 
         One round trip for up to 10,000 messages, the conversation document read with them; a
         conversation that does not exist, or is no conversation (`_its_messages`), has none.
-        No legacy fallback: for runtimes that keep their own history here.
+        A turn still being written among the last `limit` costs a lookup and the read again
+        below it. No legacy fallback: for runtimes that keep their own history here.
         """
-        query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
+        query: dict[str, Any] = {
+            "conversation_id": validate_identifier(conversation_id, "conversation_id")
+        }
         if user_id is not None:
             query["user_id"] = validate_identifier(user_id, "user_id")
         if limit is not None and (isinstance(limit, bool) or limit < 1):
             raise InvalidInput(f"invalid limit {limit!r}: it must be at least 1, or None for all")
-        if limit is None:
-            cursor = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
-        else:
-            cursor = self._messages.find(query).sort("seq", -1).limit(limit)
-            cursor = cursor.batch_size(min(limit, TRANSCRIPT_BATCH))
-        read = partial(cursor.to_list, None)
-        docs = await self._of_standing(
-            conversation_id, user_id, read, "read the last messages", absent_is_empty=True
-        )
-        docs = docs or []
-        if limit is not None:
-            docs = docs[::-1]
-        return messages_adapter.validate_python(docs)
+        while True:
+            if limit is None:
+                cursor = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
+            else:
+                cursor = self._messages.find(query).sort("seq", -1).limit(limit)
+                cursor = cursor.batch_size(min(limit, TRANSCRIPT_BATCH))
+            read = partial(cursor.to_list, None)
+            docs = await self._of_standing(
+                conversation_id, user_id, read, "read the last messages", absent_is_empty=True
+            )
+            docs = (docs or []) if limit is None else (docs or [])[::-1]
+            whole = limit is None or len(docs) < limit  # from the conversation's first `seq`
+            first = 0 if whole else int(docs[0]["seq"])
+            docs, writing = await self._committed(query["conversation_id"], docs, first)
+            if writing is None or limit is None:
+                return messages_adapter.validate_python(docs)
+            query["seq"] = {"$lt": writing}  # the last `limit` below the turn being written
 
     async def pop_last_message(
         self, conversation_id: str, *, user_id: str | None = None, refuse: Refusal | None = None
@@ -2463,24 +2476,23 @@ class ConversationStore:
     ) -> AsyncGenerator[list[AgentMessage], None]:
         """Every message of a conversation in `seq` order, a batch (one round trip) at a time.
 
-        What `transcript` returns, without holding it whole: the first batch holds up to
-        `STREAM_FIRST_BATCH` messages, each next one as many as fit in about `batch_bytes`
-        by the size of the largest message so far, at most `batch_size`. A conversation
-        with no messages here (empty, not migrated yet, missing, not `user_id`'s) is
-        answered by `transcript` itself, as one batch or its error, before anything else.
-        With `full`, fields cut to bound a message come whole (see `with_full_texts`).
+        What `transcript` returns (without `life`, up to a turn still being written: a lookup
+        more for a batch with such a hole), without holding it whole: the first batch holds up
+        to `STREAM_FIRST_BATCH` messages, each next one as many as fit in about `batch_bytes`
+        by the size of the largest message so far, at most `batch_size`. A conversation with
+        no messages here (empty, not migrated yet, missing, not `user_id`'s) is answered by
+        `transcript` itself, as one batch or its error, first. With `full`, cut fields whole.
 
         One life of the conversation, the one under the id as the stream starts, or `life`
         (the conversation as read before, a listing's: its messages as it counts them, below
         its `message_count`): when more batches follow the first, every batch leaves out the
         messages of another `epoch`, and a lookup after the last one finds the conversation
-        still there, the same one and `user_id`'s, its messages not being deleted, nor, for a
-        `life`, one of those it counts popped since, else `Conflict` (what was served is not
-        its whole transcript). A `life` gone before the first batch is NotFound, nothing
-        served, as is one that is no conversation (`_its_messages`). The first batch is read
-        at once with the conversation document, as `transcript` reads (one wait); one round
-        trip more than its batches for a transcript of more than one batch (two when a `seq`
-        past the last message is reserved); none for one of a single batch.
+        still there, the same one and `user_id`'s, its messages not being deleted, nor one
+        served (of a `life`: it counts) popped since the first batch, else `Conflict` (what
+        was served is not one transcript it had). A `life` gone before the first batch is
+        NotFound, nothing served, as is one that is no conversation (`_its_messages`). The
+        first batch is read at once with the conversation document (one wait); a round trip
+        more than its batches for several (two when a `seq` past the last message is reserved).
         """
         if not 1 <= batch_size <= TRANSCRIPT_BATCH:
             raise InvalidInput(f"invalid batch_size {batch_size}: 1 to {TRANSCRIPT_BATCH}")
@@ -2497,12 +2509,13 @@ class ConversationStore:
                     return
                 pin = pinned
             else:
-                assert pin is not None  # pinned by the first batch
-                read = await self._stream_batch(scope, pin, after, size)
-                docs = of_epoch(read, pin.get("epoch"))
-            last = len(read) < size
+                read, docs = await self._later_batch(scope, pin, after, size)
+            assert pin is not None  # pinned by the first batch
+            docs, writing = await self._in_order(scope["_id"], pin, docs, after + 1)
+            last = len(read) < size or writing is not None
             if read:
                 after, largest = int(read[-1]["seq"]), max(map(_approximate_size, read))
+            after = after if writing is None else writing - 1  # the stream ends before it
             if last and not first:
                 await self._lived_through(scope, pin, after)
             if docs or first:
@@ -2529,8 +2542,30 @@ class ConversationStore:
         if not docs or seen is None:
             return read, docs, None
         found = seen
-        life = pin or {"epoch": found.get("epoch"), "created_at": found.get("created_at")}
+        life = pin or {
+            "epoch": found.get("epoch"),
+            "created_at": found.get("created_at"),
+            "pops": int(found.get("pops") or 0),
+        }
         return read, docs, life
+
+    async def _later_batch(
+        self, scope: dict[str, Any], pin: dict[str, Any] | None, after: int, size: int
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """A stream's batch after its first: the messages read, and those of the life it
+        pinned (`epoch`) served."""
+        read = await self._stream_batch(scope, pin, after, size)
+        return read, of_epoch(read, (pin or {}).get("epoch"))
+
+    async def _in_order(
+        self, conversation_id: str, pin: dict[str, Any], docs: list[dict[str, Any]], first: int
+    ) -> tuple[list[dict[str, Any]], int | None]:
+        """A streamed batch from `seq` `first`, up to the first `seq` a turn is still writing
+        (`_committed`), and that `seq`; a `life`'s whole (its messages as it counts them:
+        the export waits for such a turn, `_unstored_turn`)."""
+        if "end" in pin:
+            return docs, None
+        return await self._committed(conversation_id, docs, first)
 
     async def _served(
         self, messages: list[AgentMessage], full: bool
@@ -2610,16 +2645,17 @@ class ConversationStore:
     async def _lived_through(self, scope: dict[str, Any], pin: dict[str, Any], last: int) -> None:
         """After a stream's last batch (the last message served has `seq` `last`): Conflict
         unless the conversation it served is still under the id and in `scope`, no pop since
-        the life was read removed a message it counts (`pops`, `end`, when `pin` names them),
-        and, when a `seq` past `last` is reserved, no delete of it is under way (one lookup
-        more, then)."""
+        the life was read removed a message it counts or served (`pops`; `end`, when `pin`
+        names it, else past `last`), and, when a `seq` past `last` is reserved, no delete of
+        it is under way (one lookup more, then)."""
         conversation_id = scope["_id"]
         life = same_as_read(conversation_id, pin)
         read = {"message_count": 1, "epoch": 1, "created_at": 1, **POPS_READ}
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(scope | life, read)
         if found is not None and "pops" in pin:
-            _refuse_popped_since(conversation_id, found, pin["pops"], pin["end"])
+            end = int(pin.get("end", last + 1))
+            _refuse_popped_since(conversation_id, found, int(pin["pops"]), end)
         if found is not None and int(found.get("message_count") or 0) <= last + 1:
             return
         if found is not None and not await self._deletions.under_way(conversation_id, found):
@@ -2652,11 +2688,11 @@ def _refuse_popped_since(
 ) -> None:
     """Conflict when a pop removed a message below `end` from the conversation `found` (read
     with `POPS_READ`) since a stream read it with `pops` pops finished: the messages served
-    are not those it counted."""
+    are not those it counted, or mix those popped with those logged after."""
     if popped_since_read(found, pops, end - 1):
         raise Conflict(
             f"a message of conversation {conversation_id!r} was popped while its transcript "
-            "was read: the messages served are not those its summary counts (read it again)"
+            "was read: the messages served are not one transcript it had (read it again)"
         )
 
 
