@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, TextIO
 
+from bson.errors import InvalidDocument
 from pymongo.database import Database
 from pymongo.errors import PyMongoError
 
@@ -198,7 +199,9 @@ def _source(
     `_planned_at`). `args.conversation` becomes the legacy id it names
     (`explode.conversation_named`). A move while an earlier run's ranges stand unfinished
     records the conversations of the turns it moves, for the run resuming them to migrate
-    whatever its checkpoints (`relocate.LATE`).
+    whatever its checkpoints (`relocate.LATE`); a run starting over (`--restart`) records
+    only that the ranges are cut again (`relocate.LATE_OVERFLOW`), so its move writes nothing
+    the stopped run's ranges would need.
     A legacy collection moved aside and standing empty was emptied by the turns' owners (a
     killed run may have left messages of a conversation deleted meanwhile): the run goes on
     to its last step, which removes them (`abandoned.remove`); with none anywhere there is no
@@ -214,6 +217,7 @@ def _source(
             fence=lambda: explode.prove_lease(db, held),
             write_state=None if held is None else held.write_state,
             late=explode.ranges_unfinished(state),
+            start_over=args.restart,
         )
         if moved.how in ("renamed", "copied"):
             dual_writes.record_move(db, held)
@@ -748,6 +752,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except PyMongoError as exc:
         print(f"error: the database failed: {exc}", file=sys.stderr)
+        return 4
+    except InvalidDocument as exc:  # the driver's refusal, `DocumentTooLarge` among them
+        print(f"error: the database refused a document: {exc}", file=sys.stderr)
         return 4
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -81,7 +81,14 @@ from migrations.errors import Misuse
 from migrations.keys import id_key, identity
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.order import Ranges, plan_ranges, range_ids, spread_ids
-from migrations.relocate import LATE, LATE_OVERFLOW, TURN_FILTER, held_back, turns_at
+from migrations.relocate import (
+    LATE,
+    LATE_OVERFLOW,
+    TURN_FILTER,
+    held_back,
+    late_fits,
+    turns_at,
+)
 from migrations.settings import SERVICE_DEFAULTS
 from migrations.writes import ALREADY_LIVE, Converted
 
@@ -792,14 +799,16 @@ class Explosion:
         """Where an unfinished earlier run stopped: its ranges and the last id done in each,
         and the conversations moves made since brought turns of (`late`), which may sort
         before a checkpoint. None when a move since brought in too many to list, or every
-        turn at once (`relocate.LATE_OVERFLOW`): the run cuts new ranges, reaching every
-        id."""
+        turn at once (`relocate.LATE_OVERFLOW`), or the state lists more than it may
+        (`relocate.late_fits`: written by an earlier version, it could not be written again at
+        a checkpoint): the run cuts new ranges, reaching every id."""
         if self.options.restart or self.options.conversation is not None:
             return None
         state = self.db[STATE].find_one({"_id": STATE_ID}) or {}
-        if not ranges_unfinished(state) or state.get(LATE_OVERFLOW):
+        owed = list(state.get(LATE) or [])
+        if not ranges_unfinished(state) or state.get(LATE_OVERFLOW) or not late_fits(owed):
             return None
-        self.late = {id_key(cid): cid for cid in state.get(LATE) or []}
+        self.late = {id_key(cid): cid for cid in owed}
         done, kinds = dict(state.get("done") or {}), dict(state.get("kinds") or {})
         return Ranges(list(state["ranges"]), done, kinds)
 

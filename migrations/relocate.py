@@ -16,7 +16,9 @@ collections, whatever batch sizes a resumed copy takes. A move made while an ear
 ranges of ids stand unfinished (`late`: the old service logged turns after that run's move)
 brings in turns whose ids may sort before a range's checkpoint, where the resuming run would
 never reach them: each copy batch records the conversations its turns name (`LATE`) in the
-same write, before its insert, for the run to migrate whatever its checkpoints.
+same write, before its insert, for the run to migrate whatever its checkpoints; past what the
+one state document holds (`LATE_MAX`, `LATE_MAX_BYTES`), or when the run starts over, only
+that the ranges are cut again (`LATE_OVERFLOW`).
 """
 
 from __future__ import annotations
@@ -61,11 +63,15 @@ migrated yet; a run cutting new ranges reaches every id, and its first checkpoin
 list."""
 LATE_OVERFLOW = "late_conversations_overflow"
 """The field of the migration's state set, in place of `LATE`, when such a move brought in
-more conversations than `LATE_MAX`, or every turn at once (a rename): the next run cuts new
+more conversations than `LATE_MAX`, ids of more bytes than `LATE_MAX_BYTES`, or every turn at
+once (a rename), or when the run moving them starts over (`--restart`): the next run cuts new
 ranges (starts over: a rerun is idempotent) instead of resuming."""
 LATE_MAX = 10_000
-"""The most conversations `LATE` lists (ids of up to a few hundred bytes each: the state is
-one document)."""
+"""The most conversations `LATE` lists."""
+LATE_MAX_BYTES = 4 * 1024 * 1024
+"""The most bytes the ids `LATE` lists take encoded (`late_bytes`): legacy ids are free text
+of any length, and the state is one document of at most 16 MB, written whole again, the
+list with it, at every checkpoint of the run resuming the ranges."""
 
 CONVERSATION_FILTER: dict[str, Any] = {
     "$or": [{f: {"$exists": True}} for f in CONVERSATION_COUNTERS]
@@ -109,32 +115,53 @@ def held_back(db: Database[dict[str, Any]]) -> set[str]:
     return held
 
 
+def late_bytes(ids: list[Any]) -> int:
+    """The bytes `ids` take encoded as the state lists them (`LATE`)."""
+    return len(bson.encode({LATE: ids}))
+
+
+def late_fits(ids: list[Any]) -> bool:
+    """Whether the state may list `ids` (`LATE`): no more of them than `LATE_MAX`, taking no
+    more bytes than `LATE_MAX_BYTES`."""
+    return len(ids) <= LATE_MAX and late_bytes(ids) <= LATE_MAX_BYTES
+
+
 @dataclass
 class _Late:
     """The conversations a move under unfinished ranges has recorded (`LATE`)."""
 
     recorded: set[bytes] = field(default_factory=set)
     listed: int = 0
-    """How many the state listed before this move."""
+    """How many the state lists: before this move, then with those it added."""
+    size: int = 0
+    """How many bytes they take (`late_bytes`; each batch's counted apart, a few bytes over)."""
     overflow: bool = False
+    """Whether the state is to record only that the ranges are cut again (`LATE_OVERFLOW`):
+    from the start when the run moving the turns starts over (`--restart`)."""
+    said: bool = False
+    """Whether the overflow was written."""
 
     def update(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
         """The state's update recording the conversations of `batch`'s turns, written with
-        the batch's turns in flight (before its insert): none once it overflowed."""
-        if self.overflow:
-            return {}
+        the batch's turns in flight (before its insert); once they no longer fit the state
+        (`LATE_MAX`, `LATE_MAX_BYTES`), or the run starts over, that the ranges are cut
+        again, once."""
         named = {id_key(d.get("conversation_id")): d.get("conversation_id") for d in batch}
         fresh = [cid for key, cid in named.items() if key not in self.recorded]
-        if self.listed + len(self.recorded) + len(fresh) > LATE_MAX:
-            self.overflow = True
-            return {"$set": {LATE_OVERFLOW: True}, "$unset": {LATE: ""}}
-        self.recorded |= named.keys()
-        return {"$addToSet": {LATE: {"$each": fresh}}} if fresh else {}
+        size = self.size + late_bytes(fresh)
+        self.overflow |= self.listed + len(fresh) > LATE_MAX or size > LATE_MAX_BYTES
+        if not self.overflow:
+            self.recorded |= named.keys()
+            self.listed, self.size = self.listed + len(fresh), size
+            return {"$addToSet": {LATE: {"$each": fresh}}} if fresh else {}
+        said, self.said = self.said, True
+        return {} if said else {"$set": {LATE_OVERFLOW: True}, "$unset": {LATE: ""}}
 
 
-def _late(db: Database[dict[str, Any]]) -> _Late:
+def _late(db: Database[dict[str, Any]], *, start_over: bool) -> _Late:
     state = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, {LATE: 1}) or {}
-    return _Late(listed=len(state.get(LATE) or []))
+    listed = list(state.get(LATE) or [])
+    return _Late(listed=len(listed), size=late_bytes(listed), overflow=start_over)
 
 
 def _merged(update: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
@@ -254,6 +281,7 @@ def relocate(
     fence: Callable[[], None] = lambda: None,
     write_state: Callable[[dict[str, Any]], None] | None = None,
     late: bool = False,
+    start_over: bool = False,
 ) -> Relocation:
     """Move every turn document from `agent_conversations` to the deprecated collection.
 
@@ -264,7 +292,9 @@ def relocate(
     recorded there (`COPYING`) before its first batch and cleared once every turn moved;
     with the deprecated collection a rollback left standing, nothing moves
     (`refuse_leftover`). `late`: an earlier run's ranges stand unfinished; the conversations
-    of the turns moved are recorded for the run resuming them (`LATE`, `LATE_OVERFLOW`)."""
+    of the turns moved are recorded for the run resuming them (`LATE`), or, past what the
+    state holds or when this run cuts new ranges anyway (`start_over`: `--restart`), that the
+    next run cuts them again (`LATE_OVERFLOW`)."""
     source, target = db[CONVERSATIONS], db[LEGACY_TURNS]
     if not holds_turns(db, CONVERSATIONS):
         if holds_turns(db, LEGACY_TURNS):
@@ -297,7 +327,8 @@ def relocate(
     copy = functools.partial(
         _copy_batch, source=source, target=target, progress=progress, fence=fence, state=state
     )
-    moved = _copy_all(source, batch_size, functools.partial(copy, late=_late(db) if late else None))
+    recorded = _late(db, start_over=start_over) if late else None
+    moved = _copy_all(source, batch_size, functools.partial(copy, late=recorded))
     state({"$unset": {COPYING: "", IN_FLIGHT: ""}})
     return Relocation("copied", moved, reason)
 

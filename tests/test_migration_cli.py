@@ -1085,6 +1085,91 @@ def test_a_rename_under_unfinished_ranges_makes_the_next_run_start_over() -> Non
     assert explode.Explosion(db, explode.Options(), lease=None).resume_point() is None
 
 
+LONG_ID = "x" * 100_000
+"""A legacy conversation id of 100 KB: free text, stored under a derived id."""
+
+
+@pytest.mark.parametrize("batch_size", [100, 5])
+def test_a_move_bringing_in_more_bytes_of_ids_than_listed_makes_the_next_run_start_over(
+    batch_size: int,
+) -> None:
+    """Conversation ids are free text of any length: the conversations a move brings in under
+    unfinished ranges are listed only while their ids fit a byte budget well under the 16 MB
+    of the one state document (`relocate.LATE_MAX_BYTES`), in one copy batch (100) as across
+    many (5); past it, the next run cuts new ranges, as past `relocate.LATE_MAX`."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    stopped_state(db)
+    db[LEGACY_TURNS].insert_many([numbered_turn(f"c-{n:02d}", n) for n in range(6)])
+    db[CONVERSATIONS].insert_many([numbered_turn(f"{n:04d}{LONG_ID}", n) for n in range(70)])
+
+    assert relocate.relocate(db, batch_size=batch_size, late=True).how == "copied"
+    state = db[lease.STATE].find_one({"_id": lease.STATE_ID}) or {}
+    assert state.get(relocate.LATE_OVERFLOW) is True
+    assert relocate.LATE not in state
+    assert explode.Explosion(db, explode.Options(), lease=None).resume_point() is None
+
+
+def test_a_listed_record_past_the_byte_budget_makes_the_next_run_start_over() -> None:
+    """A state listing more bytes of ids than the budget (an earlier version wrote it, on a
+    server that let the document grow): the run cuts new ranges, owing none of them, so its
+    checkpoints clear the record instead of writing it again."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    stopped_state(db)
+    owed = [f"{n:04d}{LONG_ID}" for n in range(70)]
+    db[lease.STATE].update_one({"_id": lease.STATE_ID}, {"$set": {relocate.LATE: owed}})
+
+    run = explode.Explosion(db, explode.Options(), lease=None)
+    assert run.resume_point() is None
+    assert run.late == {}
+
+
+@pytest.mark.wire
+def test_a_restarted_run_records_no_late_conversations_for_ranges_it_cuts_again(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run --restart` starts over: its move, under a stopped run's ranges, lists none of the
+    conversations it brings in, only that the ranges are cut again, so a restart stopped
+    before its first checkpoint leaves the next run starting over too."""
+    stopped_state(database)
+    database[LEGACY_TURNS].insert_many([numbered_turn(f"c-{n:02d}", n) for n in range(6)])
+    database[CONVERSATIONS].insert_many([numbered_turn(f"c-0{n}a", 10 + n) for n in range(3)])
+
+    def stopped(self: explode.Explosion, ranges: explode.Ranges) -> explode.Counts:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(explode.Explosion, "run", stopped)
+    assert cli(wire_uri, database, "run", "--restart") == 130
+    state = database[lease.STATE].find_one({"_id": lease.STATE_ID}) or {}
+    assert state.get(relocate.LATE_OVERFLOW) is True
+    assert relocate.LATE not in state
+    monkeypatch.undo()
+    assert cli(wire_uri, database, "run") == 0
+    assert database[CONVERSATIONS].count_documents({"_id": {"$regex": "^c-0"}}) == 9
+    assert cli(wire_uri, database, "verify") == 0
+
+
+@pytest.mark.wire
+def test_a_write_the_driver_refuses_as_too_large_is_exit_4_with_a_message(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A document or command over the 16 MB a server takes is a database refusal: exit 4 and
+    one line saying so, never a traceback (exit 1 is work left)."""
+    database[CONVERSATIONS].insert_one(numbered_turn("c-00", 0))
+
+    def too_large(*args: Any, **kwargs: Any) -> Any:
+        database[lease.STATE].update_one({"_id": "big"}, {"$set": {"x": "x" * (17 << 20)}})
+
+    monkeypatch.setattr(relocate, "relocate", too_large)
+    assert cli(wire_uri, database, "run") == 4
+    err = capsys.readouterr().err
+    assert "error: the database refused" in err
+    assert "too large" in err
+    assert "Traceback" not in err
+
+
 OUT_OF_RANGE = bson.encode({"t": DatetimeMS(2**62)})
 """A BSON date no Python `datetime` holds (year 146,140,482 and on)."""
 
