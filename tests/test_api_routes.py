@@ -11,7 +11,9 @@ import httpx
 import pytest
 
 from agent_store.core import StorageUnavailable
+from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import MAX_PAGE_SIZE
+from app.examples import example_legacy_turns
 from app.http_errors import ERROR_CODES
 from tests.api_harness import (
     NAMED_TOKEN,
@@ -347,6 +349,31 @@ async def test_a_rename_naming_an_earlier_conversations_etag_is_refused(api: Ser
 
 NOT_SERVED = '"0123456789abcdef0123456789abcdef"'
 """An ETag no conversation was served with."""
+
+
+async def test_a_rename_naming_another_tag_than_its_legacy_turns_are_served_with_is_412() -> None:
+    """A conversation served from its legacy turns: PATCH compares If-Match first, as DELETE
+    does (412, nothing renamed), before it refuses to rename what is not migrated yet (409)."""
+    async with serve(mongomock_db(), seeded=False) as api:
+        await api.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+        owner = auth_headers(user=OWNER)
+        etag = (await api.http.get(CONV, headers=owner)).headers["etag"]
+        before = await api.digest()
+
+        answers = [
+            await api.http.patch(
+                CONV, json={"name": "Renamed"}, headers=headers | {"If-Match": tag}
+            )
+            for headers in (SERVICE, owner)
+            for tag in (NOT_SERVED, etag)
+        ]
+
+        assert [(a.status_code, error_code(a)) for a in answers] == [
+            (412, "precondition_failed"), (409, "conflict")
+        ] * 2  # fmt: skip
+        assert await api.digest() == before
+
+
 INBOX = f"{CONV}/turns/run-if-match/inbox"
 NAMING_ONE_CONVERSATION = {
     "log a turn": ("POST", f"{CONV}/turns", AGAIN),

@@ -14,14 +14,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from bson import ObjectId
 
+from agent_store.core import utc_now
 from agent_store.legacy import LEGACY_TURNS, SESSION_HITL, parse_turns
 from agent_store.store import CONVERSATIONS, MESSAGES
-from tests.api_harness import OTHER, OWNER, Served, auth_headers, hitl_turn, mongomock_db, serve
+from tests.api_harness import (
+    OTHER,
+    OWNER,
+    Served,
+    api_settings,
+    auth_headers,
+    hitl_turn,
+    mongomock_db,
+    serve,
+)
 from tests.conftest import Backend
 
 MALLORY = "user-mallory"
@@ -557,3 +568,59 @@ async def test_a_users_writes_to_her_legacy_id_answer_alike_whoever_holds_a_conv
             assert beside == (alone[0], alone[1].replace("conv-alone", "conv-beside")), write
             assert alone[0] == 409, write
         assert await digests(api.db) == before
+
+
+def reads_and_delete(target: str) -> dict[str, tuple[str, str]]:
+    url = f"/v1/conversations/{target}"
+    return {
+        "get": ("GET", url), "transcript": ("GET", f"{url}/transcript"),
+        "messages": ("GET", f"{url}/messages?limit=5"), "pending": ("GET", f"{url}/hitl"),
+        "delete": ("DELETE", url),
+    }  # fmt: skip
+
+
+async def log_live_beside(api: Served, holder: str | None) -> set[Any]:
+    """Dual write on: a service logs `conv-beside` unowned, then (for `holder`) a turn naming
+    them assigns it; the `_id`s of its rollback copies (the first names no user)."""
+    for turn_id, user in (("s0", None), ("s1", holder)):
+        said = [{"role": "user", "content": "«LIVE SECRET»"}]
+        body = {"turn_id": turn_id, "user_id": user, "messages": said}
+        logged = await api.http.post(
+            "/v1/conversations/conv-beside/turns", json=body, headers=auth_headers()
+        )
+        assert logged.status_code == 201, logged.text
+    return {c["_id"] for c in await api.db[LEGACY_TURNS].find().to_list(None)}
+
+
+@pytest.mark.parametrize("holder", [MALLORY, None], ids=["another user's", "unowned"])
+async def test_with_dual_write_on_a_users_reads_and_delete_beside_a_live_conversation_are_hers(
+    backend: Backend, holder: str | None
+) -> None:
+    """OWNER's late legacy turn under the id of a live conversation not hers, dual write on:
+    the live conversation's rollback copies (one naming no user, logged before a turn
+    assigned it) are its own, never her legacy turns, so every read and her delete answer as
+    under an id her turn alone holds, and the copies all stay."""
+    async with serve(backend.db, api_settings(legacy_dual_write=True), seeded=False) as api:
+        await api.store.logger.ensure_indexes()
+        copies = await log_live_beside(api, holder)
+        for target in ("conv-alone", "conv-beside"):
+            await api.db[LEGACY_TURNS].insert_one(
+                {"_id": f"late-{target}", "conversation_id": target, "user_id": OWNER,
+                 "created_at": utc_now() + timedelta(minutes=1), "user_message": "mine",
+                 "response_parts": [{"type": "text", "content": "ok"}]}
+            )  # fmt: skip
+
+        answers = {}
+        for target in ("conv-alone", "conv-beside"):
+            for route, (method, url) in reads_and_delete(target).items():
+                answer = await api.http.request(method, url, headers=auth_headers(user=OWNER))
+                assert "«LIVE SECRET»" not in answer.text, (route, target)
+                body = answer.json()
+                said = [m["content"] for m in body.get("data", ())]
+                answers[route, target] = (answer.status_code, said, body.get("message_count"))
+
+        for route in reads_and_delete(""):
+            assert answers[route, "conv-beside"] == answers[route, "conv-alone"], route
+            assert answers[route, "conv-alone"][0] == 200, route
+        left = {c["_id"] for c in await api.db[LEGACY_TURNS].find().to_list(None)}
+        assert left == copies

@@ -1917,3 +1917,106 @@ async def test_a_dual_written_native_item_is_kept_where_the_migration_counts_it(
         ("unread_field", "native", False)
     ]
     assert "«REASONING»" in str(converted.problems[0].content)
+
+
+# -- a live conversation's dual-written copies are its own ------------------------------
+
+LIVE_HOLDERS = pytest.mark.parametrize(
+    "holder", [VICTIM, None], ids=["assigned to the victim", "unowned"]
+)
+LATE = pytest.mark.parametrize("late", ["after its copies", "before its copies"])
+
+
+async def live_beside_a_late_legacy_turn(
+    backend: Backend, holder: str | None, late: str = "after its copies"
+) -> tuple[ConversationStore, set[Any]]:
+    """Dual write on: a service logs `conv-x` unowned (its copy names no user), then, for
+    `holder`, a turn naming them assigns it to them; the old service writes a legacy turn
+    naming Mallory under `conv-x`, dated after the copies or before them. The store, and
+    the `_id`s of the live conversation's copies."""
+    logger, store = wired(backend, dual_write=True)
+    await logger.log_messages("conv-x", [{"role": "user", "content": "«EARLY SECRET»"}],
+                              turn_id="s0")  # fmt: skip
+    await logger.log_messages("conv-x", [{"role": "user", "content": "«LATER SECRET»"}],
+                              user_id=holder, turn_id="s1")  # fmt: skip
+    copies = {c["_id"] for c in await backend.db[LEGACY_TURNS].find().to_list(None)}
+    shift = timedelta(minutes=1 if late == "after its copies" else -10)
+    await backend.db[LEGACY_TURNS].insert_one(
+        {"_id": "late-mallory", "conversation_id": "conv-x", "user_id": MALLORY,
+         "created_at": utc_now() + shift, "user_message": "hers",
+         "response_parts": [{"type": "text", "content": "ok"}]}
+    )  # fmt: skip
+    return store, copies
+
+
+@LIVE_HOLDERS
+@LATE
+@pytest.mark.parametrize("how", ["delete the conversation", "erase the user"])
+async def test_a_live_conversations_copies_are_never_another_users_legacy_turns(
+    backend: Backend, holder: str | None, late: str, how: str
+) -> None:
+    """The rollback copies of a live conversation are its own, its owner's (or no user's,
+    unowned), whatever a legacy turn under its id names: to Mallory, whose late legacy turn
+    is there, the conversation is as if absent, so her token reads her turn alone, and her
+    delete or erasure takes it alone."""
+    store, copies = await live_beside_a_late_legacy_turn(backend, holder, late)
+
+    said = [m.content for m in await store.transcript("conv-x", user_id=MALLORY)]
+    served = await store.get_conversation("conv-x", user_id=MALLORY)
+    if how == "erase the user":
+        erased = await store.erase_user(MALLORY)
+    else:
+        erased = await store.delete("conv-x", user_id=MALLORY)
+
+    assert said == ["hers", "ok"]
+    assert (served.user_id, served.message_count) == (MALLORY, 2)
+    assert erased.legacy_turns == 1
+    left = {c["_id"] for c in await backend.db[LEGACY_TURNS].find().to_list(None)}
+    assert left == copies
+    live = [m.content for m in await store.transcript("conv-x", user_id=holder)]
+    assert live == ["«EARLY SECRET»", "«LATER SECRET»"]
+
+
+@LATE
+@pytest.mark.parametrize("how", ["delete the conversation", "erase the user"])
+async def test_the_live_owners_delete_or_erasure_takes_every_copy_of_her_conversation(
+    backend: Backend, late: str, how: str
+) -> None:
+    """Her conversation's copies go with it, those naming no user (logged before a turn
+    assigned it to her) too, whatever a late legacy turn under its id names; Mallory's legacy
+    turn stays, and her token reads it alone."""
+    store, copies = await live_beside_a_late_legacy_turn(backend, VICTIM, late)
+
+    if how == "erase the user":
+        await store.erase_user(VICTIM)
+    else:
+        await store.delete("conv-x", user_id=VICTIM)
+
+    left = [c["_id"] for c in await backend.db[LEGACY_TURNS].find().to_list(None)]
+    assert left == ["late-mallory"]
+    assert copies
+    said = [m.content for m in await store.transcript("conv-x", user_id=MALLORY)]
+    assert said == ["hers", "ok"]
+
+
+async def test_a_rename_naming_another_version_of_an_unmigrated_conversation_is_refused(
+    backend: Backend,
+) -> None:
+    """A rename naming a version (`If-Match`) is checked as a delete checks it, before the
+    refusal of a write to legacy turns: another version is `VersionMismatch`, its own is
+    refused as not migrated yet; nothing renamed either way."""
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    version = (await store.get_conversation(EXAMPLE_CONVERSATION_ID)).version
+
+    with pytest.raises(VersionMismatch):
+        await store.rename(EXAMPLE_CONVERSATION_ID, "New name", version="0" * 32)
+    with pytest.raises(VersionMismatch):
+        await store.rename(EXAMPLE_CONVERSATION_ID, "New name", version="0" * 32,
+                           user_id=EXAMPLE_USER_ID)  # fmt: skip
+    with pytest.raises(Conflict, match="not migrated yet; it can be renamed once"):
+        await store.rename(EXAMPLE_CONVERSATION_ID, "New name", version=version)
+    with pytest.raises(NotFound):
+        await store.rename(EXAMPLE_CONVERSATION_ID, "New name", version="0" * 32,
+                           user_id="someone-else")  # fmt: skip
+    assert (await store.get_conversation(EXAMPLE_CONVERSATION_ID)).name != "New name"

@@ -596,6 +596,11 @@ class LegacyTurn(BaseModel):
         name = shorten(self.name, MAX_NAME_CHARS)
         return None if shows_nothing(name) else name
 
+    @property
+    def dual_write_field(self) -> Any:
+        """Its `dual_write` field as found (`true` on a turn the dual write copied)."""
+        return (self.model_extra or {}).get("dual_write")
+
     def unknown_fields(self) -> dict[str, Any]:
         """The fields no reader takes: those the format does not name, the dual write's own
         (`_DUAL_WRITE_FIELDS`) aside on a dual-written turn (`dual_write: true`) alone, whose
@@ -916,15 +921,75 @@ def user_values(user_id: str) -> list[Any]:
     return values
 
 
-def users_part(turns: list[LegacyTurn], user_id: str | None) -> list[int]:
+@dataclass(frozen=True)
+class LiveConversation:
+    """The conversation document stored under the id a conversation's legacy turns are read
+    by (in any state: standing, marked by a delete, being migrated). What its dual write
+    copied there (`dual_write: true`: its turns, its answers' `session_hitl` records) is its
+    own rollback copy, not a legacy turn: its owner's whole, or no user's when it has none,
+    whatever the legacy turns under the id name (`live_copy`)."""
+
+    user_id: str | None
+
+
+def live_copy(dual_write: Any, live: LiveConversation | None) -> bool:
+    """Whether a document under an id whose `dual_write` field holds `dual_write` is the live
+    conversation's own copy: the dual write marked it, and a conversation document stands
+    under the id (`live`). Once none does (deleted, or moved away by a rollback), the copies
+    are legacy turns like any other, and the old service and a second attempt read them so."""
+    return live is not None and dual_write is True
+
+
+def reached_by(
+    turns: list[LegacyTurn], user_id: str | None, live: LiveConversation | None
+) -> list[int]:
+    """The indexes of the turns under an id that are legacy turns to `user_id`: every one to
+    the live conversation's owner (`live`, None when no conversation document stands there),
+    and to any other user every one but the live conversation's copies (`live_copy`), which
+    are as absent: they tell no owner (`owner_of`), so a late legacy turn naming the user
+    never makes them hers, to read, delete or erase."""
+    if live is None or user_id == live.user_id:
+        return list(range(len(turns)))
+    return [i for i, turn in enumerate(turns) if not live_copy(turn.dual_write_field, live)]
+
+
+def owns_legacy(
+    turns: list[LegacyTurn], user_id: str | None, live: LiveConversation | None
+) -> bool:
+    """Whether `user_id` owns the legacy conversation under an id (`owner_of`), told over the
+    turns that are legacy turns to the user (`reached_by`)."""
+    return owner_of([turns[i] for i in reached_by(turns, user_id, live)]) == user_id
+
+
+def users_part(
+    turns: list[LegacyTurn], user_id: str | None, live: LiveConversation | None = None
+) -> list[int]:
     """The indexes of the turns that are `user_id`'s part of one legacy conversation: those
     naming the user (`user_named`), and, when the user owns the conversation (`owner_of`),
     those naming no user (a missing, null or blank `user_id`). Another user's turns are
     never part of it, whatever id they are filed under or named by, an identifier or not:
     ids that read alike (`42` and `"42"`) make one conversation of two users' turns, which
-    the owner reads, deletes and erases without the other's words."""
-    owns = owner_of(turns) == user_id
-    return [i for i, turn in enumerate(turns) if part_of(turn.user_id, user_id, owns=owns)]
+    the owner reads, deletes and erases without the other's words. The copies of the live
+    conversation under the id (`live`) are its owner's part whole, whatever the turns name,
+    and never another user's (`reached_by`)."""
+    reached = reached_by(turns, user_id, live)
+    owns = owns_legacy(turns, user_id, live)
+    part = [i for i in reached if part_of(turns[i].user_id, user_id, owns=owns)]
+    if live is None or user_id != live.user_id:
+        return part
+    return sorted({*part, *(i for i, t in enumerate(turns) if live_copy(t.dual_write_field, live))})
+
+
+def prompt_part_of(
+    prompt: Mapping[str, Any], user_id: str | None, live: LiveConversation | None, *, owns: bool
+) -> bool:
+    """Whether a `session_hitl` prompt under an id is `user_id`'s part of its conversation, as
+    `users_part` tells a turn: the live conversation's own record (`live_copy`: the dual write
+    marked it) its owner's alone; any other by `part_of`."""
+    if live_copy(prompt.get("dual_write"), live):
+        assert live is not None
+        return user_id == live.user_id
+    return part_of(prompt.get("user_id"), user_id, owns=owns)
 
 
 def part_of(value: Any, user_id: str | None, *, owns: bool) -> bool:

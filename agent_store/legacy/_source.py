@@ -22,18 +22,22 @@ from agent_store.legacy._documents import (
     NAMING_FIELDS,
     SESSION_HITL,
     LegacyTurn,
+    LiveConversation,
     Unnamed,
     derived_user_id,
     id_filter,
+    live_copy,
     may_not_be_identifiers,
     named_filter,
     named_id,
     names_none,
     owner_of,
+    owns_legacy,
     parse_turns,
-    part_of,
     prompt_conversation,
+    prompt_part_of,
     prompts_filter,
+    reached_by,
     scalar_filter,
     tell_apart,
     turn_times,
@@ -66,8 +70,9 @@ from agent_store.store import (
     storage_errors,
 )
 
-_OWNERSHIP_FIELDS = {"conversation_id": 1, "user_id": 1, "created_at": 1}
-"""What tells a legacy conversation's owner (`owner_of`) and a user's part (`users_part`)."""
+_OWNERSHIP_FIELDS = {"conversation_id": 1, "user_id": 1, "created_at": 1, "dual_write": 1}
+"""What tells a legacy conversation's owner (`owner_of`) and a user's part (`users_part`), a
+live conversation's copies (`live_copy`) apart."""
 
 MAX_LEGACY_DOCUMENT_BYTES = 16 * 1024 * 1024 - 64 * 1024
 """A dual-written turn holds its whole texts while it fits in a BSON document (16 MiB, less
@@ -107,12 +112,17 @@ class LegacyTurns:
         """The conversation converted from its legacy turns and prompts; None if it has none,
         or if `user_id` is given and the turns name another owner (told before converting:
         another's conversation costs no more than a missing one). For a user, only the
-        user's part of it (`users_part`): turns and prompts naming another user are left out.
+        user's part of it (`users_part`): turns and prompts naming another user are left out,
+        and so are the copies of a live conversation under the id that is not the user's
+        (`reached_by`: one lookup more, only when the turns hold a copy).
         """
         query, unnamed = await self._turns_of(conversation_id)
         with storage_errors("read the legacy turns"):
             turns = parse_turns(await self._turns.find(query).to_list(None), unnamed.names)
+        live = None
         if turns and user_id is not None:
+            live = await self._live(conversation_id, turns)
+            turns = [turns[i] for i in reached_by(turns, user_id, live)]
             if owner_of(turns) != user_id:
                 return None
             turns = [turns[i] for i in users_part(turns, user_id)]
@@ -124,6 +134,8 @@ class LegacyTurns:
         with storage_errors("read the pending prompt"):
             prompts = await self._prompts.find(prompts_filter(conversation_id)).to_list(None)
         # Only the owner's prompts (`owners_prompt`), as the migration takes them.
+        if live is not None and user_id != live.user_id:
+            prompts = [p for p in prompts if not live_copy(p.get("dual_write"), live)]
         conversion = with_session_prompts(conversion, prompts)
         assert conversion.conversation is not None
         return FallbackConversation(conversion.conversation, conversion.messages)
@@ -178,15 +190,21 @@ class LegacyTurns:
         refuse_unless_fallback_serves(conversation_id, conversation)
         return turns
 
-    async def holder(self, conversation_id: str) -> LegacyHolder | None:
-        """Whether the id exists as legacy turns, and their owner; None if it does not."""
-        fields = {"conversation_id": 1, "user_id": 1, "created_at": 1}
+    async def holder(
+        self, conversation_id: str, *, user_id: str | None = None
+    ) -> LegacyHolder | None:
+        """Whether the id exists as legacy turns to `user_id` (None: a service), and their
+        owner; None if it does not. The copies of a live conversation under the id that is
+        not the user's are none (`reached_by`: one lookup more, only when there is a copy)."""
         query, _ = await self._turns_of(conversation_id)
         with storage_errors("read the legacy turns"):
-            found = await self._turns.find(query, fields).to_list(None)
-        if not found:
-            return None
-        return LegacyHolder(owner_of(parse_turns(found)))
+            found = parse_turns(await self._turns.find(query, _OWNERSHIP_FIELDS).to_list(None))
+        if found:
+            found = [
+                found[i]
+                for i in reached_by(found, user_id, await self._live(conversation_id, found))
+            ]
+        return LegacyHolder(owner_of(found)) if found else None
 
     async def delete(self, conversation_id: str, *, owner: str | None) -> int:
         """Delete `owner`'s part of the conversation's legacy turns and prompts; how many
@@ -194,23 +212,25 @@ class LegacyTurns:
 
         The legacy conversation goes whole when its turns name `owner` as its owner (as the
         read fallback tells it); else only the turns and prompts naming `owner` go: another
-        user's, under the same id, stay whoever deletes. A conversation migrated under a
-        derived id reaches the turns and prompts of the id they named (one more lookup,
-        only for such ids).
+        user's, under the same id, stay whoever deletes. The copies of a live conversation
+        under the id go with it only, for its owner (`users_part`: one lookup more, only when
+        there is a copy). A conversation migrated under a derived id reaches the turns and
+        prompts of the id they named (one more lookup, only for such ids).
         """
-        fields = {"conversation_id": 1, "user_id": 1, "created_at": 1}
         original = await self._original_id(conversation_id)
         turns, unnamed = await self._turns_of(conversation_id)
         with storage_errors("delete the legacy turns"):
-            found = await self._turns.find(turns, fields).to_list(None)
+            found = await self._turns.find(turns, _OWNERSHIP_FIELDS).to_list(None)
             parsed = parse_turns(found, unnamed.names)
-            ids = [found[i]["_id"] for i in users_part(parsed, owner)]
+            live = await self._live(conversation_id, parsed)
+            ids = [found[i]["_id"] for i in users_part(parsed, owner, live)]
             among = {"$and": [turns, *_among_ids(ids)]}
             deleted = await self._turns.delete_many(among) if ids else None
             prompts = _prompts_filter(conversation_id, original)
-            owns = owner_of(parsed) == owner
-            found = await self._prompts.find(prompts, {"user_id": 1}).to_list(None)
-            theirs = [d["_id"] for d in found if part_of(d.get("user_id"), owner, owns=owns)]
+            owns = owns_legacy(parsed, owner, live)
+            fields = {"user_id": 1, "dual_write": 1}
+            found = await self._prompts.find(prompts, fields).to_list(None)
+            theirs = [d["_id"] for d in found if prompt_part_of(d, owner, live, owns=owns)]
             if theirs:
                 await self._prompts.delete_many({"$and": [prompts, *_among_ids(theirs)]})
         return int(deleted.deleted_count) if deleted is not None else 0
@@ -227,6 +247,19 @@ class LegacyTurns:
             unnamed = await self._unnamed(conversation_id)
         ids = unnamed.ids.get(conversation_id, [])
         return turns_known_as(conversation_id, original, ids), unnamed
+
+    async def _live(
+        self, conversation_id: str, turns: Sequence[LegacyTurn]
+    ) -> LiveConversation | None:
+        """The conversation document stored under the id whose `turns` were read, when they
+        hold a copy its dual write made (`live_copy`): one lookup, only then; else None."""
+        if not any(turn.dual_write_field is True for turn in turns):
+            return None
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(
+                {"_id": conversation_id, **CONVERSATION_DOCUMENT}, {"user_id": 1}
+            )
+        return None if found is None else LiveConversation(found.get("user_id"))
 
     async def _unnamed(self, *conversation_ids: str) -> Unnamed:
         """When a `legacy-turn-` id is among `conversation_ids`, the turns naming no
@@ -261,7 +294,7 @@ class LegacyTurns:
             turns = [d["_id"] for d in naming] + part
             deleted = await self._turns.delete_many({"_id": {"$in": turns}}) if turns else None
             late = await _ids_naming(self._conversations, user_id, within=LATE_TURNS)
-            late += await self._late_unnamed(user_id, owned)
+            late += await self._late_unnamed(user_id, list(owned))
             stranded = await self._conversations.delete_many(_late_of(late)) if late else None
             prompts = await _users_prompts(self._prompts, user_id, owned)
             if prompts:
@@ -288,30 +321,51 @@ class LegacyTurns:
 
     async def _users_parts(
         self, user_id: str, naming: list[dict[str, Any]]
-    ) -> tuple[list[str], list[Any]]:
+    ) -> tuple[dict[str, LiveConversation | None], list[Any]]:
         """The conversations the turns `naming` the user are filed in that the user owns, each
         as the reader names it (`named_id`: `42` and `"42"`, `ObjectId(X)` and `"X"` are one),
-        and the `_id`s of the user's part of them (`users_part`). The owner is told over every
+        with the live conversation stored under its id, if any (`LiveConversation`), and the
+        `_id`s of the user's part of them all (`users_part`). The owner is told over every
         turn of the conversation, whichever of its ids each names (`named_filter`), as the
         read fallback, a delete and the migration tell it: an erasure takes another owner's
-        part of no conversation, and the whole part of those the user owns."""
+        part of no conversation, and the whole part of those the user owns; a live
+        conversation's copies go with the erasure of its owner only (one lookup more, only
+        when the turns hold a copy)."""
         values = _conversations_named(naming)
         if not values:
-            return [], []
+            return {}, []
         query = {"$or": [named_filter("conversation_id", value) for value in values]}
         found = await self._turns.find(query, _OWNERSHIP_FIELDS).to_list(None)
         by_name: dict[str, list[dict[str, Any]]] = {}
         for doc in found:
             if (name := named_id(doc.get("conversation_id"))) is not None:
                 by_name.setdefault(name, []).append(doc)
-        owned: list[str] = []
+        parsed = {name: parse_turns(docs) for name, docs in by_name.items()}
+        lives = await self._lives(parsed)
+        owned: dict[str, LiveConversation | None] = {}
         part: list[Any] = []
-        for name, docs in by_name.items():
-            parsed = parse_turns(docs)
-            if owner_of(parsed) == user_id:
-                owned.append(name)
-                part += [docs[i]["_id"] for i in users_part(parsed, user_id)]
+        for name, turns in parsed.items():
+            if owns_legacy(turns, user_id, lives.get(name)):
+                owned[name] = lives.get(name)
+            part += [by_name[name][i]["_id"] for i in users_part(turns, user_id, lives.get(name))]
         return owned, part
+
+    async def _lives(
+        self, conversations: dict[str, list[LegacyTurn]]
+    ) -> dict[str, LiveConversation]:
+        """Of the legacy conversations by name, those holding a dual-written copy whose live
+        conversation is stored under the id they are stored under (`_live`, in one lookup for
+        them all; none when no turn is a copy)."""
+        copying = {
+            turns[0].stored_conversation_id: name
+            for name, turns in conversations.items()
+            if any(turn.dual_write_field is True for turn in turns)
+        }
+        if not copying:
+            return {}
+        query = {"_id": {"$in": list(copying)}, **CONVERSATION_DOCUMENT}
+        found = await self._conversations.find(query, {"user_id": 1}).to_list(None)
+        return {copying[d["_id"]]: LiveConversation(d.get("user_id")) for d in found}
 
     async def claim(self, from_user_id: str, to_user_id: str, *, kept: Sequence[str] = ()) -> int:
         """Move the user's legacy turns, and the prompts naming the user, to another user id,
@@ -567,19 +621,23 @@ def _naming_query(user_id: str) -> dict[str, Any]:
     return query
 
 
-async def _users_prompts(prompts: Any, user_id: str, owned: list[str]) -> list[Any]:
+async def _users_prompts(
+    prompts: Any, user_id: str, owned: dict[str, LiveConversation | None]
+) -> list[Any]:
     """The `_id`s of the `session_hitl` prompts an erasure of `user_id` takes, in one read:
     those naming the user (`_naming`), and those naming no user in a conversation the user
-    owns (`owned`, each as `prompt_conversation` names it), told by `part_of` over every
-    prompt of those conversations, as the delete tells them."""
+    owns (`owned`, each as `prompt_conversation` names it, with its live conversation), told
+    by `prompt_part_of` over every prompt of those conversations, as the delete tells them."""
     query = {"$or": [_naming_query(user_id), *(prompts_filter(name) for name in owned)]}
-    fields = {"user_id": 1, "conversation_id": 1, "session_id": 1}
+    fields = {"user_id": 1, "conversation_id": 1, "session_id": 1, "dual_write": 1}
     found = await prompts.find(query, fields).to_list(None)
-    return [
-        d["_id"]
-        for d in found
-        if part_of(d.get("user_id"), user_id, owns=prompt_conversation(d) in owned)
-    ]
+    taken = []
+    for d in found:
+        name = prompt_conversation(d)
+        live = owned.get(name) if name is not None else None
+        if prompt_part_of(d, user_id, live, owns=name in owned):
+            taken.append(d["_id"])
+    return taken
 
 
 def _among_ids(ids: list[Any]) -> list[dict[str, Any]]:

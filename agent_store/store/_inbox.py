@@ -620,7 +620,7 @@ class SteeringInbox:
         if writes:
             await self._logger._refuse_unmigrated(conversation_id, actor)
         elif (legacy := self._logger._legacy) is not None and legacy.read_fallback:
-            holder = await legacy.holder(conversation_id)
+            holder = await legacy.holder(conversation_id, user_id=actor.caller)
             if holder is not None and actor.refusal(conversation_id, holder.user_id) is None:
                 return
         raise NotFound(f"conversation {conversation_id!r} was not found")

@@ -71,8 +71,12 @@ class LegacySource(Protocol):
         `user_id` is given and does not own it (told before anything is converted)."""
         ...
 
-    async def holder(self, conversation_id: str) -> LegacyHolder | None:
-        """Whether the id exists as legacy turns, and their owner; None if it does not."""
+    async def holder(
+        self, conversation_id: str, *, user_id: str | None = None
+    ) -> LegacyHolder | None:
+        """Whether the id exists as legacy turns to `user_id` (None: a service), and their
+        owner; None if it does not. A live conversation's dual-written copies under the id
+        are legacy turns to its owner only."""
         ...
 
     async def delete(self, conversation_id: str, *, owner: str | None) -> int:

@@ -2360,7 +2360,7 @@ class AgentMessageLogger:
         legacy turns (a conversation missing here only: a new one, or a refusal), else none."""
         if self._legacy is None:
             return
-        holder = await self._legacy.holder(conversation_id)
+        holder = await self._legacy.holder(conversation_id, user_id=actor.caller)
         if holder is None:
             return
         if actor.as_user and holder.user_id != actor.user_id:

@@ -728,8 +728,9 @@ class ConversationStore:
         self, conversation_id: str, user_id: str | None, version: str
     ) -> dict[str, Any]:
         """A filter for the conversation `version` names, read now (one round trip):
-        `VersionMismatch` when the one under the id has another version, NotFound (or
-        Conflict, not migrated yet) when there is none."""
+        `VersionMismatch` when the one under the id has another version, NotFound (or, for
+        one that exists only as legacy turns, `VersionMismatch` when it has another version,
+        else Conflict, not migrated yet) when there is none."""
         scope = self._scope(conversation_id, user_id)
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
@@ -737,17 +738,21 @@ class ConversationStore:
             )
         if found is None:
             await refuse_unless_found_standing(self._conversations, scope, "the rename")
-            await self._refuse_unmigrated(conversation_id, user_id, "renamed")
+            await self._refuse_unmigrated(conversation_id, user_id, "renamed", version=version)
         assert found is not None  # else `_refuse_unmigrated` raised
         _require_version(conversation_id, found, version, "renamed")
         return scope | same_as_read(conversation_id, found)
 
     async def _refuse_unmigrated(
-        self, conversation_id: str, user_id: str | None, what: str
+        self, conversation_id: str, user_id: str | None, what: str, *, version: str | None = None
     ) -> None:
-        """NotFound, or Conflict for a conversation that exists only as legacy turns
+        """NotFound, or for a conversation that exists only as legacy turns: `VersionMismatch`
+        when `version` names another than the one served from them (the tag is compared
+        first, as a delete compares it: `_delete_legacy_only`), else Conflict
         (`not_migrated_yet`)."""
-        await self._legacy(conversation_id, user_id)
+        fallback = await self._legacy(conversation_id, user_id)
+        if version is not None and fallback.conversation.version != version:
+            raise _version_mismatch(conversation_id, what)
         raise not_migrated_yet(conversation_id, what)
 
     async def delete(

@@ -272,6 +272,11 @@ class Actor:
     as_user: bool = False
     """A user token: it writes only to its own conversations and never adopts one."""
 
+    @property
+    def caller(self) -> str | None:
+        """The user a user token is; None for a service, whichever user it names."""
+        return self.user_id if self.as_user else None
+
     def owner_filter(self) -> dict[str, Any]:
         """The part of a reservation's filter that keeps the conversation's owner."""
         if self.as_user:
