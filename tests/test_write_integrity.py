@@ -25,7 +25,6 @@ from agent_store import (
     LoggedTurn,
     SteeringInbox,
     StorageUnavailable,
-    TranscriptMoved,
     TurnRules,
 )
 from agent_store.store import CONVERSATIONS, MAX_TURN_NAMED_CALLS, MESSAGES, PENDING_CALLS_KEPT
@@ -540,104 +539,6 @@ async def test_a_reader_paging_back_newest_first_never_skips_a_turn_still_being_
 
     assert [m.content for m in older.data] == ["A!", "A?", "m0"]
     assert (older.pending_seq, older.has_more) == (None, False)
-
-
-async def a_turn_held_below_a_stored_one(
-    backend: Backend, before: int, rules: TurnRules | None = None
-) -> tuple[SlowInsert, asyncio.Task[LoggedTurn]]:
-    """`before` turns stored (seq 0 up), then turn A reserving the next two `seq`s, its insert
-    held, and turn B stored after it: a hole below B that A is still writing."""
-    fast = AgentMessageLogger(backend.db, rules=rules)
-    for n in range(before):
-        await fast.log_messages(CID, turn(f"t{n}"), turn_id=f"t{n}")
-    held = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
-    writer_a = asyncio.create_task(held.logger.log_messages(CID, turn("A"), turn_id="tA"))
-    await held.reserved.wait()
-    await fast.log_messages(CID, turn("B"), turn_id="tB")
-    return held, writer_a
-
-
-async def transcript_read(store: ConversationStore, read: str) -> list[str]:
-    """The contents a whole-conversation read serves: `transcript`, the streamed transcript
-    (the HTTP route's), `recent_messages` whole or its last three."""
-    if read == "transcript":
-        messages = await store.transcript(CID)
-    elif read == "stream_transcript":
-        messages = [m async for batch in store.stream_transcript(CID) for m in batch]
-    else:
-        messages = await store.recent_messages(CID, limit=3 if read == "recent 3" else None)
-    return [str(m.content) for m in messages]
-
-
-WHOLE_READS = ["transcript", "stream_transcript", "recent", "recent 3"]
-
-
-@pytest.mark.parametrize(
-    "before", [0, 1, 20], ids=["at its start", "in the first batch", "past the first batch"]
-)
-@pytest.mark.parametrize("read", WHOLE_READS)
-async def test_a_transcript_stops_before_a_turn_still_being_written_as_a_page_does(
-    backend: Backend, read: str, before: int
-) -> None:
-    """A is reserved, its insert slow, B stored after it: the transcript (library, stream,
-    the last messages) serves up to A's `seq`s, never B without A; once A landed, all."""
-    held, writer_a = await a_turn_held_below_a_stored_one(backend, before)
-    store = ConversationStore(backend.db)
-    stored = [c for n in range(before) for c in (f"t{n}?", f"t{n}!")]
-
-    during = await transcript_read(store, read)
-    held.release.set()
-    await writer_a
-    after = await transcript_read(store, read)
-
-    expected = ([*stored, "A?", "A!", "B?", "B!"], stored)
-    if read == "recent 3":
-        expected = (expected[0][-3:], stored[-3:])
-    assert (after, during) == expected
-
-
-async def test_the_transcript_route_stops_before_a_turn_still_being_written(
-    backend: Backend,
-) -> None:
-    held, writer_a = await a_turn_held_below_a_stored_one(backend, 1)
-    async with serve(backend.db, seeded=False) as api:
-        response = await api.http.get(f"/v1/conversations/{CID}/transcript", headers=auth_headers())
-    held.release.set()
-    await writer_a
-
-    assert response.status_code == 200
-    assert [m["content"] for m in response.json()["data"]] == ["t0?", "t0!"]
-
-
-async def test_a_transcript_passes_a_block_older_than_abandon_after_as_a_page_does(
-    backend: Backend,
-) -> None:
-    rules = TurnRules(abandon_after=timedelta(0))
-    _, writer_a = await a_turn_held_below_a_stored_one(backend, 1, rules)
-    store = ConversationStore(backend.db, rules=rules)
-
-    for read in WHOLE_READS:
-        assert (await transcript_read(store, read))[-2:] == ["B?", "B!"]
-    writer_a.cancel()
-
-
-async def test_a_reader_following_on_from_a_transcript_skips_no_turn_written_meanwhile(
-    backend: Backend,
-) -> None:
-    """The transcript ends before A, still being written: a turn built on it (`next_seq` its
-    last `seq` + 1) is refused, and paging on from its last message serves A, then B."""
-    held, writer_a = await a_turn_held_below_a_stored_one(backend, 1)
-    store = ConversationStore(backend.db)
-    served = await store.transcript(CID)
-    at = int(served[-1].seq or 0) + 1
-    with pytest.raises(TranscriptMoved):
-        await AgentMessageLogger(backend.db).log_messages(CID, turn("C"), next_seq=at)
-
-    held.release.set()
-    await writer_a
-    page = await store.messages_page(CID, after=served[-1].id, limit=10)
-
-    assert [m.content for m in [*served, *page.data]] == ["t0?", "t0!", "A?", "A!", "B?", "B!"]
 
 
 async def test_a_reservation_abandoned_for_longer_than_the_rules_allow_is_passed(

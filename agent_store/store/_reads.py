@@ -1071,9 +1071,7 @@ class ConversationStore:
     ) -> list[AgentMessage]:
         """Every message of a conversation in `seq` order, in one round trip: its messages
         and its document, which says whether they are a conversation's (`_its_messages`), read
-        at once. Up to the first `seq` a turn is still writing below a stored message, as an
-        ascending page stops (`_committed`: one lookup more, only then), never a later turn
-        without it.
+        at once.
 
         With `fallback=False`, a conversation not migrated yet has no messages
         rather than those converted from its legacy turns.
@@ -1085,7 +1083,6 @@ class ConversationStore:
         if docs is None:  # no conversation document: a conversation not migrated yet, or none
             conversion = await self._legacy(conversation_id, user_id)
             return conversion.messages if fallback else []
-        docs, _ = await self._committed(conversation_id, docs, 0)
         return messages_adapter.validate_python(docs)
 
     def _transcript_cursor(self, conversation_id: str, user_id: str | None) -> Any:
@@ -1141,39 +1138,30 @@ class ConversationStore:
     async def recent_messages(
         self, conversation_id: str, *, limit: int | None = None, user_id: str | None = None
     ) -> list[AgentMessage]:
-        """The last `limit` messages of a conversation (all with None), in `seq` order, of
-        those below the first `seq` a turn is still writing below a stored message, as the
-        transcript serves them (`_committed`).
+        """The last `limit` messages of a conversation (all with None), in `seq` order.
 
         One round trip for up to 10,000 messages, the conversation document read with them; a
         conversation that does not exist, or is no conversation (`_its_messages`), has none.
-        A turn still being written among the last `limit` costs a lookup and the read again
-        below it. No legacy fallback: for runtimes that keep their own history here.
+        No legacy fallback: for runtimes that keep their own history here.
         """
-        query: dict[str, Any] = {
-            "conversation_id": validate_identifier(conversation_id, "conversation_id")
-        }
+        query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
         if user_id is not None:
             query["user_id"] = validate_identifier(user_id, "user_id")
         if limit is not None and (isinstance(limit, bool) or limit < 1):
             raise InvalidInput(f"invalid limit {limit!r}: it must be at least 1, or None for all")
-        while True:
-            if limit is None:
-                cursor = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
-            else:
-                cursor = self._messages.find(query).sort("seq", -1).limit(limit)
-                cursor = cursor.batch_size(min(limit, TRANSCRIPT_BATCH))
-            read = partial(cursor.to_list, None)
-            docs = await self._of_standing(
-                conversation_id, user_id, read, "read the last messages", absent_is_empty=True
-            )
-            docs = (docs or []) if limit is None else (docs or [])[::-1]
-            whole = limit is None or len(docs) < limit  # from the conversation's first `seq`
-            first = 0 if whole else int(docs[0]["seq"])
-            docs, writing = await self._committed(query["conversation_id"], docs, first)
-            if writing is None or limit is None:
-                return messages_adapter.validate_python(docs)
-            query["seq"] = {"$lt": writing}  # the last `limit` below the turn being written
+        if limit is None:
+            cursor = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
+        else:
+            cursor = self._messages.find(query).sort("seq", -1).limit(limit)
+            cursor = cursor.batch_size(min(limit, TRANSCRIPT_BATCH))
+        read = partial(cursor.to_list, None)
+        docs = await self._of_standing(
+            conversation_id, user_id, read, "read the last messages", absent_is_empty=True
+        )
+        docs = docs or []
+        if limit is not None:
+            docs = docs[::-1]
+        return messages_adapter.validate_python(docs)
 
     async def pop_last_message(
         self, conversation_id: str, *, user_id: str | None = None, refuse: Refusal | None = None
@@ -2481,8 +2469,7 @@ class ConversationStore:
     ) -> AsyncGenerator[list[AgentMessage], None]:
         """Every message of a conversation in `seq` order, a batch (one round trip) at a time.
 
-        What `transcript` returns (without `life`, up to a turn still being written: a lookup
-        more for a batch with such a hole), without holding it whole: the first batch holds up
+        What `transcript` returns, without holding it whole: the first batch holds up
         to `STREAM_FIRST_BATCH` messages, each next one as many as fit in about `batch_bytes`
         by the size of the largest message so far, at most `batch_size`. A conversation with
         no messages here (empty, not migrated yet, missing, not `user_id`'s) is answered by
@@ -2516,11 +2503,9 @@ class ConversationStore:
             else:
                 read, docs = await self._later_batch(scope, pin, after, size)
             assert pin is not None  # pinned by the first batch
-            docs, writing = await self._in_order(scope["_id"], pin, docs, after + 1)
-            last = len(read) < size or writing is not None
+            last = len(read) < size
             if read:
                 after, largest = int(read[-1]["seq"]), max(map(_approximate_size, read))
-            after = after if writing is None else writing - 1  # the stream ends before it
             if last and not first:
                 await self._lived_through(scope, pin, after)
             if docs or first:
@@ -2561,16 +2546,6 @@ class ConversationStore:
         pinned (`epoch`) served."""
         read = await self._stream_batch(scope, pin, after, size)
         return read, of_epoch(read, (pin or {}).get("epoch"))
-
-    async def _in_order(
-        self, conversation_id: str, pin: dict[str, Any], docs: list[dict[str, Any]], first: int
-    ) -> tuple[list[dict[str, Any]], int | None]:
-        """A streamed batch from `seq` `first`, up to the first `seq` a turn is still writing
-        (`_committed`), and that `seq`; a `life`'s whole (its messages as it counts them:
-        the export waits for such a turn, `_unstored_turn`)."""
-        if "end" in pin:
-            return docs, None
-        return await self._committed(conversation_id, docs, first)
 
     async def _served(
         self, messages: list[AgentMessage], full: bool
