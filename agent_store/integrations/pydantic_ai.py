@@ -240,17 +240,6 @@ def _closed_for_good(
     ]
 
 
-def _resumed_and_cut_off(
-    messages: Sequence[pai.ModelMessage], stored: Sequence[AgentMessage]
-) -> bool:
-    """Whether a run was cut off while its tools ran (an `interrupted` request last) with no
-    response of its own: resumed on an earlier run's response (`deferred_tool_results`), whose
-    calls it leaves unanswered for good, as Pydantic AI closes them (`log_run` answers them)."""
-    last = messages[-1] if messages else None
-    cut_off = isinstance(last, pai.ModelRequest) and last.state == "interrupted"
-    return cut_off and not any(m.role == "assistant" for m in stored)
-
-
 def _tool_content(request: pai.ModelRequest, *, opens_run: bool) -> set[int]:
     """The ids of a request's user prompt parts that hold content tools returned (a
     `ToolReturn`'s `content`): Pydantic AI puts them after the request's tool returns. When
@@ -1104,16 +1093,9 @@ async def log_run(
     `deferred_tool_results` answers calls of an earlier run: it names them
     (`AgentMessageLogger.calls_answered`, one read more, only then), so when another run
     answered one of them first (two tabs resuming one paused run) it is refused
-    (`AnsweredBefore`), nothing stored; its retry is still a replay. Such a run cut off
-    while its tools ran answers the calls of that response left unanswered `interrupted`, as
-    Pydantic AI closes them (`AgentMessageLogger.calls_left_open`, three reads more, only then).
+    (`AnsweredBefore`), nothing stored; its retry is still a replay.
     """
     stored = messages_from_run(messages, markers=logger.rules.markers)
-    if _resumed_and_cut_off(messages, stored):
-        returned = {m.tool_call_id for m in stored if isinstance(m, ToolMessage)}
-        left_open = await logger.calls_left_open(conversation_id, turn_id=turn_id, user_id=user_id)
-        closed = [c for c in left_open if c.tool_call_id not in returned]
-        stored = [*stored, *(stand_in_result(c.tool_call_id, c.created_at) for c in closed)]
     return await logger.log_messages(
         conversation_id,
         stored,

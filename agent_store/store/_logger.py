@@ -1010,45 +1010,6 @@ class AgentMessageLogger:
             wanted.update(await self._made_unstored(found, unmade))
         return {c: m for c, m in wanted.items() if isinstance(m, str) and m}
 
-    async def calls_left_open(
-        self, conversation_id: str, *, turn_id: str, user_id: str | None = None
-    ) -> list[PendingCall]:
-        """The calls of the conversation's last response (its latest `assistant` message) that
-        no message answers but those of turn `turn_id` (an earlier attempt of the turn asking):
-        what a run resumed on that response, then cut off while its tools ran, leaves open for
-        good, and a runtime closes (Pydantic AI's `interrupted` returns). None in a conversation
-        that does not exist or is another user's. Three reads: the conversation, its last
-        response, the answers to its calls."""
-        scope = {"_id": validate_identifier(conversation_id, "conversation_id")}
-        with storage_errors("read the calls left open"):
-            found = await self._conversations.find_one(scope, {"user_id": 1, "epoch": 1})
-            owner = found.get("user_id") if found is not None else None
-            if found is None or (user_id is not None and owner not in (None, user_id)):
-                return []
-            life = {"conversation_id": scope["_id"], "epoch": {"$in": [None, found.get("epoch")]}}
-            response = await self._messages.find_one(
-                {**life, "role": "assistant"}, _RESPONSE_READ, sort=[("seq", -1)]
-            )
-            calls = [c for c in (response or {}).get("tool_calls") or () if isinstance(c, Mapping)]
-            if response is None or not calls:
-                return []
-            query = {**life, "seq": {"$gt": response["seq"]}, "role": "tool"}
-            query["tool_call_id"] = {"$in": [c.get("id") for c in calls]}
-            cursor = self._messages.find(query, {"tool_call_id": 1, "turn_id": 1})
-            answers = await cursor.to_list(None)
-        answered = {a.get("tool_call_id") for a in answers if a.get("turn_id") != turn_id}
-        return [
-            PendingCall(
-                tool_call_id=call["id"],
-                tool_name=(call.get("function") or {}).get("name", ""),
-                message_id=response["_id"],
-                created_at=response["created_at"],
-                seq=response["seq"],
-            )
-            for call in calls
-            if call.get("id") not in answered
-        ]
-
     async def _made_unstored(
         self, conversation: Mapping[str, Any], call_ids: Sequence[str]
     ) -> dict[str, str]:
@@ -3765,8 +3726,6 @@ pending calls a late retry's lookup weighs, `Unwritten`), a pop under way
 a turn's answers from those the conversation settled before (`_retry_refusal`,
 `_answers_refusal`)."""
 
-_RESPONSE_READ = {"tool_calls": 1, "seq": 1, "created_at": 1}
-"""What `AgentMessageLogger.calls_left_open` reads of the last response."""
 _PENDING_READ = {
     "user_id": 1,
     "epoch": 1,
