@@ -3185,3 +3185,63 @@ async def test_a_copy_failing_after_another_copy_into_its_target_succeeded_keeps
 
     assert made == await db[CHECKPOINTS].count_documents({"thread_id": target_id}) > 0
     assert (await graph.aget_state(target)).values == state
+
+
+async def _a_turn_by_turn_copy(
+    db: Any, source_id: str, target_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy logged turn by turn: its conversation created now, its copies keeping their
+    source's times, so its first message is older than the conversation."""
+    with monkeypatch.context() as patched:
+        _forced_turn_by_turn(patched)
+        await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+
+
+@pytest.mark.parametrize("attempt", ["a crashed copy run again", "the user's own store fork"])
+async def test_a_copy_of_a_thread_older_than_its_conversation_into_its_own_fork_converges(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, attempt: str
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a store fork of the source's life is the copy's to finish
+    (its earlier attempt, or a fork the user made), also when the source's first message is
+    older than its conversation (a thread itself copied turn by turn, a client's times):
+    told by the first message the fork copied, never by comparing two clocks (was: Conflict
+    "is no copy of thread", the fork an orphan without checkpoints)."""
+    db, chat = backend.db, thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(db)), chat, range(1, 3))
+    source_id = chat["configurable"]["thread_id"] + "-long"
+    await _a_turn_by_turn_copy(db, chat["configurable"]["thread_id"], source_id, monkeypatch)
+    target_id, store = source_id + "-copy", ConversationStore(db)
+    if attempt == "a crashed copy run again":
+        await _crashing_before_the_checkpoints(db, source_id, target_id, monkeypatch)
+    else:
+        last = (await store.messages_by_seq(source_id))[-1].seq
+        await AgentMessageLogger(db).fork(source_id, last, target_id, user_id="user-ada")
+
+    await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+
+    copied = [m.content for m in await store.transcript(target_id)]
+    assert copied == [m.content for m in await store.transcript(source_id)]
+    assert await db[CHECKPOINTS].count_documents({"thread_id": target_id}) > 0
+
+
+async def test_a_copy_run_again_after_its_source_was_pruned_converges(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a copy that died once its checkpoints were in, run again
+    after a routine `prune` of the source: the target's checkpoints the source no longer
+    holds are copies of its older ones, no graph's run on the target, so the re-run
+    converges (was: Conflict "written to, or whose source went on")."""
+    db, chat = backend.db, thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(db)), chat, range(1, 3))
+    source_id = chat["configurable"]["thread_id"]
+    target_id = source_id + "-copy"
+    await _a_copy_dying_in(
+        db, source_id, target_id, monkeypatch, (AgentStoreSaver, "_follow_the_target")
+    )
+    await AgentStoreSaver(db).aprune([source_id])
+
+    await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+
+    store = ConversationStore(db)
+    copied = [m.content for m in await store.transcript(target_id)]
+    assert copied == [m.content for m in await store.transcript(source_id)]

@@ -887,7 +887,7 @@ class TranscriptLink:
             target = await self._store.get_conversation(target_id, fallback=False)
         except NotFound:
             return None
-        if _forked_from_this_life(target, source):
+        if await self._forked_from_this_life(target, source):
             return target
         origin = target.forked_from
         if target.user_id is not None and target.user_id != source.user_id:
@@ -914,6 +914,18 @@ class TranscriptLink:
             f"{source.conversation_id!r}: copy into a new id"
         )
 
+    async def _forked_from_this_life(self, target: Conversation, source: Conversation) -> bool:
+        """Whether the target is a fork of the source's life as read: its `forked_from` names
+        the source's id, and it starts when that life starts (a fork takes its `created_at`
+        from the first message it copies; one of an earlier conversation under the id, deleted
+        since, copied another first message). No two clocks compared. One read, only for a
+        fork of the source's id."""
+        origin = target.forked_from
+        if origin is None or origin.conversation_id != source.conversation_id:
+            return False
+        first = await self._store.messages_page(source.conversation_id, limit=1)
+        return bool(first.data) and first.data[0].created_at == target.created_at
+
     async def _has_checkpoints_of_its_own(self, thread_id: str, source_id: str) -> bool:
         """Whether the thread holds a checkpoint no copy of `source_id` wrote: one whose
         `checkpoint_id` the source thread does not hold (a copy keeps its source's ids). One
@@ -926,11 +938,14 @@ class TranscriptLink:
         return not set(held) <= set(copied)
 
     async def _holds_checkpoints_but(self, thread_id: str, ids: Collection[str]) -> bool:
-        """Whether the thread holds a checkpoint whose `checkpoint_id` is none of `ids` (a
-        copy keeps its source's ids: one a graph's run on the thread wrote). One lookup."""
+        """Whether the thread holds a checkpoint newer than every one of `ids` (the source's,
+        which a copy keeps): one a graph's run on the thread wrote (checkpoint ids sort as
+        they were made). Older ones the source no longer holds are copies of checkpoints a
+        `prune` took from it since. One lookup."""
         with storage_errors("read the thread's checkpoints"):
             held = await self._checkpoints.distinct("checkpoint_id", {"thread_id": thread_id})
-        return not set(held) <= set(ids)
+        newest = max(ids, default="")
+        return any(str(c) > newest for c in held if c not in ids)
 
     async def _has_checkpoints(self, thread_id: str) -> bool:
         """Whether a checkpoint of the thread is stored (one lookup)."""
@@ -1074,16 +1089,6 @@ def _fork_went(target_id: str) -> NotFound:
         f"conversation {target_id!r} was deleted, or its user erased, while it was copied "
         "into: nothing of the copy is left"
     )
-
-
-def _forked_from_this_life(target: Conversation, source: Conversation) -> bool:
-    """Whether the target is a fork of the source's life as read: its `forked_from` names
-    the source's id, and it was created since that life began (a fork of an earlier
-    conversation under the id, deleted since, was created before)."""
-    origin = target.forked_from
-    if origin is None or origin.conversation_id != source.conversation_id:
-        return False
-    return target.created_at >= source.created_at
 
 
 def _as_copied(now: Conversation, copied: Copied) -> bool:
