@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 import re
@@ -2569,19 +2570,28 @@ async def test_a_stale_tabs_answer_to_a_call_answered_first_is_answered_before(
     assert await store.transcript(CID) == before
 
 
+@pytest.mark.parametrize("in_flight", [False, True], ids=["", "another turn in flight"])
 @pytest.mark.parametrize("stale", _STALE_ANSWERS)
 async def test_a_stale_tabs_answer_once_the_unstored_call_turn_is_passed_is_answered_before(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch, stale: dict[str, Any]
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, stale: dict[str, Any], in_flight: bool
 ) -> None:
     """The turn making c0 never stored it (its writer died); tab A answered c0 as
     `pending_calls` served it. Past `abandon_after` readers pass that turn, and a stale tab's
     answer naming the same message is still `AnsweredBefore` (A's answer is stored), never
-    `InvalidInput` "does not make call … a fork?", by `check_turn` too, nothing written."""
+    `InvalidInput` "does not make call … a fork?", by `check_turn` too, nothing written;
+    also while another turn, reserved since, is still being written (its block young)."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     read = await _call_turn(backend, logger, monkeypatch, stored=False)
     served = {"c0": read.message_id}
     await logger.log_messages(CID, [_answer("c0", "A")], turn_id="tab-a", answers_to=served)
     before, late = await store.transcript(CID), _late_logger(backend)
+    if in_flight:  # t0's block passed (1 s), t9's still being written
+        late = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(seconds=1)))
+        await asyncio.sleep(1.2)
+        with monkeypatch.context() as lost:
+            lost.setattr(logger._messages, "insert_many", _lost_insert)
+            with contextlib.suppress(ConnectionError):
+                await logger.log_messages(CID, [_user("Meanwhile.")], turn_id="t9")
 
     for attempt in (late.check_turn, late.log_messages):
         with pytest.raises(AnsweredBefore, match="'c0'") as refused:

@@ -4373,14 +4373,13 @@ def _misnamed(
 class _Landed:
     """The messages that tell whether the calls a turn names have an answer (`found`,
     `answers_lookup`, in `seq` order) as they stand once the blocks still being written land:
-    a call whose named message is not stored while a block is (its turn's insert lost or in
-    flight, within `abandon_after`) is made at the first `seq` still being written, the
-    earliest its message may land at, so an answer stored after it is judged as taking it,
-    as `pending_calls` served it (`seen`); one whose block is passed (its writer died, past
-    `abandon_after`) will never land, and is made before every message, so the answer a tab
-    stored while its block was written still takes it; `made_at`, each message's `seq` there
-    (for one not stored, the last of that block: what follows it is another turn's; -1 for
-    one that will never land)."""
+    a call whose named message is not stored (its turn's insert lost or in flight, or its
+    block passed: its writer died, past `abandon_after`) is made before every message, so an
+    answer stored after its reservation is judged as taking it, as `pending_calls` served it
+    (`seen`), whether another turn's block is still being written or not; `made_at`, each
+    message's `seq` there (for one not stored, the last of the first block still being
+    written, the latest its turn may end at: what follows it is another turn's; -1 when none
+    is)."""
 
     seen: Sequence[Mapping[str, Any]]
     made_at: Mapping[str, int]
@@ -4410,11 +4409,12 @@ class _Landed:
         missing = range(unpassed, count) if unpassed is not None else range(0)
         unwritten = [s for s in missing if s not in seqs]
         first = gaps.written(unwritten, now=now, abandon_after=rules.abandon_after)
-        # no block still being written: the message will never land; made before every
-        # message, an answer stored while its block was written takes its call
-        at, end = (first, gaps.turn_end(first, count)) if first is not None else (-1, -1)
+        # made before every message: the block it lands in (or, passed, never) cannot be told
+        # apart from another turn's still being written, and an answer stored after its
+        # reservation takes its call wherever that is
+        end = gaps.turn_end(first, count) if first is not None else -1
         placed = [
-            {"_id": m, "seq": at, "tool_calls": [{"id": c} for c in calls]}
+            {"_id": m, "seq": -1, "tool_calls": [{"id": c} for c in calls]}
             for m, calls in unstored.items()
         ]
         seen = sorted([*found, *placed], key=lambda d: int(d["seq"]))
