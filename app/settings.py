@@ -186,7 +186,8 @@ class Settings(BaseSettings, TurnSettings):
     unset. One that cannot be (a file, a path under a file, no permission) stops the start."""
     host: str = "127.0.0.1"
     """The address `python -m app` binds (`0.0.0.0` for every interface, in a container).
-    Empty or white space alone stops the start: asyncio would bind every interface."""
+    Empty or white space alone stops the start: asyncio would bind every interface. An IPv6
+    address is given without brackets (`::1`)."""
     port: TcpPort = 8000
     """The port `python -m app` listens on (1 to 65535)."""
     workers: PositiveInt = 1
@@ -284,6 +285,8 @@ class Settings(BaseSettings, TurnSettings):
                 "an empty address would listen on every interface; name one: 127.0.0.1 (the "
                 "default, this machine only) or 0.0.0.0 (every interface)"
             )
+        if "[" in host or "]" in host:  # a URL's spelling, which no socket binds
+            raise ValueError("give an IPv6 address without brackets: ::1, not [::1]")
         return host
 
     @field_validator("jwt_audience", "jwt_issuer")

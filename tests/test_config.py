@@ -671,3 +671,12 @@ def test_python_m_app_refuses_a_data_dir_naming_a_file_with_exit_2_and_no_traceb
     assert finished.returncode == 2
     assert finished.stderr.startswith("invalid configuration: data_dir: ")
     assert "Traceback" not in finished.stderr
+
+
+@pytest.mark.parametrize("host", ["[::1]", "[::]"])
+def test_a_bracketed_ipv6_host_is_refused_naming_the_spelling_to_use(host: str) -> None:
+    """A URL's spelling of an IPv6 address, which no socket binds: the start stopped at bind
+    (exit 3) after a banner printing `http://[[::1]]:…`."""
+    message = refusal(host=host)
+    assert "host" in message.lower()
+    assert "::1, not [::1]" in message
