@@ -276,20 +276,22 @@ async def test_a_stream_fails_when_a_pop_removed_a_message_it_served_before_its_
     assert len(served) == 32
 
 
+@pytest.mark.parametrize("turns", [0, 2], ids=["popped only", "regenerated"])
 async def test_a_stream_is_whole_when_a_pop_removed_only_messages_it_had_not_served(
-    backend: Backend,
+    backend: Backend, turns: int
 ) -> None:
-    """A pop past what the first batch served, nothing logged after: the stream serves the
-    conversation as it stands after it, a transcript that was."""
+    """A pop past what the first batch served, perhaps the answer regenerated in its place
+    (`turns` logged after): the stream serves the conversation as it stands after it, a
+    transcript that was, though it serves those `seq`s again (was, regenerated: cut)."""
     logger, store = quick(backend.db)
     await logger.log_messages(LIFE, said("ALICE", 40), user_id="alice", turn_id="t-1")
     batches = store.stream_transcript(LIFE)
     served = await anext(batches)
-    await regenerated(logger, store, 4, 0)
+    await regenerated(logger, store, 4, turns)
 
     await read_on(batches, served)
     assert served == await store.transcript(LIFE)
-    assert len(served) == 36
+    assert len(served) == 36 + 2 * turns
 
 
 async def stored_before_epochs(db: Any, conversation_id: str, messages: int) -> None:

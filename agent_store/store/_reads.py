@@ -2491,6 +2491,7 @@ class ConversationStore:
         scope = self._standing(conversation_id, user_id)
         pin = None if life is None else await self._life_named(scope, life)
         size, after, largest = min(STREAM_FIRST_BATCH, batch_size), -1, 1
+        served: dict[int, str] = {}  # the ids of the newest messages served, by `seq`
         while True:
             first = after < 0
             if first:
@@ -2506,8 +2507,9 @@ class ConversationStore:
             last = len(read) < size
             if read:
                 after, largest = int(read[-1]["seq"]), max(map(_approximate_size, read))
+            _remember_served(served, docs)
             if last and not first:
-                await self._lived_through(scope, pin, after)
+                await self._lived_through(scope, pin, after, served)
             if docs or first:
                 async for part in self._served(messages_adapter.validate_python(docs), full):
                     yield part
@@ -2622,7 +2624,13 @@ class ConversationStore:
         end = pin.get("end")
         return [m for m in served if end is None or m.seq is None or m.seq < end]
 
-    async def _lived_through(self, scope: dict[str, Any], pin: dict[str, Any], last: int) -> None:
+    async def _lived_through(
+        self,
+        scope: dict[str, Any],
+        pin: dict[str, Any],
+        last: int,
+        served: Mapping[int, str] | None = None,
+    ) -> None:
         """After a stream's last batch (the last message served has `seq` `last`): Conflict
         unless the conversation it served is still under the id and in `scope`, no pop since
         the life was read removed a message it counts or served (`pops`; `end`, when `pin`
@@ -2635,7 +2643,8 @@ class ConversationStore:
             found = await self._conversations.find_one(scope | life, read)
         if found is not None and "pops" in pin:
             end = int(pin.get("end", last + 1))
-            _refuse_popped_since(conversation_id, found, int(pin["pops"]), end)
+            kept = None if "end" in pin else served  # a `life`: what it counts, served or not
+            _refuse_popped_since(conversation_id, found, int(pin["pops"]), end, kept)
         if found is not None and int(found.get("message_count") or 0) <= last + 1:
             return
         if found is not None and not await self._deletions.under_way(conversation_id, found):
@@ -2663,12 +2672,38 @@ class ConversationStore:
             await cursor.close()
 
 
+SERVED_IDS_KEPT = 1_000
+"""How many of the newest messages a streamed transcript served it remembers the ids of, to
+tell a pop of one it served from a pop of one it had not reached (regenerated since, its
+`seq` served again): a pop further back is taken as of a message served."""
+
+
+def _remember_served(served: dict[int, str], docs: Sequence[Mapping[str, Any]]) -> None:
+    """Add the ids of `docs`, about to be served, to `served`, the newest `SERVED_IDS_KEPT`."""
+    served.update((int(d["seq"]), str(d["_id"])) for d in docs)
+    for seq in sorted(served)[: max(0, len(served) - SERVED_IDS_KEPT)]:
+        del served[seq]
+
+
 def _refuse_popped_since(
-    conversation_id: str, found: Mapping[str, Any], pops: int, end: int
+    conversation_id: str,
+    found: Mapping[str, Any],
+    pops: int,
+    end: int,
+    served: Mapping[int, str] | None = None,
 ) -> None:
     """Conflict when a pop removed a message below `end` from the conversation `found` (read
     with `POPS_READ`) since a stream read it with `pops` pops finished: the messages served
-    are not those it counted, or mix those popped with those logged after."""
+    are not those it counted, or mix those popped with those logged after. With `served`
+    (the ids a stream served, by `seq`), a popped message whose `seq` it served holding
+    another message (the pop came before the stream reached it) is no such pop."""
+    if served is not None:
+        listed = [p for p in found.get("popped_messages") or () if isinstance(p, Mapping)]
+        unserved = [
+            {**p, "s": end} if served.get(int(p.get("s", -1)), p.get("i")) != p.get("i") else p
+            for p in listed
+        ]
+        found = {**found, "popped_messages": unserved}
     if popped_since_read(found, pops, end - 1):
         raise Conflict(
             f"a message of conversation {conversation_id!r} was popped while its transcript "
