@@ -2665,6 +2665,29 @@ async def test_a_bridge_answer_is_judged_by_this_lifes_call_not_an_earlier_lifes
     assert await store.transcript(CID) == before
 
 
+async def test_a_bridges_answer_once_the_unstored_call_turn_is_passed_is_answered_before(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same as a runtime's bridge logs it (`calls_answered`, then `log_messages`, as
+    `log_run`, `add_items` and `aadd_messages` do): past `abandon_after`, the call no stored
+    message makes whose answer tab A stored is named as `pending_calls` served it, and the
+    stale answer is `AnsweredBefore`, never stored as a second answer (was: left out of
+    `answers_to` and stored)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    read = await _call_turn(backend, logger, monkeypatch, stored=False)
+    await logger.log_messages(
+        CID, [_answer("c0", "A")], turn_id="tab-a", answers_to={"c0": read.message_id}
+    )
+    before, late = await store.transcript(CID), _late_logger(backend)
+    stale = messages_adapter.validate_python([_answer("c0", "B")])
+
+    named = await late.calls_answered(CID, stale)
+
+    with pytest.raises(AnsweredBefore, match="'c0'"):
+        await late.log_messages(CID, stale, turn_id="tab-b", answers_to=named)
+    assert await store.transcript(CID) == before
+
+
 @pytest.mark.parametrize("passed", [False, True], ids=["", "past abandon_after"])
 @pytest.mark.parametrize("stored", _CALL_TURN, ids=_CALL_TURN_IDS)
 async def test_a_stale_streamed_denial_of_a_call_answered_first_is_logged_without_it(

@@ -1015,16 +1015,11 @@ class AgentMessageLogger:
     ) -> dict[str, str]:
         """For `calls_answered`, those of `call_ids` (off `pending_calls`, made by no stored
         message) a turn still being written may make (its insert lost or in flight, within
-        `abandon_after`: `_Landed`) whose answer is stored or may still land: named by
-        `_UNSTORED_CALL`, so the turn is judged as one naming the call as `pending_calls`
-        served it (`_unanswered`: `AnsweredBefore`, or `StorageUnavailable` while the answer
-        is still being written), never stored as a second answer. None read when no block is
-        being written; one (the messages) otherwise."""
-        unpassed = Gaps.of(conversation).unpassed_from(
-            now=utc_now(), abandon_after=self.rules.abandon_after
-        )
-        if unpassed is None:
-            return {}
+        `abandon_after`: `_Landed`; or passed, its writer dead) whose answer is stored or may
+        still land: named by `_UNSTORED_CALL`, so the turn is judged as one naming the call as
+        `pending_calls` served it (`_unanswered`: `AnsweredBefore`, or `StorageUnavailable`
+        while the answer is still being written), never stored as a second answer. One read
+        (the messages)."""
         named = dict.fromkeys(call_ids, _UNSTORED_CALL)
         _, landed, written = await self._answers_landing(
             conversation, named, "read the messages answering the calls"
