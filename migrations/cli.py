@@ -27,7 +27,7 @@ from pymongo.errors import PyMongoError
 
 from agent_store.core import utc_now
 from agent_store.legacy import LEGACY_TURNS
-from agent_store.store import CONVERSATIONS, MESSAGES, create_indexes_sync
+from agent_store.store import CONVERSATIONS, MESSAGES, TurnRules, create_indexes_sync
 from migrations import (
     abandoned,
     dual_writes,
@@ -41,7 +41,7 @@ from migrations import (
 )
 from migrations import problems as problem_report
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS
-from migrations.connection import database
+from migrations.connection import URI_VARIABLES, database
 from migrations.errors import MigrationError, Misuse
 from migrations.settings import service_rules
 from migrations.verify import verify
@@ -342,6 +342,10 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     _refuse_bad_seconds("--lease-seconds", args.lease_seconds, zero=False)
     _refuse_bad_seconds("--wait-seconds", args.wait_seconds, zero=True)
     explode.refuse_after_the_drop(db)
+    if args.new_rules:
+        args.restart = True  # every conversation again, none left by the earlier rules
+    else:
+        explode.refuse_other_rules(db, args.rules)
     run_id = time.strftime("run-%Y%m%dT%H%M%SZ-", time.gmtime()) + uuid.uuid4().hex[:6]
     held: lease.Lease | None = None
     if not args.dry_run:
@@ -507,7 +511,22 @@ def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     if _not_moved(db, "`verify`"):
         print(NOT_MOVED)
         return 1
+    if not result.ok:
+        _note_other_rules(db, args.rules)
     return 0 if result.ok and not unread else 1
+
+
+def _note_other_rules(db: Database[dict[str, Any]], rules: TurnRules) -> None:
+    """After the differences `verify` or `finish` found: the settings that differ from those
+    the last run converted the conversations by, when any do (the likelier cause)."""
+    run_id, differing = explode.rules_changed(db, rules)
+    if differing:
+        print(
+            f"the turn settings differ from those the run that migrated the conversations "
+            f"({run_id}) converted them by: {', '.join(differing)}; the differences above may "
+            "come from that: set them as that run had them (the service's environment), or "
+            "`run --new-rules` to convert every conversation again by these"
+        )
 
 
 def _report(found: gate.Gate) -> None:
@@ -599,6 +618,7 @@ def _finish(
     _report(found)
     problem_report.print_summary(db, sys.stdout)
     if not found.open:
+        _note_other_rules(db, args.rules)
         if args.drop_legacy:
             print(
                 f"refusing to drop {LEGACY_TURNS}: the conversations and documents above hold "
@@ -631,8 +651,8 @@ def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--uri",
-        help="MongoDB connection string (default: $MONGODB_URI, else the embedded database "
-        "of --data-dir)",
+        help="MongoDB connection string (default: $MONGODB_URI or $AGENT_STORE_MONGODB_URI, "
+        "else the embedded database of --data-dir)",
     )
     common.add_argument(
         "--database",
@@ -686,6 +706,12 @@ def _run_parser(run: argparse.ArgumentParser) -> None:
     run.add_argument("--batch-size", type=int, default=100, help="conversations per batch")
     run.add_argument("--restart", action="store_true", help="ignore the saved checkpoint")
     run.add_argument(
+        "--new-rules",
+        action="store_true",
+        help="convert every conversation again by the turn settings set now, though they "
+        "differ from those of the run that migrated them (starts over, as --restart)",
+    )
+    run.add_argument(
         "--spread",
         type=int,
         default=16,
@@ -736,7 +762,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Read before any database is looked for: a setting the service refuses is misuse.
         args.rules = service_rules()
         with database(args) as (client, where):
-            if where not in ("--uri", "MONGODB_URI"):
+            if where != "--uri" and where not in URI_VARIABLES:
                 print(f"database {args.database!r} on {where}")
             return COMMANDS[args.command](client[args.database], args)
     except KeyboardInterrupt as exc:

@@ -1,6 +1,7 @@
 """Which database the migration works on, and the connection to it.
 
-In order: `--uri`; `MONGODB_URI`; the embedded server a running service
+In order: `--uri`; `MONGODB_URI` or `AGENT_STORE_MONGODB_URI` (as the service reads
+them); the embedded server a running service
 (`make run`) publishes in its data directory (`AGENT_STORE_DATA_DIR`, default
 `data/`); else the embedded database of that directory opened here, for as
 long as the command runs. So `make migrate` after `make run` works on the
@@ -44,6 +45,20 @@ def _embedded(data_dir: Path, stack: ExitStack) -> tuple[str, str]:
     return uri, f"the embedded database in {data_dir}/ (opened here, at {uri})"
 
 
+URI_VARIABLES = ("MONGODB_URI", "AGENT_STORE_MONGODB_URI")
+"""Where the service reads its connection string, in this order (`app.settings.Settings`)."""
+
+
+def _given(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The connection string `--uri` or the service's variables give, and which gave it."""
+    if args.uri:
+        return args.uri, "--uri"
+    for variable in URI_VARIABLES:
+        if os.environ.get(variable):
+            return os.environ[variable], variable
+    return None, "--uri"
+
+
 @contextmanager
 def database(args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
     """The client and a description of where it points, for the duration of a command."""
@@ -53,8 +68,7 @@ def database(args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
             f"and less than {MAX_TIMEOUT}"
         )
     with ExitStack() as stack:
-        uri = args.uri or os.environ.get("MONGODB_URI")
-        where = "MONGODB_URI" if uri and not args.uri else "--uri"
+        uri, where = _given(args)
         if not uri:
             uri, where = _embedded(Path(args.data_dir), stack)
         try:  # a legacy date outside Python's range (year 0, 55840) reads as a `DatetimeMS`
@@ -64,7 +78,9 @@ def database(args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
                 datetime_conversion=DatetimeConversion.DATETIME_AUTO,
                 serverSelectionTimeoutMS=int(args.timeout * 1000),
             )
-        except ConfigurationError as exc:
+        except (ConfigurationError, ValueError, TypeError) as exc:
+            # As the service's start refuses them (`app.settings`): a mistyped port,
+            # minPoolSize over maxPoolSize are the driver's ValueError.
             raise Unreachable(f"invalid MongoDB URI {redact_uri(uri)!r}: {exc}") from exc
         except OSError as exc:  # the driver reads the TLS files it names (ssl.SSLError too)
             raise Unreachable(

@@ -89,7 +89,7 @@ from migrations.relocate import (
     late_fits,
     turns_at,
 )
-from migrations.settings import SERVICE_DEFAULTS
+from migrations.settings import SERVICE_DEFAULTS, as_recorded, settings_differing
 from migrations.writes import ALREADY_LIVE, Converted
 
 LEGACY_FILTER: dict[str, Any] = TURN_FILTER
@@ -228,13 +228,7 @@ class Options:
     def recorded(self) -> dict[str, Any]:
         """The options as the run's record keeps them, the rules by the settings they are
         made of: which markers, bound and name length the run converted by."""
-        rules = self.rules
-        made_of = {
-            "runtime_context_start": rules.markers.start,
-            "runtime_context_end": rules.markers.end,
-            "max_message_bytes": rules.max_message_bytes,
-            "name_chars": rules.name_chars,
-        }
+        made_of = as_recorded(self.rules)
         return {k: v for k, v in self.__dict__.items() if k != "rules"} | {"rules": made_of}
 
 
@@ -729,6 +723,38 @@ def ranges_unfinished(state: Mapping[str, Any]) -> bool:
     """Whether the migration's state holds ranges of ids a run stopped in, for the next run
     to resume."""
     return not state.get("complete", True) and "ranges" in state
+
+
+def rules_changed(db: Database[dict[str, Any]], rules: TurnRules) -> tuple[str, list[str]]:
+    """The last run that went through conversations (a stopped one a resume goes on with
+    among them), and the settings `rules` differ in from those it converted them by
+    (`settings_differing`: none, or no such run, is an empty list). A record written before
+    runs recorded their rules was made by the defaults, which every run used then."""
+    last = list(
+        db[STATE]
+        .find({"kind": "run", "counts.conversations": {"$gt": 0}}, {"options.rules": 1})
+        .sort("started_at", -1)
+        .limit(1)
+    )
+    if not last:
+        return "", []
+    recorded = (last[0].get("options") or {}).get("rules") or as_recorded(SERVICE_DEFAULTS)
+    return str(last[0]["_id"]), settings_differing(recorded, rules)
+
+
+def refuse_other_rules(db: Database[dict[str, Any]], rules: TurnRules) -> None:
+    """Misuse, before a run writes anything, when its rules differ from those of the last run
+    that migrated conversations: it would rewrite what that run stored, live conversations
+    included (context it hid made visible, the problem keeping it removed)."""
+    run_id, differing = rules_changed(db, rules)
+    if differing:
+        raise Misuse(
+            f"the turn settings differ from those run {run_id} migrated the conversations by "
+            f"(`options.rules` of its record in {STATE}): {', '.join(differing)}; a run by "
+            "these would rewrite what it stored, live conversations included: set them as that "
+            "run had them (the service's environment) and run again, or pass --new-rules to "
+            "convert every conversation again by the settings set now"
+        )
 
 
 class Explosion:

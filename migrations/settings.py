@@ -11,6 +11,9 @@ before it looks for a database.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -38,3 +41,21 @@ def service_rules() -> TurnRules:
         return _TurnEnvironment().turn_rules()
     except ValidationError as exc:
         raise Misuse(describe_validation_error(exc, subject="configuration")) from None
+
+
+def as_recorded(rules: TurnRules) -> dict[str, Any]:
+    """The rules as a run's record keeps them (`options.rules`): the settings they are made
+    of, by their names in `TurnSettings`."""
+    return {
+        "runtime_context_start": rules.markers.start,
+        "runtime_context_end": rules.markers.end,
+        "max_message_bytes": rules.max_message_bytes,
+        "name_chars": rules.name_chars,
+    }
+
+
+def settings_differing(recorded: Mapping[str, Any], rules: TurnRules) -> list[str]:
+    """The environment variables of the settings `rules` differ in from those `recorded`
+    (`as_recorded`), in their order there; names only, never a value."""
+    now = as_recorded(rules)
+    return [f"AGENT_STORE_{name.upper()}" for name in now if recorded.get(name) != now[name]]

@@ -1302,3 +1302,100 @@ def test_a_tls_file_the_uri_names_that_cannot_be_read_is_a_bad_uri_exit_4(
         assert err.startswith("error: invalid MongoDB URI ")
         assert "a TLS file it names (tlsCAFile, tlsCertificateKeyFile) cannot be read" in err
         assert len(err.splitlines()) == 1
+
+
+@pytest.mark.wire
+def test_a_run_by_other_turn_settings_than_the_runs_that_migrated_is_refused_writing_nothing(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A run (a resume too) by other settings than the run that migrated conversations would
+    rewrite them, hidden context made visible: exit 2, naming the settings that differ (never
+    their values), nothing written; the same settings run on, and `--new-rules` converts
+    every conversation again by the new ones."""
+    with_service_turn_settings(monkeypatch)
+    for n in range(3):
+        database[CONVERSATIONS].insert_many(context_turns(f"leg-{n}"))
+    assert cli(wire_uri, database, "run", "--limit", "1", "--batch-size", "1") == 0
+    monkeypatch.delenv("AGENT_STORE_RUNTIME_CONTEXT_START")
+    monkeypatch.setenv("AGENT_STORE_NAME_CHARS", "30")
+    before = digest(database)
+    capsys.readouterr()
+
+    for extra in ((), ("--restart",), ("--dry-run",), ("--conversation", "leg-0")):
+        assert cli(wire_uri, database, "run", *extra) == 2
+        err = capsys.readouterr().err
+        assert "AGENT_STORE_RUNTIME_CONTEXT_START, AGENT_STORE_NAME_CHARS" in err
+        assert "<ctx>" not in err  # names, never values
+        assert "--new-rules" in err
+    assert digest(database) == before
+
+    with_service_turn_settings(monkeypatch)  # as the earlier run had them: the resume goes on
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    monkeypatch.delenv("AGENT_STORE_RUNTIME_CONTEXT_START")
+    monkeypatch.delenv("AGENT_STORE_RUNTIME_CONTEXT_END")
+    assert cli(wire_uri, database, "run", "--new-rules") == 0
+    firsts = {m["content"] for m in database[MESSAGES].find({"seq": 0})}
+    assert firsts == {"<ctx>account=ACME-SECRET-42; tier=gold</ctx>Where is my order?"}
+    assert cli(wire_uri, database, "run") == 0  # the rules recorded are the new ones now
+
+
+@pytest.mark.wire
+def test_verify_and_finish_name_the_turn_settings_that_differ_from_the_migrating_run(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Differences that come from settings other than the run's are said to, by name."""
+    with_service_turn_settings(monkeypatch)
+    database[CONVERSATIONS].insert_many(context_turns())
+    assert cli(wire_uri, database, "run") == 0
+    monkeypatch.delenv("AGENT_STORE_RUNTIME_CONTEXT_END")
+    capsys.readouterr()
+    for command in ("verify", "finish"):
+        assert cli(wire_uri, database, command) == 1
+        said = capsys.readouterr().out.splitlines()
+        note = [line for line in said if "the turn settings differ" in line]
+        assert len(note) == 1
+        assert ": AGENT_STORE_RUNTIME_CONTEXT_END;" in note[0]
+        assert "ctx" not in note[0]
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        pytest.param("mongodb://db.example.com:27017x/", id="mistyped-port"),
+        pytest.param("mongodb://127.0.0.1:9/?maxPoolSize=1&minPoolSize=5", id="pool-sizes"),
+    ],
+)
+def test_a_uri_whose_client_the_driver_refuses_to_build_is_exit_4_in_one_line(
+    uri: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the service's start refuses it: never a traceback with exit 1 ("differences")."""
+    assert main(["status", "--uri", uri, "--timeout", "0.2"]) == 4
+    err = capsys.readouterr().err
+    assert err.startswith("error: invalid MongoDB URI ")
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.wire
+def test_the_services_agent_store_mongodb_uri_names_the_database_as_mongodb_uri_does(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The service reads `MONGODB_URI` or `AGENT_STORE_MONGODB_URI`: so does the migration,
+    never the embedded database of a `data/` beside it."""
+    monkeypatch.delenv("MONGODB_URI", raising=False)
+    monkeypatch.setenv("AGENT_STORE_MONGODB_URI", wire_uri)
+    monkeypatch.setenv("AGENT_STORE_DATA_DIR", str(tmp_path))
+    database[CONVERSATIONS].insert_many(context_turns())
+    assert main(["run", "--database", database.name, "--progress", "none"]) == 0
+    assert database[MESSAGES].count_documents({"conversation_id": "leg-ctx"}) == 4
+    assert "embedded" not in capsys.readouterr().out

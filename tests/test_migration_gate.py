@@ -7358,7 +7358,8 @@ def test_verify_and_finish_compare_by_the_rules_the_service_reads_from_the_envir
 ) -> None:
     """A migration made by other rules than the service's (the defaults: hidden context kept
     visible, the long answer whole) is a difference to `verify` and work left to `finish`
-    once the service's settings are there; `run` again under them converges."""
+    once the service's settings are there, said to come from them; `run` again under them is
+    refused as misuse, and `run --new-rules` converges."""
     from tests.test_migration_cli import context_turns, with_service_turn_settings
 
     database[CONVERSATIONS].insert_many(context_turns())
@@ -7369,8 +7370,11 @@ def test_verify_and_finish_compare_by_the_rules_the_service_reads_from_the_envir
     assert cli(wire_uri, database, "verify") == 1
     assert any(line.startswith("leg-ctx: ") for line in capsys.readouterr().out.splitlines())
     assert cli(wire_uri, database, "finish") == 1
-    assert "leg-ctx" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "leg-ctx" in out
+    assert "the turn settings differ" in out
 
-    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "run") == 2
+    assert cli(wire_uri, database, "run", "--new-rules") == 0
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish", "--accept", "leg-ctx", "--note", "context") == 0
