@@ -4560,7 +4560,8 @@ def _answers_landing(plan: TurnPlan, named: Mapping[str, str]) -> Landing:
     def refused(
         conversation: Mapping[str, Any], read: Sequence[Mapping[str, Any]]
     ) -> StoreError | None:
-        found = of_epoch(read, conversation.get("epoch"))
+        # this life's messages, when the conversation was read with its epoch
+        found = of_epoch(read, conversation["epoch"]) if "epoch" in conversation else list(read)
         landed = _Landed(found, {str(d["_id"]): int(d["seq"]) for d in found})
         return _answers_judged(plan, named, named, found, landed, lambda made_at: False)
 
