@@ -1985,3 +1985,229 @@ def test_a_retrys_attempt_and_budget_come_back(part: ToolReturnPart | RetryFeedb
     back = replayed[-1].parts[-1]
     assert isinstance(back, type(part))
     assert back.retry == part.retry
+
+
+# -- a resumed run cut off while its approved tools ran ------------------------------------
+
+
+def _billing_agent(
+    first_bills: list[str], fail: set[str]
+) -> Agent[None, str | DeferredToolRequests]:
+    """An agent that asks to pay `first_bills` at once, then bill C, every payment needing
+    approval; the gateway is down for the bills in `fail` (their tool raises, cutting the
+    run off while its tools run)."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        responses = sum(isinstance(m, ModelResponse) for m in messages)
+        if responses == 0:
+            bills = [ToolCallPart("pay", {"bill": b}, tool_call_id=f"c-{b}") for b in first_bills]
+            return ModelResponse(parts=list(bills))
+        if responses == 1:
+            return ModelResponse(parts=[ToolCallPart("pay", {"bill": "C"}, tool_call_id="c-C")])
+        return ModelResponse(parts=[TextPart("Nothing more to pay.")])
+
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        FunctionModel(respond), output_type=[str, DeferredToolRequests]
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def pay(bill: str) -> str:
+        if bill in fail:
+            raise RuntimeError("payment gateway down")
+        return f"paid {bill}"
+
+    return agent
+
+
+async def _paused(
+    logger: AgentMessageLogger, store: ConversationStore, agent: Agent[None, Any]
+) -> list[ModelMessage]:
+    """Run 1 paused for approval, logged; the history a tab reloads from the store."""
+    first = await agent.run("Pay the bills.")
+    await log_run(logger, CID, first.new_messages(), turn_id="run-1", user_id="u1")
+    return history_from_messages(await store.transcript(CID, user_id="u1"))
+
+
+async def _cut_off(
+    agent: Agent[None, Any], history: list[ModelMessage], results: DeferredToolResults
+) -> list[ModelMessage]:
+    """The messages of a run resumed on `history` with `results`, cut off while its tools ran."""
+    with capture_run_messages() as cut, pytest.raises(RuntimeError, match="gateway"):
+        await agent.run(message_history=history, deferred_tool_results=results)
+    assert cut[-1].state == "interrupted"
+    return cut[len(history) :]
+
+
+async def _answers(store: ConversationStore) -> list[tuple[str | None, str | None]]:
+    """The tool messages stored: each call's answers, in order."""
+    stored = await store.transcript(CID, user_id="u1")
+    return [(m.tool_call_id, m.content) for m in stored if isinstance(m, ToolMessage)]
+
+
+@pytest.mark.parametrize(
+    ("bills", "approved"),
+    [(["B"], ["c-B"]), (["A", "B"], ["c-B"]), (["A", "B"], ["c-A", "c-B"])],
+    ids=["nothing-returned", "one-denied", "one-returned"],
+)
+async def test_a_resumed_run_cut_off_while_its_approved_tools_ran_closes_the_calls_it_resumed(
+    backend: Backend, bills: list[str], approved: list[str]
+) -> None:
+    """A run paused for approval, resumed with the decisions, is cut off while the approved
+    tools run: its messages hold no response of its own (a request `interrupted`, with the
+    returns of the tools that finished first). Given the run's `deferred_tool_results`,
+    `log_run` closes the calls it resumed that returned nothing, as Pydantic AI closes them:
+    nothing pending, the retry is its replay, and the next prompt runs no tool again."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    agent = _billing_agent(bills, fail={"B"})
+    history = await _paused(logger, store, agent)
+    results = DeferredToolResults(approvals={f"c-{b}": f"c-{b}" in approved for b in bills})
+    resumed = await _cut_off(agent, history, results)
+
+    await log_run(
+        logger, CID, resumed, turn_id="run-2", user_id="u1", deferred_tool_results=results
+    )
+
+    assert await store.pending_calls(CID, user_id="u1") == []
+    assert dict(await _answers(store))["c-B"] == INTERRUPTED_RESULT
+    retry = await log_run(
+        logger, CID, resumed, turn_id="run-2", user_id="u1", deferred_tool_results=results
+    )
+    assert retry.replayed
+    reloaded = history_from_messages(await store.transcript(CID, user_id="u1"))
+    asked = (await agent.run("Go on.", message_history=reloaded)).output
+    assert isinstance(asked, DeferredToolRequests)
+    assert [c.tool_call_id for c in asked.approvals] == ["c-C"]
+
+
+async def test_a_stale_tab_cut_off_resuming_a_run_another_tab_moved_on_is_answered_before(
+    backend: Backend,
+) -> None:
+    """Two tabs show run 1 paused on bill A. Tab A approves: A is paid, and the model asks
+    about bill C (paused again). Tab B approves A too and is cut off while paying. Its run
+    closes only the call it resumed, which tab A answered: `AnsweredBefore`, nothing stored,
+    and tab A's new call still awaits its person."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    history = await _paused(logger, store, _billing_agent(["A"], fail=set()))
+    results = DeferredToolResults(approvals={"c-A": True})
+    tab_a = await _billing_agent(["A"], fail=set()).run(
+        message_history=history, deferred_tool_results=results
+    )
+    await log_run(logger, CID, tab_a.new_messages(), turn_id="run-2a", user_id="u1")
+    tab_b = await _cut_off(_billing_agent(["A"], fail={"A"}), history, results)
+
+    with pytest.raises(AnsweredBefore):
+        await log_run(
+            logger, CID, tab_b, turn_id="run-2b", user_id="u1", deferred_tool_results=results
+        )
+
+    assert [c.tool_call_id for c in await store.pending_calls(CID, user_id="u1")] == ["c-C"]
+    assert await _answers(store) == [("c-A", "paid A")]
+
+
+async def test_two_tabs_cut_off_resuming_one_paused_run_store_one_answer(backend: Backend) -> None:
+    """Both tabs resume run 1 and are cut off while paying: the first closes the call, the
+    second is `AnsweredBefore` (another tab acted), not an empty turn's `InvalidInput`."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    agent = _billing_agent(["A"], fail={"A"})
+    history = await _paused(logger, store, agent)
+    results = DeferredToolResults(approvals={"c-A": True})
+    tab_a, tab_b = await _cut_off(agent, history, results), await _cut_off(agent, history, results)
+    await log_run(logger, CID, tab_a, turn_id="run-2a", user_id="u1", deferred_tool_results=results)
+
+    with pytest.raises(AnsweredBefore):
+        await log_run(
+            logger, CID, tab_b, turn_id="run-2b", user_id="u1", deferred_tool_results=results
+        )
+
+    assert await _answers(store) == [("c-A", INTERRUPTED_RESULT)]
+
+
+async def test_a_cut_off_resumed_run_retried_after_the_next_turn_is_its_replay(
+    backend: Backend,
+) -> None:
+    """The cut-off resumed run is logged but its reply is lost; the person's next prompt runs
+    and pauses on a new call; then the first `log_run` is retried: its replay, nothing changed
+    (its content is the run's, not whatever the conversation's latest response is)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    agent = _billing_agent(["A"], fail={"A"})
+    history = await _paused(logger, store, agent)
+    results = DeferredToolResults(approvals={"c-A": True})
+    resumed = await _cut_off(agent, history, results)
+    await log_run(
+        logger, CID, resumed, turn_id="run-2", user_id="u1", deferred_tool_results=results
+    )
+    reloaded = history_from_messages(await store.transcript(CID, user_id="u1"))
+    third = await agent.run("Go on.", message_history=reloaded)
+    await log_run(logger, CID, third.new_messages(), turn_id="run-3", user_id="u1")
+    before = await _answers(store)
+
+    retry = await log_run(
+        logger, CID, resumed, turn_id="run-2", user_id="u1", deferred_tool_results=results
+    )
+
+    assert retry.replayed
+    assert await _answers(store) == before
+    assert [c.tool_call_id for c in await store.pending_calls(CID, user_id="u1")] == ["c-C"]
+
+
+async def test_a_cut_off_resumed_run_closes_its_call_after_the_approval_prompt_was_logged(
+    backend: Backend,
+) -> None:
+    """The runtime logs its question apart from the run that paused (DESIGN.md); the person
+    approves; the resumed run is cut off while paying: the call it resumed is closed, and the
+    question with it (nothing awaits the person)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    agent = _billing_agent(["A"], fail={"A"})
+    history = await _paused(logger, store, agent)
+    [call] = await store.pending_calls(CID, user_id="u1")
+    ask = {"action": "confirm", "request_id": "ask-1", "tool_call_ids": [call.tool_call_id]}
+    question = {"role": "assistant", "content": "Pay bill A?", "hitl_action": ask}
+    await logger.log_messages(CID, [question], user_id="u1", turn_id="ask-1")
+    results = DeferredToolResults(approvals={"c-A": True})
+    resumed = await _cut_off(agent, history, results)
+
+    await log_run(
+        logger, CID, resumed, turn_id="run-2", user_id="u1", deferred_tool_results=results
+    )
+
+    assert await store.pending_calls(CID, user_id="u1") == []
+    assert await _answers(store) == [(call.tool_call_id, INTERRUPTED_RESULT)]
+
+
+async def test_the_documented_resume_logs_a_run_cut_off_while_its_approved_tool_ran(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md's resume of a paused run, run as written: the approved tool raises, and
+    the run's `log_run` still closes its call: nothing awaits the person any more."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        return ModelResponse(parts=[ToolCallPart("book", {"train": "6601"}, tool_call_id="tc-9")])
+
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        FunctionModel(respond), output_type=[str, DeferredToolRequests]
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def book(train: str) -> str:
+        raise RuntimeError("booking service down")
+
+    first = await agent.run("Book the 6601.")
+    await log_run(logger, "conv-42", first.new_messages(), turn_id="run-1", user_id="user-7")
+    history = history_from_messages(await store.transcript("conv-42", user_id="user-7"))
+    runtimes = (Path(__file__).parents[1] / "docs" / "RUNTIMES.md").read_text()
+    recipe = re.search(r"```python\n(results = DeferredToolResults.*?)```", runtimes, re.DOTALL)
+    assert recipe is not None
+    code = compile(
+        recipe.group(1), "docs/RUNTIMES.md", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+    )
+    names = {
+        "DeferredToolResults": DeferredToolResults,
+        "capture_run_messages": capture_run_messages,
+    }
+    namespace = {**names, "agent": agent, "history": history, "logger": logger, "run_id": "run-2"}
+
+    with pytest.raises(RuntimeError, match="booking service down"):
+        await eval(code, {**namespace, "log_run": log_run})
+
+    assert await store.pending_calls("conv-42", user_id="user-7") == []

@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime
 from typing import Any, cast
@@ -80,6 +80,7 @@ import pydantic_core
 from pydantic import TypeAdapter, ValidationError
 
 try:
+    from pydantic_ai import DeferredToolResults
     from pydantic_ai import messages as pai
     from pydantic_ai.usage import RequestUsage
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -106,6 +107,7 @@ from agent_store.core import (
     stand_in_result,
     tool_content_error,
     tool_outcome,
+    utc_now,
     whole_millis,
 )
 from agent_store.integrations._native import kept_form, native_form, runtime_json, with_native
@@ -187,7 +189,10 @@ _CITATIONS: TypeAdapter[list[pai.Citation]] = TypeAdapter(list[pai.Citation])
 
 
 def messages_from_run(
-    messages: Sequence[pai.ModelMessage], *, markers: RuntimeContextMarkers = DEFAULT_MARKERS
+    messages: Sequence[pai.ModelMessage],
+    *,
+    markers: RuntimeContextMarkers = DEFAULT_MARKERS,
+    resumed: Collection[str] = (),
 ) -> list[AgentMessage]:
     """The stored messages of an agent run's messages (`result.new_messages()`), in order.
 
@@ -196,7 +201,9 @@ def messages_from_run(
     across items is removed too; a tool's content and retry feedback, which
     are no person's words, are kept whole, as the model was sent them. A call
     id the provider used again within the run is renamed `<id>_<n>` (with its
-    result), and a warning logged.
+    result), and a warning logged. `resumed` names the calls of an earlier run this
+    run was resumed on (the ids its `deferred_tool_results` answers): cut off before
+    its first response, the run closes those it returned nothing for.
     """
     stored: list[AgentMessage] = []
     sent_at: datetime | None = None
@@ -214,14 +221,16 @@ def messages_from_run(
                 stored[first] = _with_kept(stored[first], kept, subject)
         else:
             stored.append(_from_response(message, sent_at, subject))
-    return _with_unique_call_ids([*stored, *_closed_for_good(messages, stored)])
+    closed = _closed_for_good(messages, stored, resumed)
+    return _with_unique_call_ids([*stored, *closed])
 
 
 def _closed_for_good(
-    messages: Sequence[pai.ModelMessage], stored: Sequence[AgentMessage]
+    messages: Sequence[pai.ModelMessage], stored: Sequence[AgentMessage], resumed: Collection[str]
 ) -> list[ToolMessage]:
-    """An `interrupted` answer to each call of the run's last response that it left
-    unanswered for good, as Pydantic AI closes them (`_repair_interrupted_tail`): the run
+    """An `interrupted` answer to each call that the run left unanswered for good, as
+    Pydantic AI closes them (`_repair_interrupted_tail`): the calls of its last response, or
+    of the earlier run it was `resumed` on when it holds no response of its own. The run
     was cut off after the response (an `interrupted` request: its tools were running) or
     stopped before acting on it (an `interrupted` response: a cancelled stream, a usage
     limit crossed). Stored answered, such a call is never pending: it is closed, never run."""
@@ -229,15 +238,12 @@ def _closed_for_good(
     if last is None or last.state != "interrupted":
         return []
     at = next((i for i in reversed(range(len(stored))) if stored[i].role == "assistant"), -1)
-    response = stored[at] if at >= 0 else None
-    if response is None or not response.tool_calls:
-        return []
+    if at < 0:
+        calls, made_at = sorted(resumed), last.timestamp or utc_now()
+    else:
+        calls, made_at = [call.id for call in stored[at].tool_calls or ()], stored[at].created_at
     answered = {m.tool_call_id for m in stored[at + 1 :] if isinstance(m, ToolMessage)}
-    return [
-        stand_in_result(call.id, response.created_at)
-        for call in response.tool_calls
-        if call.id not in answered
-    ]
+    return [stand_in_result(call, made_at) for call in calls if call not in answered]
 
 
 def _tool_content(request: pai.ModelRequest, *, opens_run: bool) -> set[int]:
@@ -1084,6 +1090,7 @@ async def log_run(
     turn_id: str,
     user_id: str | None = None,
     name: str | None = None,
+    deferred_tool_results: DeferredToolResults | None = None,
 ) -> LoggedTurn:
     """Store an agent run's new messages as one turn (idempotent by `turn_id`).
 
@@ -1093,9 +1100,13 @@ async def log_run(
     `deferred_tool_results` answers calls of an earlier run: it names them
     (`AgentMessageLogger.calls_answered`, one read more, only then), so when another run
     answered one of them first (two tabs resuming one paused run) it is refused
-    (`AnsweredBefore`), nothing stored; its retry is still a replay.
+    (`AnsweredBefore`), nothing stored; its retry is still a replay. Pass the run's
+    `deferred_tool_results`: a resumed run cut off while the approved tools ran holds no
+    response of its own, and its messages alone do not say which calls it resumed; given
+    them, it closes those that returned nothing (`interrupted`), as Pydantic AI does.
     """
-    stored = messages_from_run(messages, markers=logger.rules.markers)
+    resumed = _resumed_calls(deferred_tool_results)
+    stored = messages_from_run(messages, markers=logger.rules.markers, resumed=resumed)
     return await logger.log_messages(
         conversation_id,
         stored,
@@ -1104,3 +1115,8 @@ async def log_run(
         name=name,
         answers_to=await logger.calls_answered(conversation_id, stored, user_id=user_id),
     )
+
+
+def _resumed_calls(results: DeferredToolResults | None) -> list[str]:
+    """The ids of the calls a run's `deferred_tool_results` resumed it on."""
+    return [] if results is None else [*results.approvals, *results.calls]
