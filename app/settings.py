@@ -31,7 +31,7 @@ from pymongo.errors import InvalidURI
 from pymongo.uri_parser import parse_uri, split_options
 
 from agent_store.core import describe_validation_error
-from agent_store.store import TurnSettings
+from agent_store.store import TurnSettings, database_name_refusal
 
 JwtAlgorithm = Literal["HS256", "HS384", "HS512", "RS256", "RS384", "RS512"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -40,9 +40,6 @@ MIN_SERVICE_TOKEN_CHARS = 32
 HMAC_KEY_BYTES = {"HS256": 32, "HS384": 48, "HS512": 64}
 """RFC 7518 §3.2: an HMAC key at least as long as the hash it signs with."""
 TcpPort = Annotated[int, Field(ge=1, le=65535)]
-DATABASE_NAME_REFUSED = frozenset('/\\. "$\x00')
-"""Characters MongoDB refuses in a database name (on every platform it runs on)."""
-DATABASE_NAME_MAX_BYTES = 63
 SRV_SCHEME = "mongodb+srv://"
 SRV_ONLY = frozenset({"srvservicename", "srvmaxhosts"})
 """Options the driver takes in a `mongodb+srv://` string alone (lower case)."""
@@ -329,12 +326,9 @@ class Settings(BaseSettings, TurnSettings):
     @field_validator("database")
     @classmethod
     def _database_name(cls, name: str) -> str:
-        if not name or DATABASE_NAME_REFUSED.intersection(name):
-            raise ValueError('MongoDB refuses an empty database name or one with any of /\\. "$')
-        if len(name.encode()) > DATABASE_NAME_MAX_BYTES:
-            raise ValueError(
-                f"MongoDB refuses a database name over {DATABASE_NAME_MAX_BYTES} bytes"
-            )
+        why = database_name_refusal(name)
+        if why is not None:
+            raise ValueError(why)
         return name
 
     @field_validator("jwt_public_key")

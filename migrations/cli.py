@@ -27,7 +27,13 @@ from pymongo.errors import PyMongoError
 
 from agent_store.core import utc_now
 from agent_store.legacy import LEGACY_TURNS
-from agent_store.store import CONVERSATIONS, MESSAGES, TurnRules, create_indexes_sync
+from agent_store.store import (
+    CONVERSATIONS,
+    MESSAGES,
+    TurnRules,
+    create_indexes_sync,
+    database_name_refusal,
+)
 from migrations import (
     abandoned,
     dual_writes,
@@ -761,6 +767,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # Read before any database is looked for: a setting the service refuses is misuse.
         args.rules = service_rules()
+        if (why := database_name_refusal(args.database)) is not None:
+            raise Misuse(f"invalid configuration: database: {why}")
         with database(args) as (client, where):
             if where != "--uri" and where not in URI_VARIABLES:
                 print(f"database {args.database!r} on {where}")

@@ -1288,6 +1288,22 @@ def test_a_turn_setting_the_service_refuses_stops_every_command_as_misuse(
     assert value not in err.removeprefix("error: invalid configuration: ")
 
 
+@pytest.mark.parametrize("name", ["agent.store", "agent store", "x" * 64, ""])
+@pytest.mark.parametrize("given", ["option", "variable"])
+def test_a_database_name_mongodb_refuses_stops_every_command_as_misuse(
+    name: str, given: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the service's start refuses it (exit 2, the same words), before any database is
+    looked for: never exit 4, which reads as "the database is unreachable"."""
+    closed = "mongodb://127.0.0.1:9/?directConnection=true"
+    if given == "variable":
+        monkeypatch.setenv("AGENT_STORE_DATABASE", name)
+    options = ["--database", name] if given == "option" else []
+
+    assert main(["status", "--uri", closed, "--timeout", "0.2", *options]) == 2
+    assert capsys.readouterr().err.startswith("error: invalid configuration: database: ")
+
+
 def test_a_tls_file_the_uri_names_that_cannot_be_read_is_a_bad_uri_exit_4(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -92,6 +92,21 @@ INDEX_NOT_FOUND = 27
 """The server's code for a query that needs an index the collection lacks (`$text`)."""
 
 
+_DATABASE_NAME_REFUSED = frozenset('/\\. "$\x00')
+"""Characters MongoDB refuses in a database name (on every platform it runs on)."""
+_DATABASE_NAME_MAX_BYTES = 63
+
+
+def database_name_refusal(name: str) -> str | None:
+    """Why MongoDB refuses `name` as a database name (the service's start and the migration
+    refuse it before connecting); None when it takes it."""
+    if not name or _DATABASE_NAME_REFUSED.intersection(name):
+        return 'MongoDB refuses an empty database name or one with any of /\\. "$'
+    if len(name.encode()) > _DATABASE_NAME_MAX_BYTES:
+        return f"MongoDB refuses a database name over {_DATABASE_NAME_MAX_BYTES} bytes"
+    return None
+
+
 _SECRET_OPTION = re.compile(r"(?i)password|secret|token|authmechanismproperties")
 
 
