@@ -800,15 +800,14 @@ class AgentMessageLogger:
             )
         if conversation is None:
             raise refused
+        if recorded_block(conversation, plan.key) is not None:
+            raise _logged_meanwhile(plan)
         named = await self._placed(conversation, named)
         found, landed, written = await self._answers_landing(
             conversation, named, "read the messages answers_to names"
         )
-        if recorded_block(conversation, plan.key) is not None or _its_own_answers(plan, found):
-            raise _LoggedMeanwhile(
-                f"turn {plan.turn_id!r} of conversation {plan.conversation_id!r} was logged "
-                "by another attempt while this one was judged; send it again as it is"
-            )
+        if _its_own_answers(plan, found):
+            raise _logged_meanwhile(plan)
         refused_prompts = _refused_prompts(refused_prompts)
         if released_calls(conversation, _denied(plan, refused_prompts), refused_prompts):
             raise refused  # a person approved a call the turn denies first, however it is named
@@ -4421,6 +4420,14 @@ class _Landed:
             d["_id"] == message and any(c.get("id") == call_id for c in d.get("tool_calls") or ())
             for d in self.seen
         )
+
+
+def _logged_meanwhile(plan: TurnPlan) -> _LoggedMeanwhile:
+    """The turn was logged by another attempt of it while this one was judged."""
+    return _LoggedMeanwhile(
+        f"turn {plan.turn_id!r} of conversation {plan.conversation_id!r} was logged "
+        "by another attempt while this one was judged; send it again as it is"
+    )
 
 
 def _its_own_answers(plan: TurnPlan, found: Sequence[Mapping[str, Any]]) -> bool:
