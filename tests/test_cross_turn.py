@@ -76,9 +76,9 @@ BOOKED = {"type": "tool_end", "tool_name": "book_train", "tool_call_id": "tc-9",
 class Runtime:
     """A runtime streaming turns of one conversation in the metadata protocol, as documented."""
 
-    def __init__(self, backend: Backend, cid: str = CID) -> None:
-        self.logger = AgentMessageLogger(backend.db)
-        self.store = ConversationStore(backend.db)
+    def __init__(self, backend: Backend, cid: str = CID, rules: TurnRules | None = None) -> None:
+        self.logger = AgentMessageLogger(backend.db, rules=rules)
+        self.store = ConversationStore(backend.db, rules=rules)
         self.cid = cid
         self.turns = 0
 
@@ -1038,6 +1038,37 @@ async def test_a_retry_of_a_turn_logged_without_an_approved_calls_denial_is_that
         assert retry.replayed
         assert [m.id for m in retry.messages] == [m.id for m in logged.messages]
     assert await runtime.answers_of("tc-1") == [('{"booking":"B-42"}', None)]
+
+
+async def test_a_retry_of_a_turn_logged_without_its_denial_is_that_turn_past_the_kept_records(
+    backend: Backend,
+) -> None:
+    """As above, the retry coming once later turns dropped the turn's record (past
+    `turns_recorded`): the stored messages are the turn, and the retry sending the refused
+    denial again is still answered as that logged turn, never `OtherContent` ("use a new
+    turn_id", which would store the reply twice)."""
+    runtime = Runtime(backend, rules=TurnRules(turns_recorded=2))
+    await runtime.stream(TWO_ASKS, prompt="Book the train and the hotel.")
+    read_by_tab_b = await runtime.store.pending_calls(CID)
+    await runtime.stream(
+        [{"type": "confirm_resolved", "request_id": "confirm-1", "approved": True}]
+    )
+    refusals = [
+        {"type": "confirm_resolved", "request_id": "confirm-1", "approved": False},
+        {"type": "stream_token", "token": "Fine."},
+    ]
+    logged = await _log_as_tab_b(runtime, refusals, read_by_tab_b)
+    for n in range(3):
+        await runtime.stream([{"type": "stream_token", "token": f"Later {n}."}], prompt="And?")
+
+    late = await _log_as_tab_b(runtime, refusals, read_by_tab_b)
+
+    assert late.replayed
+    assert [m.id for m in late.messages] == [m.id for m in logged.messages]
+    turn = turn_from_metadata(refusals, complete=True, pending=read_by_tab_b)
+    named = {"refused_prompts": dict(turn.refused_prompts), "answers_to": dict(turn.answered_calls)}
+    with pytest.raises(AnsweredBefore):
+        await runtime.logger.check_turn(CID, list(turn.messages), turn_id="tab-b", **named)
 
 
 async def test_a_call_approved_stays_approved_when_its_request_id_is_asked_again(

@@ -1979,7 +1979,9 @@ class AgentMessageLogger:
             raise _DerivedBefore(str(plan.derived_before))
         looked_up = block is None and complete and bool(found.get("turns_dropped"))
         if looked_up:
-            block = await self._block_of_an_old_turn(plan)
+            block = await self._block_of_an_old_turn(
+                plan, partial(_retry_refusal, plan, found, condition)
+            )
         if block is not None:
             return await self._retry_of(plan, block, found, condition)
         new_only = condition is not None and condition.new_only
@@ -2322,7 +2324,9 @@ class AgentMessageLogger:
             raise NotFound(f"conversation {conversation_id!r} was not found")
         raise _held(not_migrated_yet(conversation_id, what), condition)
 
-    async def _block_of_an_old_turn(self, plan: TurnPlan) -> RecordedBlock | None:
+    async def _block_of_an_old_turn(
+        self, plan: TurnPlan, other: Callable[[Collection[str]], StoreError] | None = None
+    ) -> RecordedBlock | None:
         """Past the kept records (or a record naming another attempt's block, `_stored_as_sent`):
         the block of a turn whose first message is stored, else None.
 
@@ -2331,7 +2335,10 @@ class AgentMessageLogger:
         earlier attempt filled only in part is refused rather than completed, since nothing
         tells a turn cut short from a retry sending more messages than it first did; one a
         pop took a message of is refused `Corrected`, as while the record is kept
-        (`_corrected_or`).
+        (`_corrected_or`). A block holding other content than the retry sends is refused by
+        `other`, given the calls the turn's stored messages answer (`_retry_refusal`, as
+        while the record is kept: a retry sending again answers its first attempt was
+        logged without is `AnsweredBefore`), else `OtherContent`.
         """
         first_id = message_id(plan.conversation_id, plan.turn_id, 0)
         past_id = message_id(plan.conversation_id, plan.turn_id, plan.count)
@@ -2350,14 +2357,18 @@ class AgentMessageLogger:
         if first is None:
             return None
         block = RecordedBlock(int(first["seq"]), plan.count, plan.digest)
+        refuse = other or (lambda own: _other_content(plan))
         try:
-            stored = await self._stored_in(plan, block)
+            found = await self._block_read(plan, block)
+            if _logged_with_fewer(plan, found):
+                raise refuse(_answered_by(plan, found))
+            stored = _of_the_turn(plan, found)
             if len(stored) != block.count:
                 raise _stored_in_part(plan, len(stored))
         except TurnConflict as refused:
             raise await self._corrected_or(plan, block, refused) from None
         if not await self._recognised(plan, content_digest(canonical_documents(stored))):
-            raise _other_content(plan)
+            raise refuse(_answered_by(plan, stored))
         return block
 
     async def _corrected_or(
@@ -3081,23 +3092,14 @@ class AgentMessageLogger:
                 [{"$set": {"updated_at": updated_at_left(latest)}}],
             )
 
-    async def _stored_in(self, plan: TurnPlan, block: RecordedBlock) -> list[dict[str, Any]]:
-        """The turn's messages already stored in its block, in `seq` order. A block holding
-        the turn's own messages and then another turn's is a turn logged with fewer messages
-        than the retry sends (`OtherContent`, as while its record is kept); another turn's
-        anywhere else is a Conflict (either `Corrected` when a pop took a message of the turn
-        from the block, `_corrected_or`)."""
+    async def _block_read(self, plan: TurnPlan, block: RecordedBlock) -> list[dict[str, Any]]:
+        """The messages stored in the turn's block or under its ids, in `seq` order."""
         with storage_errors("read the turn's messages"):
             found: list[dict[str, Any]] = await self._messages.find(lookup(plan, block)).to_list(
                 None
             )
         found.sort(key=lambda d: int(d["seq"]))  # a server answers an unsorted find any order
-        own = len(list(takewhile(lambda d: d.get("turn_id") == plan.turn_id, found)))
-        if 0 < own < len(found) and all(d.get("turn_id") != plan.turn_id for d in found[own:]):
-            # The block runs past the turn's own messages into the next turn's: the turn was
-            # logged with fewer messages than this retry sends.
-            raise _other_content(plan)
-        return _of_the_turn(plan, found)
+        return found
 
     async def _looked_up(
         self,
@@ -3983,6 +3985,16 @@ class NotStoredYet(StorageUnavailable):
     """A retry of a turn sending other content than its first attempt reserved its place
     with, nothing of it stored yet, while that attempt may still store it (until the rules'
     `abandon_after` from its reservation): retry later."""
+
+
+def _logged_with_fewer(plan: TurnPlan, found: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the turn's block (`found`, in `seq` order) runs past the turn's own messages
+    into the next turn's: the turn was logged with fewer messages than this retry sends
+    (other content, as while its record is kept). Another turn's message anywhere else is
+    `_of_the_turn`'s Conflict (`Corrected` when a pop took a message of the turn from the
+    block, `_corrected_or`)."""
+    own = len(list(takewhile(lambda d: d.get("turn_id") == plan.turn_id, found)))
+    return 0 < own < len(found) and all(d.get("turn_id") != plan.turn_id for d in found[own:])
 
 
 def _other_content(plan: TurnPlan) -> Conflict:
