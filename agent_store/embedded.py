@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import threading
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,52 @@ from bson import BSON, Int64
 
 from agent_store.core import Unsupported
 
+if sys.platform != "win32":
+    import fcntl
+
 DATABASE_FILE = "agent_store.sqlite3"
 """The embedded server's SQLite file, in its data directory."""
 URI_FILE = "embedded-mongodb.json"
 """Where a running embedded server publishes its URI (and its process id), in its data
 directory, so other processes (`python -m migrations`) reach the same data."""
+
+
+LOCK_FILE = "embedded-mongodb.lock"
+"""Locked by the embedded server running on its data directory, for as long as it runs: a
+second one (another worker of `uvicorn --workers`, gunicorn's) is refused."""
+
+
+class DataDirectoryInUse(RuntimeError):
+    """Another embedded server runs on the data directory: it belongs to one process."""
+
+
+@contextmanager
+def _data_directory_held(data_dir: Path) -> Iterator[None]:
+    """Hold `data_dir` for one embedded server (an exclusive `flock` of `LOCK_FILE`, which
+    the system releases when its process ends, however it ends); DataDirectoryInUse when
+    another server holds it. Where there is no `flock` (Windows), nothing is held."""
+    if sys.platform == "win32":
+        yield
+        return
+    with (data_dir / LOCK_FILE).open("a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "unknown"
+            raise DataDirectoryInUse(
+                f"the embedded server's data directory (AGENT_STORE_DATA_DIR) is in use by "
+                f"the embedded server of process {holder}: it belongs to the process that "
+                "started it, so several worker processes (uvicorn or gunicorn --workers) "
+                "need MONGODB_URI; set it, or run one worker"
+            ) from None
+        lock.truncate(0)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def published_uri(data_dir: Path) -> str | None:
@@ -324,18 +366,29 @@ async def embedded_mongodb(data_dir: Path | None) -> AsyncIterator[str]:
     try:
         from mongoeco.engines.memory import MemoryEngine
         from mongoeco.engines.sqlite import SQLiteEngine
-        from mongoeco.wire.proxy import AsyncMongoEcoProxyServer
+        from mongoeco.wire.proxy import AsyncMongoEcoProxyServer  # noqa: F401 - `_served`'s
     except ImportError as exc:
         raise Unsupported(
             "the embedded server needs Python 3.13+ with the `embedded` extra "
             "(pip install 'agent-conversation-store[embedded]'); or set MONGODB_URI"
         ) from exc
     engine: object
-    if data_dir is None:
-        engine = MemoryEngine()
-    else:
-        data_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, at start-up
-        engine = SQLiteEngine(str(data_dir / DATABASE_FILE))
+    async with AsyncExitStack() as held:
+        if data_dir is None:
+            engine = MemoryEngine()
+        else:
+            data_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, at start-up
+            held.enter_context(_data_directory_held(data_dir))
+            engine = SQLiteEngine(str(data_dir / DATABASE_FILE))
+        async with _served(engine, data_dir) as uri:
+            yield uri
+
+
+@asynccontextmanager
+async def _served(engine: Any, data_dir: Path | None) -> AsyncIterator[str]:
+    """mongoeco's wire server on `engine`, published in `data_dir` while it runs."""
+    from mongoeco.wire.proxy import AsyncMongoEcoProxyServer
+
     server = AsyncMongoEcoProxyServer(
         engine=engine,
         host="127.0.0.1",

@@ -15,7 +15,6 @@ from typing import Annotated, Any, Literal
 from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from pydantic import (
-    AliasChoices,
     Field,
     PositiveInt,
     SecretStr,
@@ -31,7 +30,7 @@ from pymongo.errors import InvalidURI
 from pymongo.uri_parser import parse_uri, split_options
 
 from agent_store.core import describe_validation_error
-from agent_store.store import TurnSettings, database_name_refusal
+from agent_store.store import DatabaseSettings, TurnSettings
 
 JwtAlgorithm = Literal["HS256", "HS384", "HS512", "RS256", "RS384", "RS512"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -39,6 +38,11 @@ MetricsExposure = Literal["public", "token", "off"]
 MIN_SERVICE_TOKEN_CHARS = 32
 HMAC_KEY_BYTES = {"HS256": 32, "HS384": 48, "HS512": 64}
 """RFC 7518 §3.2: an HMAC key at least as long as the hash it signs with."""
+JWT_FAMILY_KEYS = {
+    "HS": ("jwt_secret", "jwt_public_key", "RS256"),
+    "RS": ("jwt_public_key", "jwt_secret", "HS256"),
+}
+"""By an algorithm family: the setting of its key, the other family's, an algorithm of it."""
 TcpPort = Annotated[int, Field(ge=1, le=65535)]
 SRV_SCHEME = "mongodb+srv://"
 SRV_ONLY = frozenset({"srvservicename", "srvmaxhosts"})
@@ -53,11 +57,15 @@ class ConfigurationError(ValueError):
 
 
 def _check_service_token(token: str) -> str:
-    # Never repeat the token in the message: it ends up in logs.
-    if len(token) < MIN_SERVICE_TOKEN_CHARS or not token.isprintable() or " " in token:
+    # Never repeat the token in the message: it ends up in logs. Visible ASCII only: a
+    # header's bytes are read as Latin-1 and the token compared as UTF-8, so a token with
+    # any other character matches no request (one beyond Latin-1 cannot even be sent).
+    if len(token) < MIN_SERVICE_TOKEN_CHARS or not all("!" <= c <= "~" for c in token):
         raise ValueError(
-            f"a service token must have at least {MIN_SERVICE_TOKEN_CHARS} printable characters "
-            f"and no spaces; one configured token has {len(token)} characters or contains a space"
+            f"a service token must have at least {MIN_SERVICE_TOKEN_CHARS} characters, each "
+            "visible ASCII (no space, control character or letter outside ASCII, which no "
+            f"client sends as written); one configured token has {len(token)} characters or "
+            "another character"
         )
     return token
 
@@ -150,10 +158,11 @@ def _loopback_only() -> list[str]:
     return ["127.0.0.1"]
 
 
-class Settings(BaseSettings, TurnSettings):
+class Settings(BaseSettings, TurnSettings, DatabaseSettings):
     """Every setting; environment variables are prefixed `AGENT_STORE_` unless noted. Those
-    of how turns are stored (`TurnSettings`: markers, message bound, name length) are the
-    library's definition, which `python -m migrations` reads the same environment with."""
+    of how turns are stored (`TurnSettings`: markers, message bound, name length) and of
+    which database (`DatabaseSettings`: connection string, database, data directory) are the
+    library's definitions, which `python -m migrations` reads the same environment with."""
 
     # Inputs stay out of error messages: a refused token or secret must not reach a log.
     # Each field's docstring is its description in docs/CONFIGURATION.md (scripts/configuration.py).
@@ -167,20 +176,6 @@ class Settings(BaseSettings, TurnSettings):
         enable_decoding=False,
     )
 
-    mongodb_uri: str | None = Field(
-        default=None, validation_alias=AliasChoices("MONGODB_URI", "AGENT_STORE_MONGODB_URI")
-    )
-    """A MongoDB connection string (`MONGODB_URI`: `mongodb://`, or `mongodb+srv://` with one
-    host and no port, its servers found in DNS when connecting). One that does not parse,
-    or whose client the driver refuses to build (options that contradict each other, such as
-    `w=0` with `journal=true`; a TLS file that cannot be read or is not PEM), stops the
-    start, told without DNS or network. Unset: start the embedded server."""
-    database: str = "agent_store"
-    """The database holding the store's collections (a name MongoDB accepts: 1 to 63 bytes,
-    none of `/\\. "$`)."""
-    data_dir: Path = Path("data")
-    """Where the embedded server keeps its SQLite file; created at start when `MONGODB_URI` is
-    unset. One that cannot be (a file, a path under a file, no permission) stops the start."""
     host: str = "127.0.0.1"
     """The address `python -m app` binds (`0.0.0.0` for every interface, in a container).
     Empty or white space alone stops the start: asyncio would bind every interface. An IPv6
@@ -189,7 +184,8 @@ class Settings(BaseSettings, TurnSettings):
     """The port `python -m app` listens on (1 to 65535)."""
     workers: PositiveInt = 1
     """Worker processes of `python -m app`; more than one needs `MONGODB_URI` (the embedded
-    server belongs to one process)."""
+    server belongs to one process: a second worker of uvicorn's or gunicorn's `--workers`
+    without it is refused as it starts)."""
     trusted_proxies: list[str] = Field(default_factory=_loopback_only)
     """Addresses (or networks with no host bits set, such as `10.0.0.0/8`, or `*` alone) of
     proxies whose `X-Forwarded-For` and `X-Forwarded-Proto` are believed: the client address
@@ -208,7 +204,8 @@ class Settings(BaseSettings, TurnSettings):
     """Trace HTTP requests and MongoDB commands with OpenTelemetry (the `otel` extra), sent
     where the standard `OTEL_EXPORTER_OTLP_*` variables say."""
     service_tokens: list[str] = Field(default_factory=list)
-    """Bearer tokens accepted from services (a JSON list in the environment)."""
+    """Bearer tokens accepted from services (a JSON list in the environment): each at least
+    32 characters of visible ASCII (no space, control character or letter outside ASCII)."""
     named_service_tokens: dict[str, str] = Field(default_factory=dict)
     """More bearer tokens, by the service's name (a JSON object); audit lines name the service."""
     jwt_algorithms: list[JwtAlgorithm] = Field(default_factory=_hs256_only)
@@ -223,7 +220,9 @@ class Settings(BaseSettings, TurnSettings):
     would match)."""
     jwt_issuer: str | None = None
     """Required `iss` of user tokens; user tokens are refused while it is unset. Empty or
-    white space alone stops the start: leave it unset to refuse user tokens."""
+    white space alone stops the start: leave it unset to refuse user tokens. Set, it needs
+    the key its algorithms verify with (`jwt_secret` for `HS*`, `jwt_public_key` for `RS*`),
+    else the start stops."""
     max_request_bytes: PositiveInt = 1_048_576 + 65_536
     """Request bodies over this are refused with 413 (a 1 MiB message plus its envelope), but
     for the turns and steering deliveries `max_turn_bytes` caps."""
@@ -314,22 +313,12 @@ class Settings(BaseSettings, TurnSettings):
     @field_validator("mongodb_uri")
     @classmethod
     def _connection_string(cls, uri: str | None) -> str | None:
-        if uri is None:
-            return None
-        if not uri.startswith(("mongodb://", SRV_SCHEME)):
-            raise ValueError(f"a MongoDB connection string starts with mongodb:// or {SRV_SCHEME}")
-        why = _connection_string_refusal(uri)
+        # After the library's check of its scheme (`DatabaseSettings`), which the migration
+        # reads the same variable by.
+        why = _connection_string_refusal(uri) if uri is not None else None
         if why is not None:
             raise ValueError(why)
         return uri
-
-    @field_validator("database")
-    @classmethod
-    def _database_name(cls, name: str) -> str:
-        why = database_name_refusal(name)
-        if why is not None:
-            raise ValueError(why)
-        return name
 
     @field_validator("jwt_public_key")
     @classmethod
@@ -368,6 +357,27 @@ class Settings(BaseSettings, TurnSettings):
                 "so a public key can never be used as an HMAC secret"
             )
         return self
+
+    @model_validator(mode="after")
+    def _key_of_the_algorithms(self) -> Settings:
+        # With an issuer, user tokens are verified with the key the algorithms' family takes:
+        # without it, every user token would be 401 though a key and an issuer are set.
+        if self.jwt_issuer is None:
+            return self
+        needed, other, other_algorithm = JWT_FAMILY_KEYS[self.jwt_algorithms[0][:2]]
+        if getattr(self, needed) is not None:
+            return self
+        given = (
+            f"; {other} is set, the key of the other family: to verify with it, set "
+            f"AGENT_STORE_JWT_ALGORITHMS='[\"{other_algorithm}\"]'"
+            if getattr(self, other) is not None
+            else ""
+        )
+        raise ValueError(
+            f"{needed}: unset, but jwt_issuer is set and jwt_algorithms "
+            f"({'/'.join(self.jwt_algorithms)}) verify user tokens with it{given}; or leave "
+            "AGENT_STORE_JWT_ISSUER unset to refuse user tokens"
+        )
 
     @model_validator(mode="after")
     def _strong_hmac_secret(self) -> Settings:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import signal
 import sys
 import time
@@ -49,7 +48,7 @@ from migrations import problems as problem_report
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS
 from migrations.connection import URI_VARIABLES, database
 from migrations.errors import MigrationError, Misuse
-from migrations.settings import service_rules
+from migrations.settings import service_environment
 from migrations.verify import verify
 
 LEGACY_INDEX = [("conversation_id", 1)]
@@ -662,14 +661,13 @@ def parser() -> argparse.ArgumentParser:
     )
     common.add_argument(
         "--database",
-        default=os.environ.get("AGENT_STORE_DATABASE", "agent_store"),
-        help="database name (default: $AGENT_STORE_DATABASE or agent_store)",
+        help="database name (default: $AGENT_STORE_DATABASE or agent_store, as the service "
+        "reads it)",
     )
     common.add_argument(
         "--data-dir",
-        default=os.environ.get("AGENT_STORE_DATA_DIR", "data"),
         help="the embedded database's directory, used without a URI (default: "
-        "$AGENT_STORE_DATA_DIR or data)",
+        "$AGENT_STORE_DATA_DIR or data, as the service reads it)",
     )
     common.add_argument(
         "--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)"
@@ -766,8 +764,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
         # Read before any database is looked for: a setting the service refuses is misuse.
-        args.rules = service_rules()
-        if (why := database_name_refusal(args.database)) is not None:
+        service = service_environment()
+        args.rules = service.turn_rules()
+        if args.database is None:
+            args.database = service.database
+        elif (why := database_name_refusal(args.database)) is not None:
             raise Misuse(f"invalid configuration: database: {why}")
         with database(args) as (client, where):
             if where != "--uri" and where not in URI_VARIABLES:

@@ -1,18 +1,17 @@
 """Which database the migration works on, and the connection to it.
 
-In order: `--uri`; `MONGODB_URI` or `AGENT_STORE_MONGODB_URI` (as the service reads
-them); the embedded server a running service
-(`make run`) publishes in its data directory (`AGENT_STORE_DATA_DIR`, default
-`data/`); else the embedded database of that directory opened here, for as
-long as the command runs. So `make migrate` after `make run` works on the
-same data whether the service is still running or not.
+In order: `--uri`; `MONGODB_URI` or `AGENT_STORE_MONGODB_URI` (read as the service reads
+them, `migrations.settings`: in any case, an empty one refused); the embedded server a
+running service (`make run`) publishes in its data directory (`--data-dir`, else
+`AGENT_STORE_DATA_DIR`, default `data/`); else the embedded database of that directory
+opened here, for as long as the command runs. So `make migrate` after `make run` works on
+the same data whether the service is still running or not.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -23,8 +22,9 @@ from pymongo import MongoClient
 from pymongo.errors import ConfigurationError, PyMongoError
 
 from agent_store.embedded import DATABASE_FILE, URI_FILE, ServerThread, published_uri
-from agent_store.store import redact_uri
+from agent_store.store import DatabaseSettings, redact_uri
 from migrations.errors import Misuse, Unreachable
+from migrations.settings import service_environment
 
 MAX_TIMEOUT = 1_000_000
 """Seconds: PyMongo takes a server selection timeout below a billion milliseconds."""
@@ -49,14 +49,11 @@ URI_VARIABLES = ("MONGODB_URI", "AGENT_STORE_MONGODB_URI")
 """Where the service reads its connection string, in this order (`app.settings.Settings`)."""
 
 
-def _given(args: argparse.Namespace) -> tuple[str | None, str]:
+def _given(args: argparse.Namespace, service: DatabaseSettings) -> tuple[str | None, str]:
     """The connection string `--uri` or the service's variables give, and which gave it."""
     if args.uri:
         return args.uri, "--uri"
-    for variable in URI_VARIABLES:
-        if os.environ.get(variable):
-            return os.environ[variable], variable
-    return None, "--uri"
+    return service.mongodb_uri, URI_VARIABLES[0]
 
 
 @contextmanager
@@ -67,10 +64,12 @@ def database(args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
             f"--timeout {args.timeout:g}: the seconds to wait for the server are more than 0 "
             f"and less than {MAX_TIMEOUT}"
         )
+    service = service_environment()
     with ExitStack() as stack:
-        uri, where = _given(args)
+        uri, where = _given(args, service)
         if not uri:
-            uri, where = _embedded(Path(args.data_dir), stack)
+            data_dir = service.data_dir if args.data_dir is None else Path(args.data_dir)
+            uri, where = _embedded(data_dir, stack)
         try:  # a legacy date outside Python's range (year 0, 55840) reads as a `DatetimeMS`
             client: MongoClient[dict[str, Any]] = MongoClient(
                 uri,

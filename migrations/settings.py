@@ -1,12 +1,14 @@
-"""What the migration reads of the service's settings: how turns are stored.
+"""What the migration reads of the service's settings: how turns are stored, and where.
 
 A run converts legacy turns, and `verify` and `finish` compare them, by the rules the
 service logs and serves turns with (its read fallback converts the same legacy turns): the
-runtime context markers, the message bound and the name length. So the migration reads
-them from the same environment variables (`AGENT_STORE_RUNTIME_CONTEXT_START`, …), through
-the library's one definition of them (`TurnSettings`, which `app.settings.Settings` is made
-of too), and a value the service's start refuses stops every command as misuse (exit 2),
-before it looks for a database.
+runtime context markers, the message bound and the name length. It works on the database
+the service serves: its connection string, database and data directory. So the migration
+reads them from the same environment variables (`AGENT_STORE_RUNTIME_CONTEXT_START`,
+`MONGODB_URI`, …), as the service reads them (pydantic-settings, names in any case, an
+empty value a value), through the library's one definition of them (`TurnSettings`,
+`DatabaseSettings`, which `app.settings.Settings` is made of too), and a value the service's
+start refuses stops every command as misuse (exit 2), before it looks for a database.
 """
 
 from __future__ import annotations
@@ -18,27 +20,28 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from agent_store.core import describe_validation_error
-from agent_store.store import TurnRules, TurnSettings
+from agent_store.store import DatabaseSettings, TurnRules, TurnSettings
 from migrations.errors import Misuse
 
 SERVICE_DEFAULTS = TurnRules()
 """The rules of a service none of whose turn settings is set."""
 
 
-class _TurnEnvironment(BaseSettings, TurnSettings):
-    """The turn settings, read from the environment as the service reads them."""
+class ServiceEnvironment(BaseSettings, TurnSettings, DatabaseSettings):
+    """The turn and database settings, read from the environment as the service reads them."""
 
-    # As `app.settings.Settings` reads the environment: the same prefix, the rest ignored.
+    # As `app.settings.Settings` reads the environment: the same prefix, names in any case,
+    # the rest ignored.
     model_config = SettingsConfigDict(
-        env_prefix="AGENT_STORE_", extra="ignore", hide_input_in_errors=True
+        env_prefix="AGENT_STORE_", case_sensitive=False, extra="ignore", hide_input_in_errors=True
     )
 
 
-def service_rules() -> TurnRules:
-    """The rules the service stores turns by, as the environment sets them; Misuse naming
-    the setting (never its value) for one the service's start refuses."""
+def service_environment() -> ServiceEnvironment:
+    """The settings the service reads, as the environment sets them; Misuse naming the
+    setting (never its value) for one the service's start refuses."""
     try:
-        return _TurnEnvironment().turn_rules()
+        return ServiceEnvironment()
     except ValidationError as exc:
         raise Misuse(describe_validation_error(exc, subject="configuration")) from None
 

@@ -72,18 +72,22 @@ port outside 1-65535, an empty host, a database name MongoDB refuses, a connecti
 string (`mongodb+srv://` ones too, checked without DNS or network) that does not
 parse or whose client the driver refuses to build (options that contradict each
 other, a TLS file that does not load), a JWT public key that does not parse, an
-empty list of JWT algorithms, an empty JWT issuer or audience, a message bound
-under 4096 bytes, a trusted proxy that is no address or network, a runtime context
-marker that is empty or white space alone, a data directory the embedded server
-cannot create) stop it before it serves, as
+empty list of JWT algorithms, an empty JWT issuer or audience, a JWT issuer without
+the key its algorithms verify with, a service token that is not visible ASCII, a
+message bound under 4096 bytes or over 16711680 (MongoDB refuses documents over 16
+MiB), a trusted proxy that is no address or network, a runtime context marker that is
+empty or white space alone, or set without the other, a data directory the embedded
+server cannot create) stop it before it serves, as
 `invalid configuration: <setting>: <why>`, never repeating a refused value (exit
 status 2 for `python -m app`; see docs/SECURITY.md). What only the network tells
 (a port in use, a host that does not resolve, a database that does not answer)
 stops the start after the banner, with uvicorn's error (the database:
 docs/OPERATIONS.md, "Upgrading"). The library itself (`agent_store`) reads no
-environment variable. `python -m migrations` reads the settings of "Messages and
-names" from the same variables, so it converts legacy turns by the service's rules, and
-stops (exit 2) on a value the service refuses (docs/MIGRATION.md).
+environment variable. `python -m migrations` reads the settings of "Database" and
+"Messages and names" from the same variables by the same definitions (names in any case,
+an empty `MONGODB_URI` refused), so it works on the service's database and converts
+legacy turns by the service's rules, and stops (exit 2) on a value the service refuses
+(docs/MIGRATION.md).
 
 Tracing also follows OpenTelemetry's own variables (`OTEL_EXPORTER_OTLP_ENDPOINT`,
 `OTEL_SERVICE_NAME`, …); see docs/OPERATIONS.md.

@@ -243,8 +243,8 @@ def test_settings_refuse_mixing_hmac_and_rsa_algorithms() -> None:
         api_settings(jwt_algorithms=["HS256", "RS256"])
 
 
-async def test_user_tokens_are_refused_when_no_key_is_configured() -> None:
-    async with serve(mongomock_db(), api_settings(jwt_secret=None)) as api:
+async def test_user_tokens_are_refused_when_no_issuer_is_configured() -> None:
+    async with serve(mongomock_db(), api_settings(jwt_secret=None, jwt_issuer=None)) as api:
         await assert_refused_and_unchanged(
             api, "DELETE", CONV, status=401, headers=auth_headers(user=OWNER)
         )

@@ -13,12 +13,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import bson
 import certifi
 import jwt
 import pytest
+from bson import Int64
 from pydantic import ValidationError
 
-from agent_store.store import redact_uri
+from agent_store.store import (
+    MAX_MESSAGE_BYTES,
+    MONGODB_MAX_DOCUMENT_BYTES,
+    TurnRules,
+    plan_turn,
+    redact_uri,
+)
 from app.__main__ import start_banner
 from app.settings import ConfigurationError, Settings, serving_settings, settings_from_environment
 from tests.api_harness import (
@@ -680,3 +688,108 @@ def test_a_bracketed_ipv6_host_is_refused_naming_the_spelling_to_use(host: str) 
     message = refusal(host=host)
     assert "host" in message.lower()
     assert "::1, not [::1]" in message
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("AGENT_STORE_RUNTIME_CONTEXT_START", "<ctx>"),
+        ("AGENT_STORE_RUNTIME_CONTEXT_END", "</ctx>"),
+        ("agent_store_runtime_context_start", "<ctx>"),
+    ],
+)
+def test_a_runtime_context_marker_set_without_the_other_is_refused_naming_both(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    """`<ctx>` with the default end marker: no end in the text, the block never closes and
+    every user message carrying context is stored with none of the user's words."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigurationError) as caught:
+        settings_from_environment()
+    said = str(caught.value)
+    assert said.startswith("runtime_context_start and runtime_context_end: ")
+    assert "AGENT_STORE_RUNTIME_CONTEXT_START and AGENT_STORE_RUNTIME_CONTEXT_END" in said
+    assert value not in said
+
+
+def test_runtime_context_markers_set_together_are_accepted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("AGENT_STORE_RUNTIME_CONTEXT_START", "<ctx>")
+    monkeypatch.setenv("AGENT_STORE_RUNTIME_CONTEXT_END", "</ctx>")
+    settings, _ = settings_from_environment()
+    assert settings.turn_rules().markers.end == "</ctx>"
+
+
+@pytest.mark.parametrize(
+    ("values", "missing", "other"),
+    [
+        pytest.param({"jwt_public_key": _rsa_public_pem()}, "jwt_secret", "jwt_public_key",
+                     id="rsa-key-with-hs256"),
+        pytest.param({"jwt_algorithms": ["RS256"], "jwt_secret": STRONG}, "jwt_public_key",
+                     "jwt_secret", id="hmac-secret-with-rs256"),
+        pytest.param({}, "jwt_secret", None, id="no-key-hs256"),
+        pytest.param({"jwt_algorithms": ["RS512"]}, "jwt_public_key", None, id="no-key-rs512"),
+    ],
+)  # fmt: skip
+def test_a_jwt_issuer_without_the_key_its_algorithms_verify_with_is_refused_naming_it(
+    values: dict[str, Any], missing: str, other: str | None
+) -> None:
+    """Else every user token is 401 "no JWT key or issuer configured", though both are."""
+    message = refusal(jwt_issuer="https://id.example", **values)
+    assert f"{missing}: " in message
+    assert "jwt_algorithms" in message
+    if other is not None:
+        assert other in message
+    assert STRONG not in message
+    assert "BEGIN PUBLIC KEY" not in message
+
+
+def test_a_jwt_issuer_with_the_key_of_its_algorithms_is_accepted() -> None:
+    Settings(jwt_issuer="https://id.example", jwt_secret=STRONG)
+    pem = _rsa_public_pem()
+    Settings(jwt_issuer="https://id.example", jwt_algorithms=["RS256"], jwt_public_key=pem)
+    Settings(jwt_algorithms=["RS256"], jwt_secret=STRONG)  # no issuer: user tokens refused
+
+
+@pytest.mark.parametrize("bound", [MAX_MESSAGE_BYTES + 1, 16 * 1_048_576, 64 * 1_048_576])
+def test_a_message_bound_mongodb_would_refuse_documents_at_is_refused(bound: int) -> None:
+    message = refusal(max_message_bytes=bound)
+    assert "max_message_bytes" in message
+    assert str(MAX_MESSAGE_BYTES) in message
+    assert Settings(max_message_bytes=MAX_MESSAGE_BYTES).max_message_bytes == MAX_MESSAGE_BYTES
+
+
+def test_a_message_cut_to_the_highest_bound_is_a_document_mongodb_takes() -> None:
+    """The document as the store inserts it (`seq`, the longest `user_id`, `epoch`, blob ids
+    naming the epoch) of a message cut to the highest bound is within MongoDB's 16 MiB."""
+    rules = TurnRules(max_message_bytes=MAX_MESSAGE_BYTES)
+    call = {
+        "id": "c" * 64,
+        "type": "function",
+        "function": {"name": "f" * 64, "arguments": "a" * 9_000_000},
+    }
+    turn = [{"role": "assistant", "content": "é" * 9_000_000, "tool_calls": [call]}]
+    plan = plan_turn("c" * 200, turn, rules=rules).for_epoch("e" * 16)
+    assert plan.documents[0]["truncated"]
+    stored = {**plan.documents[0], "seq": Int64(2**62), "user_id": "u" * 200, "epoch": "e" * 16}
+    assert MAX_MESSAGE_BYTES - 4096 < len(bson.encode(plan.documents[0])) <= MAX_MESSAGE_BYTES
+    assert len(bson.encode(stored)) <= MONGODB_MAX_DOCUMENT_BYTES
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        pytest.param("prod-tökén-0123456789abcdef0123456789", id="latin-1"),
+        pytest.param("prod-€uro-0123456789abcdef0123456789", id="beyond-latin-1"),
+        pytest.param("prod-\u00a0-0123456789abcdef0123456789", id="no-break-space"),
+    ],
+)
+def test_a_service_token_that_is_not_visible_ascii_is_refused_without_being_echoed(
+    token: str,
+) -> None:
+    """HTTP headers are bytes read as Latin-1: such a token cannot be presented as sent."""
+    for values in ({"service_tokens": [STRONG, token]}, {"named_service_tokens": {"ui": token}}):
+        message = refusal(**values)
+        assert "ASCII" in message
+        assert token not in message

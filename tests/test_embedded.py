@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -251,3 +252,40 @@ async def test_the_http_transcript_pages_fork_and_viewer_are_right_on_the_sqlite
         assert [int(s) for s in re.findall(r'data-seq="(\d+)"', shown.text)] == list(
             range(35, TURNS)
         )
+
+
+def test_a_second_embedded_server_on_a_data_dir_in_use_is_refused_naming_mongodb_uri(
+    tmp_path: Path,
+) -> None:
+    """Several workers (uvicorn or gunicorn `--workers`) without MONGODB_URI: the embedded
+    server belongs to the process that started it, so a second one on its SQLite file is
+    refused, saying so, never started beside it (a worker with a token of its own)."""
+    first = embedded.ServerThread(tmp_path)
+    uri = first.start()
+    second = embedded.ServerThread(tmp_path)
+    try:
+        with pytest.raises(embedded.DataDirectoryInUse) as caught:
+            second.start()
+        said = str(caught.value)
+        assert "MONGODB_URI" in said
+        assert f"process {os.getpid()}" in said
+        assert embedded.published_uri(tmp_path) == uri
+    finally:
+        second.stop()
+        first.stop()
+    again = embedded.ServerThread(tmp_path)  # the directory is free once its server stopped
+    assert again.start()
+    again.stop()
+
+
+async def test_the_service_refuses_a_data_dir_whose_embedded_server_another_process_runs(
+    tmp_path: Path,
+) -> None:
+    held = embedded.ServerThread(tmp_path)
+    held.start()
+    try:
+        with pytest.raises(embedded.DataDirectoryInUse, match="MONGODB_URI"):
+            async with open_store(Settings(mongodb_uri=None, data_dir=tmp_path)):
+                pass
+    finally:
+        held.stop()

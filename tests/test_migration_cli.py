@@ -1263,7 +1263,17 @@ def test_the_migration_stores_turns_by_the_rules_the_service_reads_from_the_envi
             "runtime_context_start and runtime_context_end",
             id="one-holding-the-other",
         ),
+        pytest.param(
+            "AGENT_STORE_RUNTIME_CONTEXT_START",
+            "<ctx>",
+            "runtime_context_start and runtime_context_end",
+            id="one-marker-alone",
+        ),
         pytest.param("AGENT_STORE_MAX_MESSAGE_BYTES", "-5", "max_message_bytes", id="no-bound"),
+        pytest.param(
+            "AGENT_STORE_MAX_MESSAGE_BYTES", "67108864", "max_message_bytes", id="over-16-mib"
+        ),
+        pytest.param("mongodb_uri", "db.example:27017", "MONGODB_URI", id="lower-case-uri"),
         pytest.param("AGENT_STORE_MAX_MESSAGE_BYTES", "1MiB", "max_message_bytes", id="no-int"),
         pytest.param("AGENT_STORE_NAME_CHARS", "1", "name_chars", id="name-too-short"),
     ],
@@ -1288,16 +1298,40 @@ def test_a_turn_setting_the_service_refuses_stops_every_command_as_misuse(
     assert value not in err.removeprefix("error: invalid configuration: ")
 
 
+@pytest.mark.parametrize("also", [None, "mongodb://127.0.0.1:9/"])
+@pytest.mark.parametrize("command", ["status", "run"])
+def test_an_empty_mongodb_uri_stops_the_migration_as_it_stops_the_service(
+    command: str,
+    also: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`MONGODB_URI=${MONGODB_URI}` with it unset: the service refuses to start, so the
+    migration never takes it as unset and works on the embedded database of `data/`, nor on
+    `AGENT_STORE_MONGODB_URI` (exit 2, as a turn setting the service refuses)."""
+    monkeypatch.setenv("MONGODB_URI", "")
+    if also is not None:
+        monkeypatch.setenv("AGENT_STORE_MONGODB_URI", also)
+    monkeypatch.setenv("AGENT_STORE_DATA_DIR", str(tmp_path))
+    (tmp_path / embedded.DATABASE_FILE).write_bytes(b"")
+
+    assert main([command, "--timeout", "0.2"]) == 2
+    assert capsys.readouterr().err.startswith("error: invalid configuration: MONGODB_URI: ")
+
+
 @pytest.mark.parametrize("name", ["agent.store", "agent store", "x" * 64, ""])
-@pytest.mark.parametrize("given", ["option", "variable"])
+@pytest.mark.parametrize("given", ["option", "variable", "lower-case variable"])
 def test_a_database_name_mongodb_refuses_stops_every_command_as_misuse(
     name: str, given: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """As the service's start refuses it (exit 2, the same words), before any database is
     looked for: never exit 4, which reads as "the database is unreachable"."""
     closed = "mongodb://127.0.0.1:9/?directConnection=true"
-    if given == "variable":
-        monkeypatch.setenv("AGENT_STORE_DATABASE", name)
+    if given != "option":
+        monkeypatch.setenv(
+            "AGENT_STORE_DATABASE" if given == "variable" else "agent_store_database", name
+        )
     options = ["--database", name] if given == "option" else []
 
     assert main(["status", "--uri", closed, "--timeout", "0.2", *options]) == 2
@@ -1335,7 +1369,7 @@ def test_a_run_by_other_turn_settings_than_the_runs_that_migrated_is_refused_wri
     for n in range(3):
         database[CONVERSATIONS].insert_many(context_turns(f"leg-{n}"))
     assert cli(wire_uri, database, "run", "--limit", "1", "--batch-size", "1") == 0
-    monkeypatch.delenv("AGENT_STORE_RUNTIME_CONTEXT_START")
+    monkeypatch.setenv("AGENT_STORE_RUNTIME_CONTEXT_START", "[ctx]")
     monkeypatch.setenv("AGENT_STORE_NAME_CHARS", "30")
     before = digest(database)
     capsys.readouterr()
@@ -1344,6 +1378,7 @@ def test_a_run_by_other_turn_settings_than_the_runs_that_migrated_is_refused_wri
         assert cli(wire_uri, database, "run", *extra) == 2
         err = capsys.readouterr().err
         assert "AGENT_STORE_RUNTIME_CONTEXT_START, AGENT_STORE_NAME_CHARS" in err
+        assert "[ctx]" not in err
         assert "<ctx>" not in err  # names, never values
         assert "--new-rules" in err
     assert digest(database) == before
@@ -1370,7 +1405,7 @@ def test_verify_and_finish_name_the_turn_settings_that_differ_from_the_migrating
     with_service_turn_settings(monkeypatch)
     database[CONVERSATIONS].insert_many(context_turns())
     assert cli(wire_uri, database, "run") == 0
-    monkeypatch.delenv("AGENT_STORE_RUNTIME_CONTEXT_END")
+    monkeypatch.setenv("AGENT_STORE_RUNTIME_CONTEXT_END", "[/ctx]")
     capsys.readouterr()
     for command in ("verify", "finish"):
         assert cli(wire_uri, database, command) == 1
@@ -1399,19 +1434,31 @@ def test_a_uri_whose_client_the_driver_refuses_to_build_is_exit_4_in_one_line(
 
 
 @pytest.mark.wire
-def test_the_services_agent_store_mongodb_uri_names_the_database_as_mongodb_uri_does(
+@pytest.mark.parametrize(
+    ("uri_variable", "database_variable"),
+    [
+        ("AGENT_STORE_MONGODB_URI", "AGENT_STORE_DATABASE"),
+        ("mongodb_uri", "agent_store_database"),
+        ("Agent_Store_MongoDB_URI", "Agent_Store_Database"),
+    ],
+)
+def test_the_migration_reads_the_services_database_variables_as_the_service_does(
     wire_uri: str,
     database: Database[dict[str, Any]],
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
+    uri_variable: str,
+    database_variable: str,
 ) -> None:
-    """The service reads `MONGODB_URI` or `AGENT_STORE_MONGODB_URI`: so does the migration,
-    never the embedded database of a `data/` beside it."""
+    """The service reads `MONGODB_URI` or `AGENT_STORE_MONGODB_URI`, and the database, in
+    any case of their names: so does the migration, never the embedded database of a
+    `data/` beside it."""
     monkeypatch.delenv("MONGODB_URI", raising=False)
-    monkeypatch.setenv("AGENT_STORE_MONGODB_URI", wire_uri)
+    monkeypatch.setenv(uri_variable, wire_uri)
+    monkeypatch.setenv(database_variable, database.name)
     monkeypatch.setenv("AGENT_STORE_DATA_DIR", str(tmp_path))
     database[CONVERSATIONS].insert_many(context_turns())
-    assert main(["run", "--database", database.name, "--progress", "none"]) == 0
+    assert main(["run", "--progress", "none"]) == 0
     assert database[MESSAGES].count_documents({"conversation_id": "leg-ctx"}) == 4
     assert "embedded" not in capsys.readouterr().out

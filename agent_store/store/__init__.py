@@ -16,6 +16,7 @@ from agent_store.store._blobs import (
     texts_of,
     with_texts,
 )
+from agent_store.store._database_settings import DatabaseSettings
 from agent_store.store._driver import (
     DUPLICATE_KEY,
     Database,
@@ -119,7 +120,11 @@ from agent_store.store._truncation import (
     bound_message,
     document_size,
 )
-from agent_store.store._turn_settings import TurnSettings
+from agent_store.store._turn_settings import (
+    MAX_MESSAGE_BYTES,
+    MONGODB_MAX_DOCUMENT_BYTES,
+    TurnSettings,
+)
 from agent_store.store._turns import (
     FORK_TURN,
     MAX_MESSAGES_PER_TURN,
@@ -171,6 +176,7 @@ __all__ = [
     "LANGGRAPH_TURN",
     "MAX_FORK_BYTES",
     "MAX_MESSAGES_PER_TURN",
+    "MAX_MESSAGE_BYTES",
     "MAX_NAME_CHARS",
     "MAX_PAGE_SIZE",
     "MAX_SEARCH_QUERY_CHARS",
@@ -179,6 +185,7 @@ __all__ = [
     "MESSAGES",
     "MIGRATED_TURN_PREFIX",
     "MIGRATING",
+    "MONGODB_MAX_DOCUMENT_BYTES",
     "NAMED_WINDOW",
     "PENDING_CALLS_KEPT",
     "SHARD_KEYS",
@@ -195,6 +202,7 @@ __all__ = [
     "ConversationExport",
     "ConversationStore",
     "Database",
+    "DatabaseSettings",
     "Deleted",
     "ExportStream",
     "FallbackConversation",
