@@ -18,6 +18,7 @@ import migrations.cli
 import migrations.connection
 from agent_store import AgentMessageLogger, ConversationStore, LegacyTurns, SteeringInbox
 from agent_store.legacy import LEGACY_TURNS
+from agent_store.store import MESSAGES
 from app.examples import example_legacy_turns, example_turns
 from scripts.sharding_contract import CommandLog
 
@@ -53,6 +54,7 @@ async def _store_operations(db: Any, log: CommandLog) -> None:
     with log.operation("page through messages"):
         first = await store.messages_page(cid, limit=2)
         await store.messages_page(cid, after=first.last_id, limit=2)
+    await _late_insert_reads(db, log, store, cid)
     with log.operation("rename a conversation"):
         await store.rename(cid, "Renamed")
     with log.operation("resolve a pending prompt"):
@@ -81,6 +83,18 @@ async def _store_operations(db: Any, log: CommandLog) -> None:
         await store.delete("conv-forked")
     with log.operation("erase a user"):
         await store.erase_user("user-claimed")
+
+
+async def _late_insert_reads(db: Any, log: CommandLog, store: ConversationStore, cid: str) -> None:
+    """The last messages read past a late insert of a life a delete ended (read again with
+    the conversation's `epoch` in the query); the stray taken away after."""
+    [doc] = await db[MESSAGES].find({"conversation_id": cid}).sort("seq", -1).limit(1).to_list()
+    stray = {**doc, "_id": "msg-of-an-ended-life", "seq": doc["seq"] + 100, "epoch": "ended"}
+    await db[MESSAGES].insert_one(stray)
+    with log.operation("read the last messages past another life's late insert"):
+        await store.recent_messages(cid, limit=2)
+        await store.messages_page(cid, order="desc", limit=2)
+    await db[MESSAGES].delete_one({"_id": stray["_id"]})
 
 
 async def _legacy_operations(db: Any, log: CommandLog, store: ConversationStore) -> None:

@@ -57,6 +57,61 @@ async def test_recent_messages_are_the_last_ones_in_seq_order(backend: Backend) 
         await store.recent_messages(CID, limit=0)
 
 
+async def life_two_under_a_late_insert_of_life_one(backend: Backend) -> ConversationStore:
+    """CID deleted after three turns (seq 0-5) and started again with one (seq 0-1), then the
+    late insert of its first life's last two turns (their writer reserved them before the
+    delete and died after the insert landed): four messages of another `epoch` at seq 2-5,
+    above the new life's, until the delete's sweep."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    for n in range(3):
+        await logger.log_messages(CID, [user(f"old q{n}"), answer(f"old a{n}")], turn_id=f"o{n}")
+    late = (
+        await backend.db[MESSAGES].find({"conversation_id": CID, "seq": {"$gte": 2}}).to_list(None)
+    )
+    store = ConversationStore(backend.db)
+    await store.delete(CID)
+    await logger.log_messages(CID, [user("new q"), answer("new a")], turn_id="n0")
+    await backend.db[MESSAGES].insert_many(late)
+    return store
+
+
+async def test_the_last_messages_of_a_life_are_its_own_past_a_late_insert_of_another(
+    backend: Backend,
+) -> None:
+    """RELIABILITY.md: a late insert of a life a delete ended is never served; a window of the
+    last messages (`recent_messages(limit)`, a page newest first) holds the last of this
+    life's, never fewer because the other life's lie above them, and a page that says more
+    follow names where to read on."""
+    store = await life_two_under_a_late_insert_of_life_one(backend)
+
+    recent = {n: [m.content for m in await store.recent_messages(CID, limit=n)] for n in (1, 2, 3)}
+    newest = await store.messages_page(CID, order="desc", limit=1)
+    below = await store.messages_page(CID, order="desc", limit=1, after=newest.last_id)
+    whole = await store.messages_page(CID, order="desc", limit=2)
+
+    assert recent == {1: ["new a"], 2: ["new q", "new a"], 3: ["new q", "new a"]}
+    assert ([m.content for m in newest.data], newest.has_more) == (["new a"], True)
+    assert ([m.content for m in below.data], below.has_more) == (["new q"], False)
+    assert ([m.content for m in whole.data], whole.has_more) == (["new a", "new q"], False)
+
+
+async def test_an_agents_sessions_window_is_its_lifes_last_items_past_a_late_insert_of_another(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md: the last `limit` items are the last `limit` messages, of this life: the
+    Agents SDK session's window past another life's late insert is not empty."""
+    from agent_store.integrations.openai_agents import ConversationSession
+
+    await life_two_under_a_late_insert_of_life_one(backend)
+    session = ConversationSession(CID, backend.db)
+
+    window = await session.get_items(limit=2)
+
+    said = [item.get("content") for item in window]
+    assert said == ["new q", [{"type": "output_text", "text": "new a", "annotations": []}]]
+
+
 async def test_popping_the_last_message_leaves_the_summary_as_if_it_was_never_logged(
     backend: Backend,
 ) -> None:

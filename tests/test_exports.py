@@ -556,6 +556,37 @@ async def test_export_user_refuses_a_conversation_whose_turn_is_written_through_
     assert exported == [await as_it_stands(store, "c-1")]
 
 
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("stored", [0, 2, 15], ids=["a new conversation", "two turns", "15 turns"])
+async def test_export_user_reads_again_a_turn_stored_between_its_last_batch_and_its_lookup(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, stored: int, full: bool
+) -> None:
+    """API.md: never its summary with messages that lack the turn. A turn the summary counts,
+    not stored yet when the export's first batch (its last: the conversation fits in one)
+    was read, and stored by the export's lookup of the conversation, is read again: the
+    conversation comes with the turn's messages, as its summary counts them."""
+    go, turn = await writing_after_two_turns(monkeypatch, backend, "t-x", stored=stored)
+    store = ConversationStore(backend.db)
+    looked_up = store._as_it_stands
+
+    async def landed_before_the_lookup(*args: Any) -> Any:
+        if not go.is_set():
+            go.set()
+            await turn
+        return await looked_up(*args)
+
+    monkeypatch.setattr(store, "_as_it_stands", landed_before_the_lookup)
+
+    exported = [
+        e.model_dump(mode="json", by_alias=True)
+        async for e in store.export_user("carol", full=full)
+    ]
+
+    assert exported == [await as_it_stands(store, "c-1")]
+    assert holds_for_its_messages(exported[0])
+    assert exported[0]["conversation"]["message_count"] == 2 * stored + 2
+
+
 async def test_export_user_passes_a_block_older_than_abandon_after(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1142,21 +1142,33 @@ class ConversationStore:
 
         One round trip for up to 10,000 messages, the conversation document read with them; a
         conversation that does not exist, or is no conversation (`_its_messages`), has none.
-        No legacy fallback: for runtimes that keep their own history here.
+        The last `limit` are the conversation's own: when a late insert of a life a delete
+        ended lies among them, they are read again with its `epoch` in the query (`_of_life`,
+        one round trip more), never fewer. No legacy fallback: for runtimes that keep their
+        own history here.
         """
         query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
         if user_id is not None:
             query["user_id"] = validate_identifier(user_id, "user_id")
         if limit is not None and (isinstance(limit, bool) or limit < 1):
             raise InvalidInput(f"invalid limit {limit!r}: it must be at least 1, or None for all")
-        if limit is None:
-            cursor = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
-        else:
-            cursor = self._messages.find(query).sort("seq", -1).limit(limit)
-            cursor = cursor.batch_size(min(limit, TRANSCRIPT_BATCH))
-        read = partial(cursor.to_list, None)
+
+        def read(life: Mapping[str, Any]) -> Awaitable[list[dict[str, Any]]]:
+            if limit is None:
+                cursor = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
+            else:
+                cursor = self._messages.find({**query, **life}).sort("seq", -1).limit(limit)
+                cursor = cursor.batch_size(min(limit, TRANSCRIPT_BATCH))
+            found: Awaitable[list[dict[str, Any]]] = cursor.to_list(None)
+            return found
+
         docs = await self._of_standing(
-            conversation_id, user_id, read, "read the last messages", absent_is_empty=True
+            conversation_id,
+            user_id,
+            partial(read, {}),
+            "read the last messages",
+            absent_is_empty=True,
+            again=None if limit is None else read,
         )
         docs = docs or []
         if limit is not None:
@@ -1410,11 +1422,7 @@ class ConversationStore:
                 return await self._page_after_unknown(conversation_id, after, limit, order,
                                                       user_id, unknown)  # fmt: skip
             query["seq"] = {"$gt": seq - removed} if order == "asc" else {"$lt": seq}
-        page = partial(_bounded_page, self._messages, query, None, *_by_seq(order), limit)
-        with storage_errors("read messages"):
-            (read, has_more), found = await _at_once(page, partial(self._in_scope, conversation_id))
-        seen = _scoped(found, user_id)
-        docs = _its_messages(conversation_id, seen, read)
+        docs, has_more, seen = await self._page_read(conversation_id, query, order, limit, user_id)
         if docs is not None and seen is not None and _another_life(seen, cursor_epoch):
             raise _cursor_of_another_life(conversation_id, str(after))
         if docs is None:  # not migrated yet (no document, or one being migrated), or none
@@ -1441,6 +1449,31 @@ class ConversationStore:
             last_id=messages[-1].id if messages else None,
             pending_seq=pending,
         )
+
+    async def _page_read(
+        self,
+        conversation_id: str,
+        query: dict[str, Any],
+        order: SortOrder,
+        limit: int,
+        user_id: str | None,
+    ) -> tuple[list[dict[str, Any]] | None, bool, Mapping[str, Any] | None]:
+        """A page of `query` read at once with the conversation document in the caller's scope:
+        the messages it serves (`_its_messages`), whether more follow, and the document. A page
+        a late insert of another life thinned is read again with the conversation's life in
+        its query (`_of_life`, one round trip more): it holds as many as it asks for."""
+        page = partial(_bounded_page, self._messages, query, None, *_by_seq(order), limit)
+        with storage_errors("read messages"):
+            (read, has_more), found = await _at_once(page, partial(self._in_scope, conversation_id))
+        seen = _scoped(found, user_id)
+        docs = _its_messages(conversation_id, seen, read)
+        if docs is not None and seen is not None and len(docs) < len(read):
+            of_life = {**query, **_of_life(seen)}
+            with storage_errors("read messages"):
+                docs, has_more = await _bounded_page(
+                    self._messages, of_life, None, *_by_seq(order), limit
+                )
+        return docs, has_more, seen
 
     async def _committed(
         self, conversation_id: str, docs: list[dict[str, Any]], first: int
@@ -1476,6 +1509,7 @@ class ConversationStore:
         *,
         absent_is_empty: bool = False,
         life: Conversation | None = None,
+        again: Callable[[Mapping[str, Any]], Awaitable[list[dict[str, Any]]]] | None = None,
     ) -> list[dict[str, Any]] | None:
         """The messages `read` reads, read at once with the conversation document in the
         caller's scope (two commands, one wait), as that document serves them
@@ -1483,7 +1517,9 @@ class ConversationStore:
         `absent_is_empty`, none for either, as for a conversation that does not exist. With
         `life` (the conversation as the caller read it before), NotFound unless the document
         is that conversation still (`_another_life`), so no read pairs one conversation's
-        summary with the messages of another started under its id since."""
+        summary with the messages of another started under its id since. With `again` (the
+        same read of a window, its query narrowed by a filter), a window another life's late
+        insert thinned is read again with the conversation's life in its query (`_of_life`)."""
         with storage_errors(step):
             docs, found = await _at_once(read, partial(self._in_scope, conversation_id))
         found = _scoped(found, user_id)
@@ -1495,7 +1531,11 @@ class ConversationStore:
             raise NotFound(f"conversation {conversation_id!r} was not found")
         if absent_is_empty and (found is None or not is_standing(found)):
             return []
-        return _its_messages(conversation_id, found, docs)
+        kept = _its_messages(conversation_id, found, docs)
+        if again is None or kept is None or found is None or len(kept) == len(docs):
+            return kept
+        with storage_errors(step):
+            return of_epoch(await again(_of_life(found)), found.get("epoch"))
 
     def _in_scope(self, conversation_id: str) -> Awaitable[Any]:
         """The conversation document under the id, as much as tells whether it is one
@@ -2340,7 +2380,8 @@ class ConversationStore:
         started again or claimed away before its turn is left out, the others follow. With
         `full`, fields cut to bound a message come whole (see `with_full_texts`). One round
         trip per conversation more than its streamed read (two when a turn younger than
-        `abandon_after` lies past its first batch).
+        `abandon_after` lies past a first batch that is not its last: a first batch that is
+        its last is judged by what it served, a turn stored since it was read read again).
         """
         user_id = validate_identifier(user_id, "user_id")
         async for conversation in self.stream_user_conversations(user_id):
@@ -2365,16 +2406,17 @@ class ConversationStore:
             if writing is not None:
                 await pause(EXPORT_WAIT * 2 ** (read - 1))
             writing = None
-            batches = self.stream_transcript(summary.id, user_id=user_id, full=full, life=summary)
+            batches = self.stream_transcript(summary.id, user_id=user_id, life=summary)
             try:
-                first = await anext(batches)
+                first = await anext(batches)  # the whole first batch: fewer, and it was the last
                 now, gaps = await self._as_it_stands(summary, user_id)
                 if now is not None and not now.popped_since(
                     summary.pops, summary.message_count - 1
                 ):
-                    writing = await self._unstored_turn(summary, first, gaps)
+                    last = len(first) < min(STREAM_FIRST_BATCH, STREAM_BATCH)
+                    writing = await self._unstored_turn(summary, first, gaps, last=last)
                     if writing is None:
-                        return ExportStream(conversation=summary, first=first, rest=batches)
+                        return await self._exported(summary, first, batches, full)
             except NotFound:
                 now = None
             except BaseException:
@@ -2396,6 +2438,38 @@ class ConversationStore:
             "again)"
         )
 
+    async def _exported(
+        self,
+        summary: Conversation,
+        first: list[AgentMessage],
+        batches: AsyncGenerator[list[AgentMessage], None],
+        full: bool,
+    ) -> ExportStream:
+        """The conversation paired with its first batch, and the stream of its other batches,
+        as `stream_transcript(full=full)` serves them: with `full`, each batch in parts, its
+        cut fields whole (`_served`)."""
+        if not full:
+            return ExportStream(conversation=summary, first=first, rest=batches)
+        parts = self._served(first, full)
+        return ExportStream(conversation=summary, first=await anext(parts),
+                            rest=self._whole_rest(parts, batches))  # fmt: skip
+
+    async def _whole_rest(
+        self,
+        parts: AsyncGenerator[list[AgentMessage], None],
+        batches: AsyncGenerator[list[AgentMessage], None],
+    ) -> AsyncGenerator[list[AgentMessage], None]:
+        """The first batch's other `parts`, then each later batch's, cut fields whole."""
+        try:
+            async for part in parts:
+                yield part
+            async for batch in batches:
+                async for part in self._served(batch, True):
+                    yield part
+        finally:
+            await parts.aclose()
+            await batches.aclose()
+
     async def _as_it_stands(
         self, summary: Conversation, user_id: str
     ) -> tuple[Conversation | None, Gaps]:
@@ -2411,17 +2485,22 @@ class ConversationStore:
         return Conversation.model_validate(doc), Gaps.of(doc)
 
     async def _unstored_turn(
-        self, summary: Conversation, first: list[AgentMessage], gaps: Gaps
+        self, summary: Conversation, first: list[AgentMessage], gaps: Gaps, *, last: bool
     ) -> int | None:
         """The first `seq` below `summary`'s `message_count` holding no message of its life
         that a turn is still writing (`Gaps.written`: reserved, counted, not stored yet,
         younger than `abandon_after`, as message pages wait for it); None when there is none.
 
-        From the `first` batch served (`seq`s from 0), and past it only when a block younger
-        than `abandon_after` is there: then one round trip reads which of its `seq`s hold a
-        message."""
+        From the `first` batch served (`seq`s from 0). When it was the stream's `last`, every
+        `seq` it did not serve is one no batch will: one a turn still writes, or stored since
+        the batch was read (a turn that finished before the lookup `gaps` come from), is
+        read again, no round trip more. Else past it only when a block younger than
+        `abandon_after` is there: then one round trip reads which of its `seq`s hold a
+        message (the batches after the first read those stored)."""
         written = partial(gaps.written, now=utc_now(), abandon_after=self._rules.abandon_after)
         count, served = summary.message_count, {m.seq for m in first}
+        if last:
+            return written(s for s in range(count) if s not in served)
         end = max((s for s in served if s is not None), default=-1) + 1
         hole = written(s for s in range(min(end, count)) if s not in served)
         if hole is not None or end >= count:
@@ -2551,7 +2630,7 @@ class ConversationStore:
 
     async def _served(
         self, messages: list[AgentMessage], full: bool
-    ) -> AsyncIterator[list[AgentMessage]]:
+    ) -> AsyncGenerator[list[AgentMessage], None]:
         """A streamed batch as served: as it is, or, with `full`, its cut fields whole, put
         back a part at a time (`parts_by_whole_text`, `FULL_TEXT_PART_CHARS`): a stream holds
         the whole texts of one part at once, never those of a whole batch (32 messages of
@@ -2788,6 +2867,15 @@ def _its_messages(
     if found is None or (found.get(MIGRATING) is not None and not being_migrated):
         return None  # one the migration is still writing is read from its legacy turns
     return of_epoch(docs, found.get("epoch"))
+
+
+def _of_life(found: Mapping[str, Any]) -> dict[str, Any]:
+    """`of_epoch` as a query: the messages of the life of the conversation document `found`,
+    and those stored before epochs. What a window of the last messages (a page, the last
+    `limit`) adds to its query when a late insert of another life lay in it, so the window
+    holds as many of the life's as it asks for (the `(conversation_id, seq)` index serves
+    it, the few messages of another life read and passed over)."""
+    return {"epoch": _one_of_or_none(found.get("epoch"))}
 
 
 async def _bounded_page(
