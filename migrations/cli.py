@@ -348,9 +348,11 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     _refuse_bad_seconds("--wait-seconds", args.wait_seconds, zero=True)
     explode.refuse_after_the_drop(db)
     if args.new_rules:
+        if not args.dry_run:
+            _refuse_new_rules_for_one(args.conversation)
         args.restart = True  # every conversation again, none left by the earlier rules
     else:
-        explode.refuse_other_rules(db, args.rules)
+        explode.refuse_other_rules(db, args.rules)  # a dry run's check: it takes no lock
     run_id = time.strftime("run-%Y%m%dT%H%M%SZ-", time.gmtime()) + uuid.uuid4().hex[:6]
     held: lease.Lease | None = None
     if not args.dry_run:
@@ -360,11 +362,9 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
             wait=timedelta(seconds=args.wait_seconds),
             say=lambda text: print(text, file=sys.stderr, flush=True),
         )
-        # Holding the lock, no other run is alive: records still "running" were killed.
-        db[lease.STATE].update_many(
-            {"kind": "run", "status": "running"}, {"$set": {"status": "interrupted"}}
-        )
     try:
+        if held is not None:
+            _holding_the_lock(db, args)
         run = _explode(db, args, held)
     finally:
         if held is not None:
@@ -381,6 +381,33 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     print(f"took {elapsed:.1f}s, {run.counts.turns / max(elapsed, 1e-9):.1f} turns/s")
     unread = _report_unread(db)
     return max(_left_for_the_next_run(run.counts.reowned), int(unread))
+
+
+def _refuse_new_rules_for_one(conversation: str | None) -> None:
+    """Misuse for `--new-rules` with `--conversation`: the other conversations would stay
+    converted by the earlier settings, yet every later run, `verify` and `finish` would
+    compare them with the new ones (the service's own settings refused, a shell without
+    them let through). A dry run writes and records nothing: it may show one."""
+    if conversation is not None:
+        raise Misuse(
+            "--new-rules converts every conversation again by the turn settings set now, so "
+            "it takes no --conversation: the other conversations would stay converted by "
+            "the earlier settings while the runs after it compared them with these; pass "
+            "--new-rules alone (it starts over, as --restart does), or add --dry-run to see what "
+            "it would write to this one"
+        )
+
+
+def _holding_the_lock(db: Database[dict[str, Any]], args: argparse.Namespace) -> None:
+    """What a run checks once it holds the lock (after any wait for it), so that no run can
+    record other settings between the check and this run's writes: the settings of the
+    runs that migrated conversations, checked again (a run that held the lock meanwhile may
+    have migrated some). No other run is alive: records still "running" were killed."""
+    if not args.new_rules:
+        explode.refuse_other_rules(db, args.rules)
+    db[lease.STATE].update_many(
+        {"kind": "run", "status": "running"}, {"$set": {"status": "interrupted"}}
+    )
 
 
 def _left_for_the_next_run(reowned: list[str]) -> int:
@@ -516,22 +543,26 @@ def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     if _not_moved(db, "`verify`"):
         print(NOT_MOVED)
         return 1
-    if not result.ok:
-        _note_other_rules(db, args.rules)
-    return 0 if result.ok and not unread else 1
+    other_rules = _other_rules(db, args.rules)
+    return 0 if result.ok and not unread and not other_rules else 1
 
 
-def _note_other_rules(db: Database[dict[str, Any]], rules: TurnRules) -> None:
-    """After the differences `verify` or `finish` found: the settings that differ from those
-    the last run converted the conversations by, when any do (the likelier cause)."""
-    run_id, differing = explode.rules_changed(db, rules)
-    if differing:
-        print(
-            f"the turn settings differ from those the run that migrated the conversations "
-            f"({run_id}) converted them by: {', '.join(differing)}; the differences above may "
-            "come from that: set them as that run had them (the service's environment), or "
-            "`run --new-rules` to convert every conversation again by these"
-        )
+def _other_rules(db: Database[dict[str, Any]], rules: TurnRules) -> bool:
+    """Whether conversations may be stored as converted by other turn settings than `rules`
+    (`explode.rules_stored_by`), said naming the settings and the runs: `verify` and `finish`
+    then fail, whatever they compared (a conversation's name is not compared: a person may
+    have renamed it; a differing setting may change nothing of what was compared)."""
+    runs, differing = explode.rules_stored_by(db, rules)
+    if not differing:
+        return False
+    named = ", ".join(runs[:MAX_LISTED]) + (" …" if len(runs) > MAX_LISTED else "")
+    print(
+        f"the turn settings differ from those conversations were converted by (run {named}): "
+        f"{', '.join(differing)}; what is stored is not what the service serves by these "
+        "settings, whatever differs above: set them as those runs had them (the service's "
+        "environment), or `run --new-rules` to convert every conversation again by these"
+    )
+    return True
 
 
 def _report(found: gate.Gate) -> None:
@@ -622,12 +653,12 @@ def _finish(
     )
     _report(found)
     problem_report.print_summary(db, sys.stdout)
-    if not found.open:
-        _note_other_rules(db, args.rules)
+    if _other_rules(db, args.rules) or not found.open:
         if args.drop_legacy:
             print(
-                f"refusing to drop {LEGACY_TURNS}: the conversations and documents above hold "
-                "content that is not in the new collections"
+                f"refusing to drop {LEGACY_TURNS}: what is stored above is not what the "
+                "legacy turns migrate to (content not in the new collections, or other turn "
+                "settings)"
             )
         return 1
     held.write_state({"$set": {"finished_at": utc_now()}})

@@ -725,21 +725,50 @@ def ranges_unfinished(state: Mapping[str, Any]) -> bool:
     return not state.get("complete", True) and "ranges" in state
 
 
+MIGRATING = {"kind": "run", "counts.conversations": {"$gt": 0}}
+"""The records of runs that went through conversations: a run records its count of them
+before it writes the first (`Explosion.batch`), so a run killed at any point is among them."""
+
+
+def _recorded_rules(record: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The settings a run's record says it converted by. A record written before runs
+    recorded their rules was made by the defaults, which every run used then."""
+    return (record.get("options") or {}).get("rules") or as_recorded(SERVICE_DEFAULTS)
+
+
 def rules_changed(db: Database[dict[str, Any]], rules: TurnRules) -> tuple[str, list[str]]:
     """The last run that went through conversations (a stopped one a resume goes on with
     among them), and the settings `rules` differ in from those it converted them by
-    (`settings_differing`: none, or no such run, is an empty list). A record written before
-    runs recorded their rules was made by the defaults, which every run used then."""
-    last = list(
-        db[STATE]
-        .find({"kind": "run", "counts.conversations": {"$gt": 0}}, {"options.rules": 1})
-        .sort("started_at", -1)
-        .limit(1)
-    )
+    (`settings_differing`: none, or no such run, is an empty list)."""
+    last = list(db[STATE].find(MIGRATING, {"options.rules": 1}).sort("started_at", -1).limit(1))
     if not last:
         return "", []
-    recorded = (last[0].get("options") or {}).get("rules") or as_recorded(SERVICE_DEFAULTS)
-    return str(last[0]["_id"]), settings_differing(recorded, rules)
+    return str(last[0]["_id"]), settings_differing(rules, _recorded_rules(last[0]))
+
+
+def rules_stored_by(db: Database[dict[str, Any]], rules: TurnRules) -> tuple[list[str], list[str]]:
+    """The runs whose settings the stored conversations may be converted by that differ from
+    `rules`, and the settings they differ in (names, in `settings_differing`'s order). Those
+    runs are the last that went through every conversation (a pass `completed`, not one
+    `--conversation`: every conversation it left was converted by the pass's settings, a
+    resume going on by the settings of the run it resumes) and every run that went through
+    conversations since (a `--new-rules` pass not gone through yet leaves the earlier ones)."""
+    passes = {"kind": "run", "status": "completed", "options.conversation": None}
+    last = list(db[STATE].find(passes, {"started_at": 1}).sort("started_at", -1).limit(1))
+    since: dict[str, Any] = MIGRATING
+    if last:
+        since = {
+            "$or": [
+                {"_id": last[0]["_id"]},
+                {**MIGRATING, "started_at": {"$gt": last[0]["started_at"]}},
+            ]
+        }
+    differing = [
+        (str(record["_id"]), _recorded_rules(record))
+        for record in db[STATE].find(since, {"options.rules": 1}).sort("started_at", 1)
+        if settings_differing(rules, _recorded_rules(record))
+    ]
+    return [run for run, _ in differing], settings_differing(rules, *(r for _, r in differing))
 
 
 def refuse_other_rules(db: Database[dict[str, Any]], rules: TurnRules) -> None:
@@ -783,6 +812,8 @@ class Explosion:
         self.after_all: Callable[[], None] | None = None
         """Called once a run has gone through every conversation (not one `--conversation`)."""
         self.counts = Counts()
+        self.declared = False
+        """Whether the run's record counts conversations yet (`_declare`)."""
         self.counted_twice: set[str] = set()
         """The conversations counted that two batches can both convert: those named more than
         one way (`Converted.spellings`: `42` and `"42"`, a legacy id and its derived id), and
@@ -820,6 +851,15 @@ class Explosion:
             },
             upsert=True,
         )
+
+    def _declare(self) -> None:
+        """Before the run writes its first conversation: its record counts the conversations
+        read (`MIGRATING`), beside the settings it converts them by (`options.rules`). Killed
+        at any point after, the record says which settings what it wrote was converted by,
+        and a run by others is refused (`refuse_other_rules`)."""
+        if not self.declared and self.counts.conversations:
+            self._record("running")
+            self.declared = True
 
     def resume_point(self) -> Ranges | None:
         """Where an unfinished earlier run stopped: its ranges and the last id done in each,
@@ -956,6 +996,7 @@ class Explosion:
             full_texts=len(planned.full_texts),
         )
         if not self.options.dry_run:
+            self._declare()
             applied = writes.apply(
                 self.db, planned, self.options.bounds, fence=self.fence, source=self.source
             )

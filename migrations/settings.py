@@ -57,8 +57,12 @@ def as_recorded(rules: TurnRules) -> dict[str, Any]:
     }
 
 
-def settings_differing(recorded: Mapping[str, Any], rules: TurnRules) -> list[str]:
-    """The environment variables of the settings `rules` differ in from those `recorded`
-    (`as_recorded`), in their order there; names only, never a value."""
+def settings_differing(rules: TurnRules, *recorded: Mapping[str, Any]) -> list[str]:
+    """The environment variables of the settings `rules` differ in from any of those
+    `recorded` (`as_recorded`), in their order there; names only, never a value."""
     now = as_recorded(rules)
-    return [f"AGENT_STORE_{name.upper()}" for name in now if recorded.get(name) != now[name]]
+    return [
+        f"AGENT_STORE_{name.upper()}"
+        for name in now
+        if any(earlier.get(name) != now[name] for earlier in recorded)
+    ]

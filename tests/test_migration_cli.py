@@ -11,9 +11,12 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import bson
 import mongomock
@@ -27,7 +30,7 @@ from agent_store.core import Conversation
 from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
 from agent_store.store import CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
-from migrations import connection, explode, lease, problems, relocate
+from migrations import connection, explode, lease, problems, relocate, writes
 from migrations.cli import _report_id_clustering, main, parser
 from migrations.connection import database
 from migrations.errors import MigrationError
@@ -1392,6 +1395,197 @@ def test_a_run_by_other_turn_settings_than_the_runs_that_migrated_is_refused_wri
     firsts = {m["content"] for m in database[MESSAGES].find({"seq": 0})}
     assert firsts == {"<ctx>account=ACME-SECRET-42; tier=gold</ctx>Where is my order?"}
     assert cli(wire_uri, database, "run") == 0  # the rules recorded are the new ones now
+
+
+class KilledNine(BaseException):
+    """A run dying as by SIGKILL: nothing of it catches it, and nothing more of it is written."""
+
+
+@contextmanager
+def killed_nine_after(step: str) -> Iterator[None]:
+    """The run inside dies as by SIGKILL right after its first batch's `step` ("apply": its
+    writes; "checkpoint": its checkpoint, before its record): its record stays as it was, never
+    "failed" with its counts as on SIGTERM. The lock is released, as its lease ending would."""
+    dead: list[str] = []
+    real_record, real_apply = explode.Explosion._record, writes.apply
+    real_checkpoint = explode.Explosion._checkpoint
+
+    def record(run: explode.Explosion, status: str, **extra: Any) -> None:
+        if not dead:
+            real_record(run, status, **extra)
+
+    def apply(*args: Any, **kwargs: Any) -> writes.Applied:
+        applied = real_apply(*args, **kwargs)
+        dead.append("wrote")
+        if step == "apply":
+            raise KilledNine(step)
+        return applied
+
+    def checkpoint(run: explode.Explosion, *args: Any, **kwargs: Any) -> None:
+        real_checkpoint(run, *args, **kwargs)
+        if step == "checkpoint" and dead:  # the checkpoint after the batch's writes
+            raise KilledNine(step)
+
+    with (
+        mock.patch.object(explode.Explosion, "_record", record),
+        mock.patch.object(writes, "apply", apply),
+        mock.patch.object(explode.Explosion, "_checkpoint", checkpoint),
+        pytest.raises(KilledNine),
+    ):
+        yield
+
+
+def leaked(db: Database[dict[str, Any]]) -> bool:
+    """Whether hidden context of `context_turns` is stored where a reader sees it."""
+    return "ACME" in json.dumps(list(db[MESSAGES].find()), default=str)
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("step", ["apply", "checkpoint"])
+def test_a_run_killed_in_its_first_batch_has_recorded_the_settings_it_wrote_by(
+    step: str,
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The settings are recorded before a run writes its first conversation: killed -9 in
+    its first batch, its resume by other settings is refused (exit 2, nothing written) as
+    after any later batch, and the resume by its own settings converges."""
+    with_service_turn_settings(monkeypatch)
+    for n in range(4):
+        database[CONVERSATIONS].insert_many(context_turns(f"leg-{n}"))
+    with killed_nine_after(step):
+        cli(wire_uri, database, "run", "--batch-size", "2")
+    assert database[MESSAGES].count_documents({}) > 0  # the first batch is written
+    monkeypatch.delenv("AGENT_STORE_RUNTIME_CONTEXT_START")
+    before = digest(database)
+    capsys.readouterr()
+
+    for extra in ((), ("--dry-run",)):
+        assert cli(wire_uri, database, "run", *extra) == 2
+        assert "AGENT_STORE_RUNTIME_CONTEXT_START" in capsys.readouterr().err
+    assert digest(database) == before
+
+    with_service_turn_settings(monkeypatch)
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert not leaked(database)
+
+
+@pytest.mark.wire
+def test_a_run_checks_the_settings_holding_the_lock_after_waiting_for_it(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run started by other settings while the run by the service's holds the lock, before
+    that one recorded anything, waits for the lock; holding it, it finds what that run
+    stored and is refused (exit 2), never converting it again by its own settings."""
+    for n in range(4):
+        database[CONVERSATIONS].insert_many(context_turns(f"leg-{n}"))
+    acquire = lease.Lease.acquire
+    waited: list[str] = []
+
+    def waiting(held: lease.Lease, **kwargs: Any) -> None:
+        if not waited:  # the run by the service's settings, going on meanwhile
+            waited.append(held.run_id)
+            with_service_turn_settings(monkeypatch)
+            assert cli(wire_uri, database, "run") == 0
+        acquire(held, **kwargs)
+
+    monkeypatch.setattr(lease.Lease, "acquire", waiting)
+    assert cli(wire_uri, database, "run") == 2  # started by the defaults
+    assert waited
+    assert not leaked(database)
+    assert cli(wire_uri, database, "verify") == 0  # by the service's settings
+
+
+@pytest.mark.wire
+def test_new_rules_for_one_conversation_is_refused_writing_nothing(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--new-rules` converts every conversation again: with `--conversation` the others would
+    stay converted by the earlier settings yet be compared with the new ones (the service's
+    then refused, a shell without them let through). Exit 2 saying so, nothing written; a
+    dry run, which records nothing, may show what it would write."""
+    with_service_turn_settings(monkeypatch)
+    for n in range(3):
+        database[CONVERSATIONS].insert_many(context_turns(f"leg-{n}"))
+    assert cli(wire_uri, database, "run") == 0
+    monkeypatch.delenv("AGENT_STORE_RUNTIME_CONTEXT_START")
+    before = digest(database)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run", "--new-rules", "--conversation", "leg-0") == 2
+    err = capsys.readouterr().err
+    assert "--new-rules" in err
+    assert "--conversation" in err
+    assert digest(database) == before
+    shown = ("run", "--new-rules", "--conversation", "leg-0", "--dry-run")
+    assert cli(wire_uri, database, *shown) == 0  # a dry run shows what it would write
+    assert digest(database) == before
+    assert cli(wire_uri, database, "run") == 2  # the migration's settings are still M's
+
+    with_service_turn_settings(monkeypatch)
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+
+
+@pytest.mark.wire
+def test_verify_and_finish_fail_on_conversations_converted_by_other_settings_alike_in_content(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Another name length gives the same messages, and a name is not compared (a person
+    may rename a conversation): the conversations were still converted by other settings
+    than the service's now, so `verify` and `finish` exit 1 naming them, until `run
+    --new-rules` converts them by these."""
+    with_service_turn_settings(monkeypatch)
+    database[CONVERSATIONS].insert_many(context_turns())
+    assert cli(wire_uri, database, "run") == 0
+    monkeypatch.setenv("AGENT_STORE_NAME_CHARS", "30")
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish", "--accept", "leg-ctx", "--note", "context") == 1
+    note = [line for line in capsys.readouterr().out.splitlines() if "settings differ" in line]
+    assert len(note) == 2
+    assert all(": AGENT_STORE_NAME_CHARS;" in line for line in note)
+
+    assert cli(wire_uri, database, "run", "--new-rules") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish", "--accept", "leg-ctx", "--note", "context") == 0
+
+
+@pytest.mark.wire
+def test_verify_and_finish_fail_while_new_rules_has_not_converted_every_conversation(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--new-rules` killed part-way leaves conversations converted by the earlier settings,
+    alike in content: `verify` and `finish` exit 1 naming the settings until a run by the new
+    ones has gone through every conversation."""
+    with_service_turn_settings(monkeypatch)
+    for n in range(3):
+        database[CONVERSATIONS].insert_many(context_turns(f"leg-{n}"))
+    assert cli(wire_uri, database, "run") == 0
+    monkeypatch.setenv("AGENT_STORE_NAME_CHARS", "30")
+    with killed_nine_after("checkpoint"):
+        cli(wire_uri, database, "run", "--new-rules", "--batch-size", "1")
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish", "--accept", "leg-0", "--note", "context") == 1
+    assert "AGENT_STORE_NAME_CHARS" in capsys.readouterr().out
+
+    assert cli(wire_uri, database, "run") == 0  # resumes the new settings' pass
+    assert cli(wire_uri, database, "verify") == 0
 
 
 @pytest.mark.wire
