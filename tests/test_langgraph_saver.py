@@ -24,6 +24,7 @@ from langgraph.checkpoint.base.id import uuid6
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.graph.message import add_messages
 from langgraph.types import Command, Send, interrupt
 from pydantic_ai.messages import ModelRequest, ToolReturnPart
 from pymongo import AsyncMongoClient
@@ -575,6 +576,74 @@ async def test_a_pop_of_a_message_another_writer_logged_after_the_checkpoint_sti
     assert state["messages"][-1].content == "Answer 3: noted"
 
 
+async def test_a_pop_landing_while_a_turn_is_placed_lets_the_turn_through_at_the_new_end(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer pops its own message right after a graph turn's put read it (the put
+    found it logged since its parent): the put is placed where the transcript ends now, and
+    the saver, holding on, serves what is stored, also once another process's turn took the
+    popped message's `seq`; time travel in that process goes on as it does in a new one."""
+    from agent_store.integrations._langgraph_transcript import TranscriptLink
+
+    config = thread("user-ada")
+    thread_id = config["configurable"]["thread_id"]
+    graph = approval_agent(AgentStoreSaver(backend.db))
+    store = ConversationStore(backend.db)
+    await graph.ainvoke(question(1), config)  # answered at once: seq 0..1
+    note = {"role": "user", "content": "a typo, ignore"}
+    await AgentMessageLogger(backend.db).log_messages(thread_id, [note], user_id="user-ada")
+    loads, popped = TranscriptLink._load, []
+
+    async def then_popped(self: Any, state: Any, *args: Any, **kwargs: Any) -> None:
+        await loads(self, state, *args, **kwargs)
+        if not popped and kwargs["stop"] is None and 2 in state.by_seq:
+            popped.append(await store.pop_last_message(thread_id, user_id="user-ada"))
+
+    monkeypatch.setattr(TranscriptLink, "_load", then_popped)
+    await graph.ainvoke(question(3), config)
+    monkeypatch.undo()
+
+    assert [m.content for m in popped if m is not None] == ["a typo, ignore"]
+    stored = [m.content for m in await store.transcript(thread_id, user_id="user-ada")]
+    assert "a typo, ignore" not in stored
+    await approval_agent(AgentStoreSaver(backend.db)).ainvoke(question(5), config)
+    fresh = approval_agent(AgentStoreSaver(backend.db))
+    expected = comparable((await fresh.aget_state(config)).values["messages"])
+    assert comparable((await graph.aget_state(config)).values["messages"]) == expected
+    history = [state async for state in graph.aget_state_history(config)]
+    forked = await graph.aupdate_state(history[-2].config, None)
+    await graph.ainvoke(None, forked)
+    travelled = comparable((await graph.aget_state(config)).values["messages"])
+    assert travelled == comparable((await fresh.aget_state(config)).values["messages"])
+
+
+async def test_a_saver_that_read_a_message_popped_since_serves_the_message_stored_there_now(
+    backend: Backend,
+) -> None:
+    """A process whose time travel read the transcript to its end, another writer's message
+    included, then the message popped and its `seq` taken by another process's turn: the
+    process serves the state as stored, never the popped message."""
+    config = thread("user-ada")
+    thread_id = config["configurable"]["thread_id"]
+    graph = approval_agent(AgentStoreSaver(backend.db))
+    store = ConversationStore(backend.db)
+    await graph.ainvoke(question(1), config)
+    note = {"role": "user", "content": "a typo, ignore"}
+    await AgentMessageLogger(backend.db).log_messages(thread_id, [note], user_id="user-ada")
+    history = [state async for state in graph.aget_state_history(config)]
+    await graph.aupdate_state(history[1].config, None)  # reads the transcript to its end
+    popped = await store.pop_last_message(thread_id, user_id="user-ada")
+    assert popped is not None
+    assert popped.content == "a typo, ignore"
+
+    await approval_agent(AgentStoreSaver(backend.db)).ainvoke(question(3), config)
+    fresh = approval_agent(AgentStoreSaver(backend.db))
+    expected = comparable((await fresh.aget_state(config)).values["messages"])
+    assert comparable((await graph.aget_state(config)).values["messages"]) == expected
+    await graph.ainvoke(question(5), config)
+    assert (await graph.aget_state(config)).values == (await fresh.aget_state(config)).values
+
+
 @pytest.mark.parametrize("warm", [True, False], ids=["same-process", "new-process"])
 async def test_a_message_removed_outside_the_checkpointer_makes_a_resume_a_storage_failure(
     backend: Backend, warm: bool
@@ -1084,6 +1153,71 @@ async def test_time_travel_of_a_deleted_conversations_graph_never_writes_into_th
         await adas_graph.ainvoke(_said("a run from Ada's process"), kept)
     assert (await adas_graph.aget_state(grace)).values == graces
     assert await store.transcript(thread_id, user_id="user-grace") == transcript
+
+
+class _Reviewed(TypedDict):
+    messages: Annotated[list[Any], add_messages]
+
+
+def _paused_in_a_subgraph(checkpointer: Any) -> Any:
+    """A graph whose one node is a subgraph: the model's call, then a person's decision
+    (`interrupt`) inside the subgraph."""
+
+    def model(state: _Reviewed) -> dict[str, list[Any]]:
+        call = {"name": "wire", "args": {"to": "grace"}, "id": "call-1"}
+        return {"messages": [AIMessage("", id="ai-1", tool_calls=[call])]}
+
+    def decide(state: _Reviewed) -> dict[str, list[Any]]:
+        answer = interrupt({"approve": "call-1"})
+        return {"messages": [ToolMessage(f"said {answer}", tool_call_id="call-1", id="tool-1")]}
+
+    inner = StateGraph(_Reviewed)
+    inner.add_node("model", model)
+    inner.add_node("decide", decide)
+    inner.add_edge(START, "model")
+    inner.add_edge("model", "decide")
+    inner.add_edge("decide", END)
+    outer = StateGraph(_Reviewed)
+    outer.add_node("inner", inner.compile())
+    outer.add_edge(START, "inner")
+    outer.add_edge("inner", END)
+    return outer.compile(checkpointer=checkpointer)
+
+
+async def test_an_edit_through_a_subgraph_state_is_the_root_checkpoints_owners_write(
+    backend: Backend,
+) -> None:
+    """LangGraph builds a subgraph state's config without the user: an edit through it is the
+    write of the user the root checkpoint it names was written for, stored in her name; after
+    her conversation was deleted and the id taken by another, it is NotFound, nothing
+    written, and the new owner's checkpoints hold none of it."""
+    thread_id = f"thread-{uuid.uuid4().hex[:12]}"
+    ada = thread("user-ada", thread_id)
+    adas_graph = _paused_in_a_subgraph(AgentStoreSaver(backend.db))
+    edit = {"messages": [AIMessage("", id="ai-1", tool_calls=[_wire("mallory")])]}
+    await adas_graph.ainvoke(_said("pay grace"), ada)
+    kept = (await adas_graph.aget_state(ada, subgraphs=True)).tasks[0].state.config
+    assert "user_id" not in kept["configurable"]
+    edited = await adas_graph.aupdate_state(kept, edit)
+    stored = await backend.db[CHECKPOINTS].find_one(
+        {"checkpoint_id": edited["configurable"]["checkpoint_id"]}
+    )
+    assert stored is not None
+    assert stored["user_id"] == "user-ada"
+
+    await ConversationStore(backend.db).delete(thread_id, user_id="user-ada")
+    grace = thread("user-grace", thread_id)
+    await _paused_in_a_subgraph(AgentStoreSaver(backend.db)).ainvoke(_said("grace's"), grace)
+    before = await backend.db[CHECKPOINTS].count_documents({"thread_id": thread_id})
+    with pytest.raises(NotFound):
+        await adas_graph.aupdate_state(kept, edit)
+    assert await backend.db[CHECKPOINTS].count_documents({"thread_id": thread_id}) == before
+    graces = [c async for c in AgentStoreSaver(backend.db).alist(grace)]
+    assert not any("mallory" in str(c.checkpoint) for c in graces)
+
+
+def _wire(to: str) -> dict[str, Any]:
+    return {"name": "wire", "args": {"to": to}, "id": "call-1"}
 
 
 async def test_deleting_a_conversation_deletes_its_checkpoints(backend: Backend) -> None:

@@ -9,7 +9,9 @@ the checkpoint document that logged them keeps (`extras`).
 per-thread cache keeps the messages already read or written, so a graph that
 appends pays for its new messages only, however long the conversation; it holds
 one conversation's (`TranscriptLink.tie`): an id deleted and taken again is read
-afresh.
+afresh. A cached `seq` is tied to the stored message there: when the store says the
+transcript ends below what was read (a pop gave `seq`s back), what is held from there on is
+dropped and read again (`_Thread.ends_at`).
 """
 
 from __future__ import annotations
@@ -125,8 +127,14 @@ class _Thread:
     yet (nothing read but documents that name none)."""
     by_seq: dict[int, BaseMessage] = field(default_factory=dict)
     seq_by_id: dict[str, int] = field(default_factory=dict)
+    stored_ids: dict[int, str] = field(default_factory=dict)
+    """The stored message (its `_id`) each cached `seq` holds: a message stored at that `seq`
+    since (a pop gave the `seq` back, another writer took it) replaces the cached one."""
     loaded_until: int = 0
     """Every stored message below this `seq` is in `by_seq`."""
+    pops: int | None = None
+    """The conversation's finished pops (`Conversation.pops`) as a read of it last found them;
+    None: not read yet."""
     head: _Head | None = None
     admitted: dict[str | None, Admission] = field(default_factory=dict)
     """By the graph's user (None: a service) whose right to write this thread was checked."""
@@ -135,10 +143,29 @@ class _Thread:
     def holds_anything(self) -> bool:
         return bool(self.by_seq or self.head is not None or self.admitted)
 
-    def remember(self, seq: int, message: BaseMessage) -> None:
+    def remember(self, seq: int, message: BaseMessage, stored_id: str | None) -> None:
+        gone = self.by_seq.get(seq)
+        if gone is not None and gone.id is not None and self.seq_by_id.get(gone.id) == seq:
+            del self.seq_by_id[gone.id]
         self.by_seq[seq] = message
+        if stored_id is not None:
+            self.stored_ids[seq] = stored_id
         if message.id is not None:
             self.seq_by_id[message.id] = seq
+
+    def ends_at(self, seq: int) -> None:
+        """The store says the transcript ends at `seq` now, below what was read (a pop gave
+        `seq` and those after it back): what is held from it on is dropped, read again then."""
+        if seq >= self.loaded_until:
+            return
+        for gone in [s for s in self.by_seq if s >= seq]:
+            self.stored_ids.pop(gone, None)
+            message = self.by_seq.pop(gone)
+            if message.id is not None and self.seq_by_id.get(message.id) == gone:
+                del self.seq_by_id[message.id]
+        self.loaded_until = seq
+        if self.head is not None and self.head.end > seq:
+            self.head = None
 
 
 @dataclass(frozen=True)
@@ -251,6 +278,16 @@ class TranscriptLink:
         state.conversation = conversation
         return state
 
+    def read_as(self, thread_id: str, found: Conversation) -> _Thread:
+        """The cache of one thread, tied to the conversation `found` as read now (`tie`): when
+        pops finished since the last read (`Conversation.pops`), what it holds from the first
+        `seq` they gave back on is dropped (`_Thread.ends_at`), read again when needed."""
+        state = self.tie(thread_id, conversation_mark(found.created_at))
+        if state.pops is not None and found.pops != state.pops:
+            state.ends_at(_first_popped(found, since=found.pops - state.pops))
+        state.pops = found.pops
+        return state
+
     def forget(self, thread_id: str) -> None:
         """Drop what this process knows of a thread (after it was deleted or rewritten)."""
         self._threads.pop(thread_id, None)
@@ -304,6 +341,7 @@ class TranscriptLink:
                 except TranscriptMoved as exc:
                     self._refuse_lost(step, exc)
                     if exc.later_step is None:
+                        state.ends_at(exc.next_seq)
                         moved = exc.next_seq
                         kept = exc.extras if isinstance(exc, _Replayed) else kept
                         continue
@@ -518,7 +556,7 @@ class TranscriptLink:
             assert stored.seq is not None
             kind, data = self._dumps(extras_of(item.message, stored))
             extras.append({"_id": stored.id, "seq": Int64(stored.seq), "type": kind, "data": data})
-            state.remember(stored.seq, item.message)
+            state.remember(stored.seq, item.message, stored.id)
         seqs = [int(e["seq"]) for e in extras]
         if seqs and state.loaded_until == seqs[0]:
             state.loaded_until = seqs[-1] + 1
@@ -575,8 +613,10 @@ class TranscriptLink:
         }
         for message in stored:
             assert message.seq is not None
-            if message.seq not in state.by_seq:  # keep the graph's own objects
-                state.remember(message.seq, from_stored(message, extras.get(message.id)))
+            # Keep the graph's own objects, while the `seq` holds the message they stand for.
+            if message.seq not in state.by_seq or state.stored_ids.get(message.seq) != message.id:
+                loaded = from_stored(message, extras.get(message.id))
+                state.remember(message.seq, loaded, message.id)
         last = stored[-1].seq if stored else None
         end = stop if stop is not None else (last + 1 if last is not None else start)
         state.loaded_until = max(state.loaded_until, end)
@@ -1132,6 +1172,16 @@ def _kept(target_id: str, copied: Copied, went: NotFound | None) -> StoreError:
         "to, or whose source went on past it, since: it is kept as it is; delete it and copy "
         "again, or copy into a new id"
     )
+
+
+def _first_popped(found: Conversation, *, since: int) -> int:
+    """The first `seq` the conversation's last `since` pops gave back (0 when it no longer
+    lists them all: read everything again), or the one a pop under way gives back."""
+    listed = [p.seq for p in found.popped_messages]
+    seqs = listed[-since:] if 0 < since <= len(listed) else [0]
+    if found.popping is not None:
+        seqs.append(found.popping.seq)
+    return min(seqs)
 
 
 def _refers_until(segments: Sequence[Segment]) -> int:

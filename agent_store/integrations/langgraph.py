@@ -304,7 +304,9 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         # A thread's first checkpoint, or one that follows none: the owner is checked again,
         # as the thread may have been deleted (its user erased) and its id taken since.
         first = parent_id is None and checkpoint_ns == ""
+        owner, life = await self._rooted(config, owner, parent_id)
         admission = await self._admission(thread_id, owner, again=first)
+        _require_life(thread_id, life, admission)
         document: dict[str, Any] = {
             "thread_id": thread_id,
             "checkpoint_ns": checkpoint_ns,
@@ -356,8 +358,9 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         if not entries:
             return
         await self.setup()
-        owner = self._owner(config)
+        owner, life = await self._rooted(config, self._owner(config), checkpoint_id)
         admission = await self._admission(thread_id, owner)
+        _require_life(thread_id, life, admission)
         update = {
             "$push": {"writes": {"$each": entries}},
             "$setOnInsert": {
@@ -530,7 +533,8 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         """What the owner reads of the thread (a filter on its checkpoint documents), None if
         nothing: a service reads every document, a user only its own thread's, of the
         conversation the thread is now (`readable_by`; the lookup ties the saver's cache of the
-        thread to that conversation, `TranscriptLink.tie`). A user's right to write a thread it
+        thread to that conversation and drops what pops since gave back,
+        `TranscriptLink.read_as`). A user's right to write a thread it
         finds is not its own is checked again."""
         if owner.user_id is None:
             return {}
@@ -541,9 +545,42 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         except NotFound:
             self._transcripts.thread(thread_id).admitted.pop(owner.user_id, None)
             return None
-        conversation = conversation_mark(found.created_at)
-        self._transcripts.tie(thread_id, conversation)
-        return readable_by(owner.user_id, conversation)
+        self._transcripts.read_as(thread_id, found)  # its pops since drop what they gave back
+        return readable_by(owner.user_id, conversation_mark(found.created_at))
+
+    async def _rooted(
+        self, config: RunnableConfig, owner: Owner, named: str | None
+    ) -> tuple[Owner, int | None]:
+        """Who writes into a subgraph's namespace, and into which conversation. LangGraph builds
+        a subgraph state's config (`get_state(subgraphs=True)`) from the thread and namespace
+        alone, naming no user: a write naming none there is admitted as the owner of the
+        checkpoint it goes on from in its namespace (`named`), else of the root checkpoint it
+        names (`checkpoint_map`), and only into that one's conversation (the life it names,
+        checked against the thread's: `_require_life`). One it names and is gone (deleted
+        with its conversation) is NotFound; a subgraph's first write whose root is not stored
+        yet (`durability="async"` or `"exit"`) is the config's. One round trip, on that path
+        only; a user's write, or the root namespace's, is the config's as it is."""
+        thread_id, checkpoint_ns, _ = _address(config)
+        if checkpoint_ns == "" or owner.user_id is not None:
+            return owner, None
+        root = ((config.get("configurable") or {}).get("checkpoint_map") or {}).get("")
+        keys = [checkpoint_key(thread_id, checkpoint_ns, named)] if named is not None else []
+        if isinstance(root, str):
+            keys.append(checkpoint_key(thread_id, "", root))
+        with storage_errors("read the checkpoint a subgraph's write goes on from"):
+            found = await self._checkpoints.find(
+                {"_id": {"$in": keys}}, {"user_id": 1, CONVERSATION: 1}
+            ).to_list(None)
+        if not found:
+            if named is None:
+                return owner, None
+            raise NotFound(
+                f"checkpoint {named!r} of thread {thread_id!r} was not found: the conversation "
+                "it was written in was deleted (its user erased)"
+            )
+        anchor = min(found, key=lambda doc: keys.index(doc["_id"]))
+        user_id = anchor.get("user_id")
+        return Owner(user_id) if user_id is not None else owner, anchor.get(CONVERSATION)
 
     async def _admission(self, thread_id: str, owner: Owner, *, again: bool = False) -> Admission:
         """The owner's admission to write the thread (`_admit`): checked once per thread, owner
@@ -753,6 +790,16 @@ async def _insert_new(collection: Any, documents: list[dict[str, Any]], action: 
             there = {error.get("index") for error in exc.details.get("writeErrors") or ()}
             return [doc["_id"] for index, doc in enumerate(documents) if index not in there]
     return [doc["_id"] for doc in documents]
+
+
+def _require_life(thread_id: str, life: int | None, admission: Admission) -> None:
+    """NotFound when a subgraph's write goes on from a checkpoint of another conversation than
+    the one the thread is now (`AgentStoreSaver._rooted`): deleted, the id taken since."""
+    if life is not None and life != admission.conversation:
+        raise NotFound(
+            f"thread {thread_id!r}: the checkpoint this write goes on from is of a conversation "
+            "deleted since (its user erased): the thread is another conversation now"
+        )
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
