@@ -1686,6 +1686,35 @@ async def test_a_fork_into_another_users_thread_is_refused_before_anything_is_co
     assert await _counts(backend.db) == before
 
 
+@pytest.mark.parametrize("source_owner", [None, "user-ada"])
+async def test_a_copy_into_a_fork_of_its_source_given_to_another_user_is_refused(
+    backend: Backend, source_owner: str | None
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a fork of the source is the copy's earlier attempt only
+    while its owner is the one the copy writes for, the source's (none for an unowned one).
+    A service's fork of its unowned thread, given to a user since, is hers: a `Conflict`
+    ("belongs to another user"), nothing written into it, whoever owns the source (was: an
+    unowned source's checkpoints copied into her thread)."""
+    db, store = backend.db, ConversationStore(backend.db)
+    source = thread(None)
+    await run_turns(tool_agent(AgentStoreSaver(db)), source, range(1, 3))
+    source_id = source["configurable"]["thread_id"]
+    target_id = source_id + "-fork"
+    last = (await store.messages_by_seq(source_id))[-1].seq
+    assert last is not None
+    await AgentMessageLogger(db).fork(source_id, last, target_id)
+    await AgentMessageLogger(db).upsert_conversation(target_id, user_id="user-grace")
+    if source_owner is not None:
+        await AgentMessageLogger(db).upsert_conversation(source_id, user_id=source_owner)
+    before = await _counts(db), await store.get_conversation(target_id)
+
+    with pytest.raises(Conflict, match="belongs to another user"):
+        await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+
+    assert (await _counts(db), await store.get_conversation(target_id)) == before
+    assert await db[CHECKPOINTS].count_documents({"thread_id": target_id}) == 0
+
+
 async def _an_existing_target(db: Any, target: str) -> tuple[str, str]:
     """A graph-run thread and an existing conversation that is no copy of it (`target`):
     the ids of both."""
@@ -3006,6 +3035,36 @@ async def test_a_copy_into_a_fork_of_an_earlier_life_of_its_source_is_a_conflict
         await AgentStoreSaver(db).acopy_thread(source_id, target_id)
 
     assert [m.content for m in await store.transcript(target_id)] == kept
+
+
+async def test_a_copy_into_a_fork_of_an_earlier_life_of_a_copied_thread_is_a_conflict(
+    backend: Backend,
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a fork is of this life of the source only by the source's
+    `version` the fork recorded (`forked_from.version`), never by a time: copies keep their
+    source's times, so two lives of a thread copied from one thread start alike. A fork of
+    such a thread, deleted and copied again under its id, is a `Conflict`, the fork kept as
+    it is (was: taken for the copy's attempt, deleted, and the new life copied in its place)."""
+    db, store, saver = backend.db, ConversationStore(backend.db), AgentStoreSaver(backend.db)
+    origin = await _a_thread_ending_in_a_side_turn(db)
+    source_id, target_id = origin + "-copied", origin + "-fork"
+    await saver.acopy_thread(origin, source_id)
+    last = (await store.messages_by_seq(source_id))[-1].seq
+    assert last is not None
+    await AgentMessageLogger(db).fork(source_id, last, target_id, user_id="user-ada")
+    kept = [m.content for m in await store.transcript(target_id)]
+    await saver.adelete_thread(source_id)
+    await store.pop_last_message(origin)
+    other = [{"role": "assistant", "content": "another answer"}]
+    await AgentMessageLogger(db).log_messages(origin, other, user_id="user-ada", turn_id="t-2")
+    await saver.acopy_thread(origin, source_id)
+
+    with pytest.raises(Conflict, match="no copy of thread"):
+        await saver.acopy_thread(source_id, target_id)
+
+    assert [m.content for m in await store.transcript(target_id)] == kept
+    assert kept[-1] == "regret"
+    assert await db[CHECKPOINTS].count_documents({"thread_id": target_id}) == 0
 
 
 @pytest.mark.parametrize("owner", ["user-ada", "user-grace"])

@@ -1202,6 +1202,11 @@ class ForkOrigin(_Model):
     """The fork's `seq`s where a turn of the original began, after the first: its copies are
     one turn, and what they leave pending is folded turn by turn as the original logged them
     (by a pop or a fork of the fork too)."""
+    version: str | None = None
+    """The original's `version` as the fork read it (`Conversation.version`, its `ETag`; null
+    on a fork made before it was recorded): it names the life of the original the fork
+    copied, which no conversation started again under its id shares (copies keep their
+    original's times, so two lives copied from one conversation start alike)."""
 
 
 class ForkCheck(_Model):

@@ -915,26 +915,26 @@ class TranscriptLink:
             self.forget(target_id)
 
     async def _earlier_attempt(self, source: Conversation, target_id: str) -> Conversation | None:
-        """The target conversation when it is an earlier attempt of this copy (a fork of the
-        source's life as read, `_forked_from_this_life`, or a conversation of the source's
-        owner created by a copy of that life, `copy_of`, whose messages are all this copy's
-        turns, told by their ids whatever the source holds now, `copied_from`, or that has
-        none yet, and neither a name someone set nor a checkpoint of its thread: a copy
-        creates it so, and logs its first turn before its checkpoints); None when there is no
-        target (a fork not made yet is looked for then: `_unfinished_fork`). Any other
-        conversation under the id is a Conflict: a copy never writes into it."""
+        """The target conversation when it is an earlier attempt of this copy: one whose owner
+        is the one the copy writes for (the source's; none for an unowned source) that is a
+        fork of the source's life as read (`_forked_from_this_life`), or was created by a copy
+        of that life (`copy_of`) and holds only this copy's turns, told by their ids whatever
+        the source holds now (`copied_from`), or none yet, and neither a name someone set nor
+        a checkpoint of its thread (a copy creates it so, and logs its first turn before its
+        checkpoints); None when there is no target (a fork not made yet is looked for then:
+        `_unfinished_fork`). Any other conversation under the id is a Conflict, another user's
+        "belongs to another user" whoever owns the source: a copy never writes into it."""
         try:
             target = await self._store.get_conversation(target_id, fallback=False)
         except NotFound:
             return None
-        if await self._forked_from_this_life(target, source):
-            return target
-        origin = target.forked_from
         if target.user_id is not None and target.user_id != source.user_id:
             raise Conflict(
                 f"conversation {target_id!r} belongs to another user: copy into a new id"
             )
-        if origin is None and target.user_id == source.user_id:
+        if target.user_id == source.user_id and _forked_from_this_life(target, source):
+            return target
+        if target.user_id == source.user_id and target.forked_from is None:
             held = await self._store.messages_by_seq(target_id)
             # Created by a copy of this life of the source (`copy_of`; none: by a copy of
             # before it was recorded, told by its turns only).
@@ -953,18 +953,6 @@ class TranscriptLink:
             f"conversation {target_id!r} exists already and is no copy of thread "
             f"{source.conversation_id!r}: copy into a new id"
         )
-
-    async def _forked_from_this_life(self, target: Conversation, source: Conversation) -> bool:
-        """Whether the target is a fork of the source's life as read: its `forked_from` names
-        the source's id, and it starts when that life starts (a fork takes its `created_at`
-        from the first message it copies; one of an earlier conversation under the id, deleted
-        since, copied another first message). No two clocks compared. One read, only for a
-        fork of the source's id."""
-        origin = target.forked_from
-        if origin is None or origin.conversation_id != source.conversation_id:
-            return False
-        first = await self._store.messages_page(source.conversation_id, limit=1)
-        return bool(first.data) and first.data[0].created_at == target.created_at
 
     async def _has_checkpoints_of_its_own(self, thread_id: str, source_id: str) -> bool:
         """Whether the thread holds a checkpoint no copy of `source_id` wrote: one whose
@@ -1113,6 +1101,20 @@ class TranscriptLink:
         if any(m.epoch != target.epoch for m in logged.messages):
             raise _fork_went(target_id)
         return Copied(moved, conversation_mark(target.created_at), source, target, own)
+
+
+def _forked_from_this_life(target: Conversation, source: Conversation) -> bool:
+    """Whether the target is a fork of the source's life as read: its `forked_from` names the
+    source's id and the `version` that life has (`ForkOrigin.version`), which no conversation
+    started again under the id shares. Never a time: copies keep their source's, so two lives
+    of a thread copied from one thread start alike. A fork made before the store recorded the
+    version is told from none: another conversation, kept as it is."""
+    origin = target.forked_from
+    return (
+        origin is not None
+        and origin.conversation_id == source.conversation_id
+        and origin.version == source.version
+    )
 
 
 def _source_went(source_id: str) -> NotFound:

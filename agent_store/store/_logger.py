@@ -55,6 +55,7 @@ from agent_store.core import (
     TranscriptMoved,
     VersionMismatch,
     awaiting_results,
+    conversation_version,
     listed,
     messages_adapter,
     shown,
@@ -1283,6 +1284,9 @@ class AgentMessageLogger:
             conversation_id=conversation_id,
             seq=end,
             turn_starts=fork_turn_starts(chosen, read.turn_starts),
+            version=conversation_version(
+                conversation_id, source.get("epoch"), source["created_at"]
+            ),
         )
         kept = await self._answers_kept(source, messages, end)
         approved = _approvals_of_copies(kept.approved, chosen, plan)

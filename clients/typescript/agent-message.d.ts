@@ -432,6 +432,13 @@ export interface IForkOrigin {
    * (by a pop or a fork of the fork too).
    */
   turn_starts: number[];
+  /**
+   * The original's `version` as the fork read it (`Conversation.version`, its `ETag`; null
+   * on a fork made before it was recorded): it names the life of the original the fork
+   * copied, which no conversation started again under its id shares (copies keep their
+   * original's times, so two lives copied from one conversation start alike).
+   */
+  version: string | null;
 }
 
 /** The function an assistant asks to call. */
