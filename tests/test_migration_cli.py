@@ -1459,6 +1459,7 @@ def test_a_run_killed_in_its_first_batch_has_recorded_the_settings_it_wrote_by(
         cli(wire_uri, database, "run", "--batch-size", "2")
     assert database[MESSAGES].count_documents({}) > 0  # the first batch is written
     monkeypatch.delenv("AGENT_STORE_RUNTIME_CONTEXT_START")
+    monkeypatch.delenv("AGENT_STORE_RUNTIME_CONTEXT_END")
     before = digest(database)
     capsys.readouterr()
 
@@ -1515,6 +1516,7 @@ def test_new_rules_for_one_conversation_is_refused_writing_nothing(
         database[CONVERSATIONS].insert_many(context_turns(f"leg-{n}"))
     assert cli(wire_uri, database, "run") == 0
     monkeypatch.delenv("AGENT_STORE_RUNTIME_CONTEXT_START")
+    monkeypatch.delenv("AGENT_STORE_RUNTIME_CONTEXT_END")
     before = digest(database)
     capsys.readouterr()
 
