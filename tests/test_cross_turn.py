@@ -1040,13 +1040,15 @@ async def test_a_retry_of_a_turn_logged_without_an_approved_calls_denial_is_that
     assert await runtime.answers_of("tc-1") == [('{"booking":"B-42"}', None)]
 
 
+@pytest.mark.parametrize("next_turn", ["stored", "lost"])
 async def test_a_retry_of_a_turn_logged_without_its_denial_is_that_turn_past_the_kept_records(
-    backend: Backend,
+    backend: Backend, next_turn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As above, the retry coming once later turns dropped the turn's record (past
-    `turns_recorded`): the stored messages are the turn, and the retry sending the refused
-    denial again is still answered as that logged turn, never `OtherContent` ("use a new
-    turn_id", which would store the reply twice)."""
+    `turns_recorded`), whether the next turn was stored or its insert lost (its block left
+    empty): the stored messages are the turn, and the retry sending the refused denial again
+    is still answered as that logged turn, never `OtherContent` or "stored in part" ("use a
+    new turn_id", which would store the reply twice)."""
     runtime = Runtime(backend, rules=TurnRules(turns_recorded=2))
     await runtime.stream(TWO_ASKS, prompt="Book the train and the hotel.")
     read_by_tab_b = await runtime.store.pending_calls(CID)
@@ -1058,6 +1060,11 @@ async def test_a_retry_of_a_turn_logged_without_its_denial_is_that_turn_past_the
         {"type": "stream_token", "token": "Fine."},
     ]
     logged = await _log_as_tab_b(runtime, refusals, read_by_tab_b)
+    if next_turn == "lost":
+        with monkeypatch.context() as lost:
+            lost.setattr(runtime.logger._messages, "insert_many", _lost_insert)
+            with pytest.raises(ConnectionError):  # the writer died after its reservation
+                await runtime.stream([{"type": "stream_token", "token": "Lost."}], prompt="?")
     for n in range(3):
         await runtime.stream([{"type": "stream_token", "token": f"Later {n}."}], prompt="And?")
 

@@ -2339,10 +2339,11 @@ class AgentMessageLogger:
         earlier attempt filled only in part is refused rather than completed, since nothing
         tells a turn cut short from a retry sending more messages than it first did; one a
         pop took a message of is refused `Corrected`, as while the record is kept
-        (`_corrected_or`). A block holding other content than the retry sends is refused by
-        `other`, given the calls the turn's stored messages answer (`_retry_refusal`, as
-        while the record is kept: a retry sending again answers its first attempt was
-        logged without is `AnsweredBefore`), else `OtherContent`.
+        (`_corrected_or`). A block holding other content than the retry sends, or part of
+        it, is refused by `other`, given the calls the turn's stored messages answer
+        (`_retry_refusal`, as while the record is kept: a retry sending again answers its
+        first attempt was logged without is `AnsweredBefore`), else `OtherContent` (or, for
+        part of it, stored in part).
         """
         first_id = message_id(plan.conversation_id, plan.turn_id, 0)
         past_id = message_id(plan.conversation_id, plan.turn_id, plan.count)
@@ -2367,8 +2368,10 @@ class AgentMessageLogger:
             if _logged_with_fewer(plan, found):
                 raise refuse(_answered_by(plan, found))
             stored = _of_the_turn(plan, found)
-            if len(stored) != block.count:
-                raise _stored_in_part(plan, len(stored))
+            if len(stored) != block.count:  # unless its answers say why (`other`)
+                judged = refuse(_answered_by(plan, stored))
+                fewer = isinstance(judged, OtherContent)
+                raise _stored_in_part(plan, len(stored)) if fewer else judged
         except TurnConflict as refused:
             raise await self._corrected_or(plan, block, refused) from None
         if not await self._recognised(plan, content_digest(canonical_documents(stored))):
