@@ -852,7 +852,7 @@ async def test_a_users_write_into_a_checkpoint_naming_no_user_costs_two_round_tr
     mine = {"configurable": saved["configurable"] | {"user_id": "user-ada"}}
     wire_backend.commands.clear()
     await saver.aput_writes(mine, [("note", "Ada's")], "task-1")
-    assert wire_backend.commands.names == ["update", "find", "update"]
+    assert wire_backend.commands.names == ["update", "findAndModify", "update"]
     wire_backend.commands.clear()
     await saver.aput_writes(mine, [("note", "Ada's again")], "task-2")
     assert wire_backend.commands.names == ["update"]  # the document names her now
@@ -1058,11 +1058,11 @@ async def test_a_graph_of_an_erased_user_cannot_write_into_the_thread_another_us
         if t.checkpoint["id"] != later["id"]
     ]
     before = await _counts(backend.db)
-    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+    with pytest.raises(NotFound, match="was not found"):
         await adas_graph.aput(ada, empty_checkpoint(), {"source": "input", "step": 2}, {})
-    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+    with pytest.raises(NotFound, match="was not found"):
         await adas_graph.aput(first, later, {"source": "loop", "step": 1}, {})
-    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+    with pytest.raises(NotFound, match="was not found"):
         await adas_graph.aput_writes(first, [("note", "Ada's")], "task-1")
     assert await _counts(backend.db) == before
     assert await AgentStoreSaver(backend.db).aget_tuple(mallory) == mallorys
@@ -1115,9 +1115,9 @@ async def test_time_travel_of_a_deleted_conversations_graph_never_writes_into_th
     graces = (await adas_graph.aget_state(grace)).values
     transcript = await store.transcript(thread_id, user_id="user-grace")
 
-    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+    with pytest.raises(NotFound, match="was not found"):
         await adas_graph.aupdate_state(kept, _said("written by Ada's process"))
-    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+    with pytest.raises(NotFound, match="was not found"):
         await adas_graph.ainvoke(_said("a run from Ada's process"), kept)
     assert (await adas_graph.aget_state(grace)).values == graces
     assert await store.transcript(thread_id, user_id="user-grace") == transcript
@@ -1343,7 +1343,7 @@ async def test_an_old_ids_pending_writes_after_a_claim_never_reach_the_new_owner
     await ConversationStore(backend.db).claim("user-guest", "user-ada")
 
     running = {"configurable": saved["configurable"] | {"user_id": "user-guest"}}
-    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+    with pytest.raises(NotFound, match="was not found"):
         await guests.aput_writes(running, [("note", "written by the old id's graph")], "task-1")
     adas = await AgentStoreSaver(backend.db).aget_tuple(thread("user-ada", thread_id))
     assert adas is not None

@@ -12,7 +12,6 @@ import pytest
 
 from agent_store import (
     AgentMessageLogger,
-    Conflict,
     ConversationStore,
     InvalidInput,
     LoggedTurn,
@@ -384,7 +383,7 @@ async def test_a_turn_that_only_resolves_a_prompt_naming_another_user_changes_no
         pending=await store.pending_calls("c-owned"),
     )
 
-    with pytest.raises(Conflict, match="belongs to another user"):
+    with pytest.raises(NotFound, match="conversation 'c-owned' was not found"):
         await log_streamed_turn(
             logger=logger, store=store, conversation_id="c-owned", turn=approve, turn_id="t2",
             user_id="user-mallory",
