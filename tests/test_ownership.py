@@ -624,3 +624,97 @@ async def test_with_dual_write_on_a_users_reads_and_delete_beside_a_live_convers
             assert answers[route, "conv-alone"][0] == 200, route
         left = {c["_id"] for c in await api.db[LEGACY_TURNS].find().to_list(None)}
         assert left == copies
+
+
+# A runtime acting for a user (an integration given `user_id`) writes as that user's token.
+
+ENTRIES = ("agents-session", "langchain-history", "pydantic-ai-run", "langgraph-saver", "stream")
+UNSTANDING = {"another-deleting": "deleting_since", "another-forking": "fork_check",
+              "another-migrating": "migrating"}  # fmt: skip
+"""Another user's conversation that is no conversation here: marked by a delete, a fork not
+made yet, being migrated. Over HTTP each is a 404 to OWNER's token, as a missing one."""
+
+
+async def seed_unstanding(api: Served) -> None:
+    for state, field in UNSTANDING.items():
+        target = conversation_id(state)
+        await api.store.logger.log_messages(target, hitl_turn("req"), user_id=OTHER, turn_id="t-1")
+        mark = utc_now() if field == "deleting_since" else {"since": utc_now()}
+        await api.db[CONVERSATIONS].update_one({"_id": target}, {"$set": {field: mark}})
+
+
+async def write_for_owner(api: Served, entry: str, target: str) -> None:
+    """One turn written by `entry` acting for OWNER, on the service's legacy-aware logger and
+    store (MIGRATION.md, Transition flags)."""
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from pydantic_ai import messages as pai
+
+    from agent_store.integrations.langchain import ConversationChatHistory
+    from agent_store.integrations.langgraph import AgentStoreSaver
+    from agent_store.integrations.openai_agents import ConversationSession
+    from agent_store.integrations.pydantic_ai import log_run
+    from agent_store.integrations.streams import log_streamed_turn, turn_from_metadata
+
+    wired = {"logger": api.store.logger, "store": api.store.conversations}
+    if entry == "agents-session":
+        session = ConversationSession(target, api.db, user_id=OWNER, **wired)
+        await session.add_items([{"role": "user", "content": "hi"}])
+    elif entry == "langchain-history":
+        history = ConversationChatHistory(target, api.db, user_id=OWNER, **wired)
+        await history.aadd_messages([HumanMessage("hi")])
+    elif entry == "pydantic-ai-run":
+        run = [pai.ModelRequest(parts=[pai.UserPromptPart("hi")])]
+        await log_run(api.store.logger, target, run, turn_id="t-matrix", user_id=OWNER)
+    elif entry == "langgraph-saver":
+        builder = StateGraph(MessagesState)
+        builder.add_node("agent", lambda state: {"messages": [AIMessage("ok")]})
+        builder.add_edge(START, "agent")
+        builder.add_edge("agent", END)
+        graph = builder.compile(checkpointer=AgentStoreSaver(api.db, **wired))
+        config = {"configurable": {"thread_id": target, "user_id": OWNER}}
+        await graph.ainvoke({"messages": [HumanMessage("hi")]}, config)  # type: ignore[arg-type]
+    else:
+        turn = turn_from_metadata([{"type": "stream_token", "token": "ok"}], complete=True)
+        await log_streamed_turn(
+            **wired, conversation_id=target, turn=turn, turn_id="t-matrix", prompt="hi",
+            user_id=OWNER,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("state", [*STATES, *SPELLED, *UNSTANDING])
+@pytest.mark.parametrize("entry", ENTRIES)
+async def test_a_runtime_acting_for_a_user_writes_as_that_users_token_does(
+    entry: str, state: str
+) -> None:
+    """Its own conversation or a new id: written. A service's unowned one, another user's in
+    any state, another user's legacy turns: NotFound with the HTTP 404's very text (no state
+    told), nothing written. Its own legacy turns: the HTTP 409's Conflict."""
+    from agent_store import Conflict, NotFound
+
+    target = conversation_id(state)
+    turn = {"turn_id": "t-matrix", "messages": [{"role": "user", "content": "hi"}]}
+    async with serve(mongomock_db(), seeded=False) as told:
+        await told.store.logger.ensure_indexes()
+        await seed_states(told)
+        await seed_unstanding(told)
+        url = f"/v1/conversations/{target}/turns"
+        token = await told.http.post(url, json=turn, headers=auth_headers(user=OWNER))
+    async with serve(mongomock_db(), seeded=False) as api:
+        await api.store.logger.ensure_indexes()
+        await seed_states(api)
+        await seed_unstanding(api)
+        everything = await digests(api.db)
+
+        if token.status_code == 201:
+            await write_for_owner(api, entry, target)
+            owner = await api.db[CONVERSATIONS].find_one({"_id": target})
+            assert owner is not None
+            assert owner["user_id"] == OWNER
+            return
+        refusal = NotFound if token.status_code == 404 else Conflict
+        with pytest.raises(refusal) as refused:
+            await write_for_owner(api, entry, target)
+
+        assert str(refused.value) == token.json()["error"]["message"]
+        assert await digests(api.db) == everything, "a refused write changed data"
