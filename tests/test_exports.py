@@ -761,3 +761,33 @@ def test_a_tool_result_replays_its_text_or_what_its_error_says(
     check_chat_completions(exported)
     assert exported[2] == {"role": "tool", "tool_call_id": "a", "content": replayed}
     assert responses_items(stored, dangling="drop")[-1]["output"] == replayed
+
+
+@pytest.mark.parametrize("change", ["pop", "delete"])
+async def test_a_full_export_never_serves_a_text_cut_whose_whole_text_went_after_its_lookup(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """With `full`, cut fields come whole: a conversation popped (or deleted) between the
+    export's lookup and its read of the whole texts is read again as it stands then, never
+    served with the popped message's text still cut."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(max_message_bytes=4096))
+    for n in range(2):
+        turn = [{"role": "user", "content": f"q{n}"}, {"role": "assistant", "content": "z" * 9000}]
+        await logger.log_messages("c-1", turn, user_id="carol", turn_id=f"t{n}")
+    store, other = ConversationStore(backend.db), ConversationStore(backend.db)
+    looked_up, changed = store._as_it_stands, []
+
+    async def then_changed(*args: Any) -> Any:
+        found = await looked_up(*args)
+        if not changed and change == "pop":
+            changed.append(await other.pop_last_message("c-1", user_id="carol"))
+        elif not changed:
+            changed.append(await other.delete("c-1", user_id="carol"))
+        return found
+
+    monkeypatch.setattr(store, "_as_it_stands", then_changed)
+    exports = [e async for e in store.export_user("carol", full=True)]
+
+    assert changed
+    served = [m.content for e in exports for m in e.messages]
+    assert served == (["q0", "z" * 9000, "q1"] if change == "pop" else [])

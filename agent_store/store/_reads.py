@@ -42,6 +42,7 @@ from agent_store.core import (
     PendingHitl,
     PoppedMessage,
     StorageUnavailable,
+    Truncation,
     VersionMismatch,
     awaiting_results,
     calls_answered,
@@ -2415,8 +2416,11 @@ class ConversationStore:
                 ):
                     last = len(first) < min(STREAM_FIRST_BATCH, STREAM_BATCH)
                     writing = await self._unstored_turn(summary, first, gaps, last=last)
+                    settled = read == EXPORT_READS - 1
                     if writing is None:
-                        return await self._exported(summary, first, batches, full)
+                        exported = await self._exported(summary, first, batches, full, settled)
+                        if exported is not None:
+                            return exported
             except NotFound:
                 now = None
             except BaseException:
@@ -2444,15 +2448,26 @@ class ConversationStore:
         first: list[AgentMessage],
         batches: AsyncGenerator[list[AgentMessage], None],
         full: bool,
-    ) -> ExportStream:
+        settled: bool = True,
+    ) -> ExportStream | None:
         """The conversation paired with its first batch, and the stream of its other batches,
         as `stream_transcript(full=full)` serves them: with `full`, each batch in parts, its
-        cut fields whole (`_served`)."""
+        cut fields whole (`_served`). None, `batches` closed, when a field of the first part
+        stays cut, its whole text gone since the batch was read (a pop or a delete since the
+        lookup): the caller reads the conversation again, unless `settled` (its last read)."""
         if not full:
             return ExportStream(conversation=summary, first=first, rest=batches)
         parts = self._served(first, full)
-        return ExportStream(conversation=summary, first=await anext(parts),
-                            rest=self._whole_rest(parts, batches))  # fmt: skip
+        try:
+            head = await anext(parts)
+        except BaseException:
+            await parts.aclose()
+            raise
+        if not settled and _kept_whole_but_cut(head):
+            await parts.aclose()
+            await batches.aclose()
+            return None
+        return ExportStream(conversation=summary, first=head, rest=self._whole_rest(parts, batches))
 
     async def _whole_rest(
         self,
@@ -2867,6 +2882,16 @@ def _its_messages(
     if found is None or (found.get(MIGRATING) is not None and not being_migrated):
         return None  # one the migration is still writing is read from its legacy turns
     return of_epoch(docs, found.get("epoch"))
+
+
+def _kept_whole_but_cut(messages: Sequence[AgentMessage]) -> bool:
+    """Whether a field of `messages`, served with its whole text, stays cut: its whole text
+    (a file, `Truncation.blob_id`) was kept, and is gone since the message was read."""
+    return any(
+        isinstance(entry, Truncation) and entry.blob_id is not None
+        for message in messages
+        for entry in (message.truncated or {}).values()
+    )
 
 
 def _of_life(found: Mapping[str, Any]) -> dict[str, Any]:
