@@ -41,7 +41,17 @@ second one (another worker of `uvicorn --workers`, gunicorn's) is refused."""
 
 
 class DataDirectoryInUse(RuntimeError):
-    """Another embedded server runs on the data directory: it belongs to one process."""
+    """Another process runs the embedded server on the data directory: it belongs to one."""
+
+    def __init__(self, data_dir: Path, holder: str) -> None:
+        super().__init__(
+            f"{data_dir}/ (AGENT_STORE_DATA_DIR) is held by process {holder}, another "
+            "process running its embedded server (a running service, a migration, a second "
+            "`make run`): stop it or let it end, or give this one another "
+            "AGENT_STORE_DATA_DIR, or a MongoDB server in MONGODB_URI (which several worker "
+            "processes, uvicorn or gunicorn --workers, need)"
+        )
+        self.holder = holder
 
 
 @contextmanager
@@ -57,13 +67,7 @@ def _data_directory_held(data_dir: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.seek(0)
-            holder = lock.read().strip() or "unknown"
-            raise DataDirectoryInUse(
-                f"the embedded server's data directory (AGENT_STORE_DATA_DIR) is in use by "
-                f"the embedded server of process {holder}: it belongs to the process that "
-                "started it, so several worker processes (uvicorn or gunicorn --workers) "
-                "need MONGODB_URI; set it, or run one worker"
-            ) from None
+            raise DataDirectoryInUse(data_dir, lock.read().strip() or "unknown") from None
         lock.truncate(0)
         lock.write(str(os.getpid()))
         lock.flush()
@@ -73,21 +77,39 @@ def _data_directory_held(data_dir: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _held_by_a_server(data_dir: Path, pid: int) -> bool:
+    """Whether an embedded server runs on `data_dir`: its lock is held (taken here, without
+    waiting, and released at once, when nobody holds it). Where there is no `flock`
+    (Windows), whether the process `pid` that published its URI is alive."""
+    if sys.platform == "win32":
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # alive, under another user
+        return True
+    try:
+        with (data_dir / LOCK_FILE).open("a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def published_uri(data_dir: Path) -> str | None:
     """The URI a running embedded server published in `data_dir`; None when there is none or
-    the process that published it is gone."""
+    it is stale: nobody holds the data directory's lock (a server stopped by a signal leaves
+    its file behind, and its process id may be another process's by now)."""
     try:
         published = json.loads((data_dir / URI_FILE).read_text())
         uri, pid = str(published["uri"]), int(published["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass  # alive, under another user
-    return uri
+    return uri if _held_by_a_server(data_dir, pid) else None
 
 
 def _publish(data_dir: Path, uri: str) -> None:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import signal
 import sys
 from contextlib import AsyncExitStack
 
 import uvicorn
 
-from agent_store.embedded import URI_FILE, embedded_mongodb
+from agent_store.embedded import URI_FILE, DataDirectoryInUse, embedded_mongodb
 from agent_store.store import redact_uri
 from app.api import create_app
 from app.examples import EXAMPLE_USER_ID
@@ -67,8 +68,28 @@ def start_banner(
     return lines
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised where the service is: the embedded server closes (its published URI
+    withdrawn) before the process ends by the signal."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 async def serve(settings: Settings, *, dev_token: str | None) -> None:
-    """One process: start the embedded server when no URI is set, print where, serve."""
+    """One process: start the embedded server when no URI is set, print where, serve.
+
+    uvicorn shuts down on SIGTERM, then raises it again with the handler it found: this
+    one, so the embedded server is closed on the way out (`main` ends by the signal)."""
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        await _serve(settings, dev_token=dev_token)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+async def _serve(settings: Settings, *, dev_token: str | None) -> None:
     async with AsyncExitStack() as stack:
         embedded_uri = None
         if settings.mongodb_uri is None:
@@ -101,6 +122,12 @@ def main() -> None:
             asyncio.run(serve(settings, dev_token=dev_token))
     except ConfigurationError as exc:
         print(f"invalid configuration: {exc}", file=sys.stderr)
+        sys.exit(CONFIGURATION_REFUSED)
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+    except DataDirectoryInUse as exc:  # another process runs the embedded server on it
+        print(f"invalid configuration: data_dir: {exc}", file=sys.stderr)
         sys.exit(CONFIGURATION_REFUSED)
 
 

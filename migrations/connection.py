@@ -4,14 +4,17 @@ In order: `--uri`; `MONGODB_URI` or `AGENT_STORE_MONGODB_URI` (read as the servi
 them, `migrations.settings`: in any case, an empty one refused); the embedded server a
 running service (`make run`) publishes in its data directory (`--data-dir`, else
 `AGENT_STORE_DATA_DIR`, default `data/`); else the embedded database of that directory
-opened here, for as long as the command runs. So `make migrate` after `make run` works on
-the same data whether the service is still running or not.
+opened here, for as long as the command runs (when another process holds that directory,
+a service starting, the migration waits a few seconds for its URI, else it is misuse). So
+`make migrate` after `make run` works on the same data whether the service is still running
+or not.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -21,7 +24,13 @@ from bson.codec_options import DatetimeConversion
 from pymongo import MongoClient
 from pymongo.errors import ConfigurationError, PyMongoError
 
-from agent_store.embedded import DATABASE_FILE, URI_FILE, ServerThread, published_uri
+from agent_store.embedded import (
+    DATABASE_FILE,
+    URI_FILE,
+    DataDirectoryInUse,
+    ServerThread,
+    published_uri,
+)
 from agent_store.store import DatabaseSettings, redact_uri
 from migrations.errors import Misuse, Unreachable
 from migrations.settings import service_environment
@@ -30,17 +39,40 @@ MAX_TIMEOUT = 1_000_000
 """Seconds: PyMongo takes a server selection timeout below a billion milliseconds."""
 
 
+HOLDER_WAIT_SECONDS = 5.0
+"""How long a migration waits, when another process holds the data directory, for that
+process to publish its embedded server's URI (a service starting) or to let it go."""
+
+
 def _embedded(data_dir: Path, stack: ExitStack) -> tuple[str, str]:
-    uri = published_uri(data_dir)
-    if uri is not None:
-        return uri, f"the embedded server at {uri} (published in {data_dir / URI_FILE})"
-    if not (data_dir / DATABASE_FILE).exists():
-        raise Misuse(
-            "no database given: pass --uri or set MONGODB_URI (or run `make run` first, "
-            f"for the embedded database in {data_dir}/)"
-        )
+    deadline = time.monotonic() + HOLDER_WAIT_SECONDS
+    while True:
+        uri = published_uri(data_dir)
+        if uri is not None:
+            return uri, f"the embedded server at {uri} (published in {data_dir / URI_FILE})"
+        if not (data_dir / DATABASE_FILE).exists():
+            raise Misuse(
+                "no database given: pass --uri or set MONGODB_URI (or run `make run` first, "
+                f"for the embedded database in {data_dir}/)"
+            )
+        try:
+            return _opened_here(data_dir, stack)
+        except DataDirectoryInUse as held:
+            if time.monotonic() >= deadline:
+                raise Misuse(
+                    f"the embedded database: {held}; it published no server URI to use "
+                    f"within {HOLDER_WAIT_SECONDS:g}s"
+                ) from None
+        time.sleep(0.2)
+
+
+def _opened_here(data_dir: Path, stack: ExitStack) -> tuple[str, str]:
     server = ServerThread(data_dir)
-    uri = server.start()
+    try:
+        uri = server.start()
+    except BaseException:
+        server.stop()
+        raise
     stack.callback(server.stop)
     return uri, f"the embedded database in {data_dir}/ (opened here, at {uri})"
 

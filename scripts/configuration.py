@@ -76,8 +76,9 @@ empty list of JWT algorithms, an empty JWT issuer or audience, a JWT issuer with
 the key its algorithms verify with, a service token that is not visible ASCII, a
 message bound under 4096 bytes or over 16711680 (MongoDB refuses documents over 16
 MiB), a trusted proxy that is no address or network, a runtime context marker that is
-empty or white space alone, or set without the other, a data directory the embedded
-server cannot create) stop it before it serves, as
+empty or white space alone, or set to a value of its own without the other, a data
+directory the embedded server cannot create or another process holds) stop it before
+it serves, as
 `invalid configuration: <setting>: <why>`, never repeating a refused value (exit
 status 2 for `python -m app`; see docs/SECURITY.md). What only the network tells
 (a port in use, a host that does not resolve, a database that does not answer)

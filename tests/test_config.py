@@ -712,6 +712,24 @@ def test_a_runtime_context_marker_set_without_the_other_is_refused_naming_both(
     assert value not in said
 
 
+@pytest.mark.parametrize(
+    "environment",
+    [
+        {"AGENT_STORE_RUNTIME_CONTEXT_START": "[RUNTIME CONTEXT]"},
+        {"AGENT_STORE_RUNTIME_CONTEXT_END": "[/RUNTIME CONTEXT]"},
+    ],
+)
+def test_a_runtime_context_marker_set_alone_to_its_default_is_accepted(
+    monkeypatch: pytest.MonkeyPatch, environment: dict[str, str]
+) -> None:
+    """A values file spelling out a default: the markers are the defaults, the end comes."""
+    for variable, value in environment.items():
+        monkeypatch.setenv(variable, value)
+    settings, _ = settings_from_environment()
+    markers = settings.turn_rules().markers
+    assert (markers.start, markers.end) == ("[RUNTIME CONTEXT]", "[/RUNTIME CONTEXT]")
+
+
 def test_runtime_context_markers_set_together_are_accepted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

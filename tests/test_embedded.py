@@ -289,3 +289,17 @@ async def test_the_service_refuses_a_data_dir_whose_embedded_server_another_proc
                 pass
     finally:
         held.stop()
+
+
+def test_a_published_uri_is_stale_once_nobody_holds_the_data_directory(tmp_path: Path) -> None:
+    """A server stopped by SIGTERM leaves its URI file behind, and its process id may be
+    another live process's by now: the lock, not the process id, tells it runs."""
+    server = embedded.ServerThread(tmp_path)
+    uri = server.start()
+    left_behind = (tmp_path / embedded.URI_FILE).read_text()
+    assert embedded.published_uri(tmp_path) == uri
+    server.stop()
+    (tmp_path / embedded.URI_FILE).write_text(left_behind.replace(str(os.getpid()), "1"))
+    assert embedded.published_uri(tmp_path) is None
+    (tmp_path / embedded.URI_FILE).write_text(left_behind)  # this live process's id
+    assert embedded.published_uri(tmp_path) is None

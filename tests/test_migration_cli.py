@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -453,6 +454,61 @@ def test_no_uri_and_no_embedded_database_is_misuse(
     monkeypatch.setenv("AGENT_STORE_DATA_DIR", str(tmp_path))
     assert main(["status"]) == 2
     assert "pass --uri or set MONGODB_URI (or run `make run` first" in capsys.readouterr().err
+
+
+@contextmanager
+def _data_dir_held(data_dir: Path, holder: str = "4242") -> Iterator[None]:
+    """`data_dir` held as an embedded server holds it (a service starting, another run)."""
+    import fcntl
+
+    (data_dir / embedded.DATABASE_FILE).touch()
+    with (data_dir / embedded.LOCK_FILE).open("a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.write(holder)
+        lock.flush()
+        yield
+
+
+@pytest.mark.wire
+def test_a_data_dir_another_process_holds_without_a_published_uri_is_misuse_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not a traceback with exit 1 ("verify found differences"): exit 2, naming the holder
+    and what to do, whoever it is (a service, a migration, a second `make run`)."""
+    monkeypatch.delenv("MONGODB_URI", raising=False)
+    monkeypatch.setenv("AGENT_STORE_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(connection, "HOLDER_WAIT_SECONDS", 0.5)
+    with _data_dir_held(tmp_path):
+        assert main(["status"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith("error: "), said
+    assert said.count("\n") == 1, said
+    assert "process 4242" in said
+    assert "a migration" in said
+    assert "AGENT_STORE_DATA_DIR" in said
+
+
+@pytest.mark.wire
+def test_a_migration_waits_for_a_starting_service_to_publish_its_uri(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The service holds the data directory before it publishes its server's URI."""
+    monkeypatch.delenv("MONGODB_URI", raising=False)
+    monkeypatch.setenv("AGENT_STORE_DATA_DIR", str(tmp_path))
+    server = embedded.ServerThread()
+    uri = server.start()
+    publish = threading.Timer(
+        0.5,
+        lambda: embedded._publish(tmp_path, uri),  # as the service does
+    )
+    try:
+        with _data_dir_held(tmp_path):
+            publish.start()
+            assert main(["status", "--timeout", "5"]) == 0
+    finally:
+        publish.join()
+        server.stop()
+    assert f"the embedded server at {uri}" in capsys.readouterr().out
 
 
 @pytest.mark.wire

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -14,11 +15,13 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pymongo import MongoClient
 
+from agent_store import embedded
 from app.demo import demo_conversations, load_demo
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID
 from app.service import Store
@@ -170,3 +173,50 @@ def test_python_m_app_runs_on_uvloop_when_it_is_installed(
     entry.main()
 
     assert [module.split(".")[0] for module in served_on] == [loop]
+
+
+@pytest.mark.wire
+def test_the_service_on_a_data_dir_another_process_holds_is_refused_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """As settings' refusals are (exit 2), never a traceback: a second `make run`, or one
+    beside a migration that opened the embedded database itself."""
+    import fcntl
+
+    with (tmp_path / embedded.LOCK_FILE).open("a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.write("4242")
+        lock.flush()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_STORE_", "MONGODB"))}
+        env |= {"AGENT_STORE_DATA_DIR": str(tmp_path), "AGENT_STORE_PORT": str(_free_port())}
+        finished = subprocess.run(
+            [sys.executable, "-m", "app"], env=env, capture_output=True, text=True, timeout=60
+        )
+    assert finished.returncode == 2, finished.stderr
+    assert finished.stderr.startswith("invalid configuration: data_dir: "), finished.stderr
+    assert finished.stderr.count("\n") == 1, finished.stderr
+    assert "process 4242" in finished.stderr
+
+
+@pytest.mark.wire
+def test_the_service_stopped_by_sigterm_withdraws_its_published_uri(tmp_path: Path) -> None:
+    """`docker stop`, `systemctl stop`: the embedded server closes and its URI file goes, and
+    the process still ends by the signal, as uvicorn ends it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_STORE_", "MONGODB"))}
+    env |= {"AGENT_STORE_DATA_DIR": str(tmp_path), "AGENT_STORE_PORT": str(_free_port())}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    try:
+        for line in process.stdout:
+            if "Viewer:" in line:
+                break
+        assert (tmp_path / embedded.URI_FILE).exists()
+        time.sleep(1)  # uvicorn serving
+        process.terminate()
+        assert process.wait(30) == -signal.SIGTERM
+    finally:
+        process.kill()
+        process.stdout.close()
+    assert not (tmp_path / embedded.URI_FILE).exists()

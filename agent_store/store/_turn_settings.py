@@ -43,11 +43,12 @@ class TurnSettings(BaseModel):
     """Where runtime context injected into a user message starts: what the markers enclose
     is removed from the stored message, so it is left out of names, previews and search. One
     empty or of white space alone stops the start (it would cut every user message), as
-    does setting one marker without the other: a start marker whose end never comes hides
-    the rest of the text."""
+    does setting one marker to a value of its own without the other: a start marker whose
+    end never comes hides the rest of the text (one set alone to its default is accepted)."""
     runtime_context_end: str = "[/RUNTIME CONTEXT]"
     """Where that runtime context ends (empty or white space alone stops the start, as does
-    the start marker's text, one holding the other, or one set without the other)."""
+    the start marker's text, one holding the other, or one set to a value of its own without
+    the other)."""
     name_chars: int = Field(default=60, ge=2, le=MAX_NAME_CHARS)
     """The longest automatic conversation name, ellipsis included (a name holds at most 200)."""
 
@@ -70,10 +71,12 @@ class TurnSettings(BaseModel):
     def _markers_set_together(self) -> TurnSettings:
         # One custom marker beside the other's default is a slip no runtime makes: its end
         # never comes (the block hides the rest of every user message), or its start never.
+        # A marker set alone to its default value leaves the defaults' pair: it is accepted.
         given = {"runtime_context_start", "runtime_context_end"} & self.model_fields_set
-        if len(given) == 1:
+        custom = {name for name in given if getattr(self, name) != _default(name)}
+        if len(given) == 1 and custom:
             raise ValueError(
-                f"runtime_context_start and runtime_context_end: only {given.pop()} is set; "
+                f"runtime_context_start and runtime_context_end: only {custom.pop()} is set; "
                 "set AGENT_STORE_RUNTIME_CONTEXT_START and AGENT_STORE_RUNTIME_CONTEXT_END "
                 "together (the markers your runtime wraps its context in), or neither"
             )
@@ -86,3 +89,8 @@ class TurnSettings(BaseModel):
             max_message_bytes=self.max_message_bytes,
             name_chars=self.name_chars,
         )
+
+
+def _default(field: str) -> object:
+    """A setting's default value."""
+    return TurnSettings.model_fields[field].default
