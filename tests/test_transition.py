@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
@@ -17,6 +18,8 @@ from agent_store import (
     LegacyTurns,
     NotFound,
     SteeringInbox,
+    StorageFailure,
+    TurnRules,
     VersionMismatch,
 )
 from agent_store.core import AgentMessage, utc_now
@@ -30,7 +33,13 @@ from agent_store.legacy import (
     parse_turns,
     with_session_prompts,
 )
-from agent_store.store import CONVERSATIONS, MESSAGES, is_derived_id
+from agent_store.store import (
+    CONVERSATIONS,
+    MAX_MESSAGE_BYTES,
+    MESSAGES,
+    TRUNCATION_MARK,
+    is_derived_id,
+)
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_legacy_turns
 from migrations.lease import STATE, STATE_ID
 from migrations.transcript import differences, from_legacy, from_messages
@@ -2020,3 +2029,87 @@ async def test_a_rename_naming_another_version_of_an_unmigrated_conversation_is_
         await store.rename(EXAMPLE_CONVERSATION_ID, "New name", version="0" * 32,
                            user_id="someone-else")  # fmt: skip
     assert (await store.get_conversation(EXAMPLE_CONVERSATION_ID)).name != "New name"
+
+
+def _big_turn(where: str, size: int) -> list[dict[str, Any]]:
+    """A turn whose messages each fit their bound but whose legacy copy holds `size` bytes of
+    a call's arguments (held twice: its part and `tool_calls`) or of three tool results."""
+    if where == "arguments":
+        arguments = '{"a": "' + "y" * size + '"}'
+        call = {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "save", "arguments": arguments},
+        }
+        return [{"role": "user", "content": "save"},
+                {"role": "assistant", "content": None, "tool_calls": [call]}]  # fmt: skip
+    turn: list[dict[str, Any]] = [{"role": "user", "content": "read"}]
+    for i in range(3):
+        call = {"id": f"c{i}", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+        turn.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        turn.append({"role": "tool", "tool_call_id": f"c{i}", "content": "z" * (size // 2)})
+    return turn
+
+
+@pytest.mark.parametrize("where", ["arguments", "results"])
+async def test_the_legacy_copy_of_a_stored_turn_is_cut_further_until_it_fits_a_document(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Cut documents past the limit are cut further, marked as the store marks cuts: the copy
+    is written, the turn is never refused once stored, and a retry is a replay."""
+    from agent_store.legacy import _source
+
+    monkeypatch.setattr(_source, "MAX_LEGACY_DOCUMENT_BYTES", 30_000)
+    logger = AgentMessageLogger(backend.db, observers=[LegacyTurns(backend.db, dual_write=True)])
+    turn = _big_turn(where, 20_000)
+
+    first = await logger.log_messages("conv-big", turn, turn_id="t")
+    again = await logger.log_messages("conv-big", turn, turn_id="t")
+
+    (document,) = await backend.db[LEGACY_TURNS].find().to_list(None)
+    assert len(bson.encode(document)) <= 30_000
+    assert again.replayed
+    assert not first.replayed
+    parts = document["response_parts"]
+    if where == "arguments":
+        calls = [p["args"] for p in parts if p["type"] == "tool_call"]
+        cut = [json.loads(args)["truncated_arguments"] for args in calls]
+    else:
+        cut = [p["result"] for p in parts if p["type"] == "tool_result"]
+    assert cut
+    assert all(text.endswith(TRUNCATION_MARK) for text in cut)
+    assert convert([document]).problems[0].kind == "dual_write_not_exact"
+
+
+async def test_a_turn_at_the_ceiling_bound_has_a_legacy_copy_within_16_mib() -> None:
+    """One call of 9 MB of arguments, held twice, on mongomock only (a real 16 MiB scale)."""
+    from mongomock_motor import AsyncMongoMockClient
+
+    db = AsyncMongoMockClient(tz_aware=True)["ceiling"]
+    rules = TurnRules(max_message_bytes=MAX_MESSAGE_BYTES)
+    logger = AgentMessageLogger(db, rules=rules, observers=[LegacyTurns(db, dual_write=True)])
+
+    await logger.log_messages("conv-1", _big_turn("arguments", 9_000_000), turn_id="t1")
+
+    (document,) = await db[LEGACY_TURNS].find().to_list(None)
+    assert len(bson.encode(document)) <= 16 * 1024 * 1024
+    assert await db[MESSAGES].count_documents({"conversation_id": "conv-1"}) == 2
+
+
+async def test_a_legacy_copy_refused_as_too_large_is_no_invalid_input_for_the_stored_turn(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn is stored before its copy is written: a refused copy is the store's failure."""
+    from pymongo.errors import DocumentTooLarge
+
+    legacy = LegacyTurns(backend.db, dual_write=True)
+
+    async def refused(*_: Any, **__: Any) -> None:
+        raise DocumentTooLarge("BSON document too large")
+
+    monkeypatch.setattr(legacy._turns, "replace_one", refused)
+    logger = AgentMessageLogger(backend.db, observers=[legacy])
+
+    with pytest.raises(StorageFailure, match="the turn itself is stored"):
+        await logger.log_messages("conv-refused", [{"role": "user", "content": "hi"}], turn_id="t")
+    assert await backend.db[MESSAGES].count_documents({"conversation_id": "conv-refused"}) == 1

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+import bson
 from bson import Int64
 
 from agent_store.core import MAX_SAFE_INTEGER, AgentMessage, Truncation, Usage
 from agent_store.legacy._documents import EXACT_FIELD, WHOLE_TEXTS_FIELD, dumps, encodes
-from agent_store.store import kept_blob_ids
+from agent_store.store import bound_message, kept_blob_ids
 
 
 def legacy_turn_id(conversation_id: str, turn_id: str) -> str:
@@ -213,6 +214,28 @@ def legacy_turn_document(
     return document | _recorded(messages)
 
 
+def _fitted(
+    messages: Sequence[AgentMessage],
+    document: dict[str, Any],
+    write: Callable[[Sequence[AgentMessage]], dict[str, Any]],
+    max_bytes: int | None,
+) -> dict[str, Any]:
+    """The legacy document of `messages` (`document`, `write` makes it) within `max_bytes` of
+    BSON: when over, made of the messages cut further (`bound_message`, marked as the store
+    marks its cuts: arguments stay JSON) to half the bound each time until it fits, still
+    recording what the messages say whole (`_recorded`), so the copy converts to other
+    messages (`dual_write_not_exact`) and is written: a stored turn is never refused for it."""
+    if max_bytes is None or len(bson.encode(document)) <= max_bytes:
+        return document
+    recorded = _recorded(messages)
+    each = max_bytes // (2 * len(messages))  # a call's arguments are held twice
+    while True:
+        document = write([bound_message(m, each) for m in messages]) | recorded
+        if len(bson.encode(document)) <= max_bytes or each == 0:
+            return document
+        each //= 2
+
+
 def _recorded(messages: Sequence[AgentMessage]) -> dict[str, Any]:
     """What a legacy turn records of its messages beside its parts: the digest of what they
     say (`exact_digest`), the GridFS files keeping whole the texts it holds cut, and their
@@ -239,6 +262,7 @@ def legacy_turn_documents(
     name: str | None,
     legacy_id: str | None = None,
     starts: Collection[int] = (),
+    max_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
     """A logged turn as legacy turn documents: one (`legacy_turn_document`) per run of its
     messages, cut at the `seq`s of `starts` (a fork's copies: where the turns of its original
@@ -246,24 +270,27 @@ def legacy_turn_documents(
     as the original's), each named apart by its first `seq`; and a run cut again before each
     user or system message but its first (`_pieces`): one legacy turn opens with one user's
     message, or is a system turn holding its system text alone, so each converts back to
-    its messages in order."""
+    its messages in order. With `max_bytes`, each document fits in that much BSON
+    (`_fitted`)."""
     cuts = [i for i, m in enumerate(messages) if i and m.seq in starts]
     documents: list[dict[str, Any]] = []
     for first, end in pairwise([0, *cuts, len(messages)]):
         run = messages[first:end]
         part = f"seq-{run[0].seq}" if first else ""
         for piece, suffix in _pieces(run, part):
-            documents.append(
-                legacy_turn_document(
+
+            def write(messages: Sequence[AgentMessage], suffix: str = suffix) -> dict[str, Any]:
+                return legacy_turn_document(
                     conversation_id,
                     turn_id,
-                    piece,
+                    messages,
                     user_id=user_id,
                     name=name,
                     part=suffix,
                     legacy_id=legacy_id,
                 )
-            )
+
+            documents.append(_fitted(piece, write(piece), write, max_bytes))
     return documents
 
 

@@ -10,7 +10,14 @@ from typing import Any
 
 import bson
 
-from agent_store.core import AgentMessage, Conversation, to_utc_millis, utc_now
+from agent_store.core import (
+    AgentMessage,
+    Conversation,
+    InvalidInput,
+    StorageFailure,
+    to_utc_millis,
+    utc_now,
+)
 from agent_store.legacy._convert import convert
 from agent_store.legacy._documents import (
     CONVERSATION_COUNTERS,
@@ -76,7 +83,8 @@ live conversation's copies (`live_copy`) apart."""
 
 MAX_LEGACY_DOCUMENT_BYTES = 16 * 1024 * 1024 - 64 * 1024
 """A dual-written turn holds its whole texts while it fits in a BSON document (16 MiB, less
-room for the server's own fields)."""
+room for the server's own fields); past it they stay cut, and are cut further until each
+document fits."""
 
 
 class LegacyTurns:
@@ -447,12 +455,16 @@ class LegacyTurns:
         bound is written whole (two more lookups, for such a turn only). Then the
         conversation is looked up (one more round trip): when it was deleted meanwhile, the
         turns just written go again, so a delete finishing before the dual write lands does
-        not bring it back.
+        not bring it back. Every document fits in `MAX_LEGACY_DOCUMENT_BYTES` (texts cut
+        further when the cut ones do not: `legacy_turn_documents`), so the copy is written; a
+        copy still refused is a StorageFailure, never InvalidInput: the turn is stored by now.
         """
         if not self.dual_write:
             return
 
-        def documents_of(messages: Sequence[AgentMessage]) -> list[dict[str, Any]]:
+        def documents_of(
+            messages: Sequence[AgentMessage], max_bytes: int | None = None
+        ) -> list[dict[str, Any]]:
             return legacy_turn_documents(
                 turn.conversation_id,
                 turn.turn_id,
@@ -461,17 +473,22 @@ class LegacyTurns:
                 name=conversation.name,
                 legacy_id=legacy_id_of(conversation.id, conversation.legacy_conversation_id),
                 starts=_copied_turn_starts(turn, conversation),
+                max_bytes=max_bytes,
             )
 
-        documents = documents_of(turn.messages)
+        documents = documents_of(turn.messages, MAX_LEGACY_DOCUMENT_BYTES)
         if any(m.truncated for m in turn.messages):
             whole = documents_of(await self._full_texts.restore(turn.messages))
             if all(len(bson.encode(d)) <= MAX_LEGACY_DOCUMENT_BYTES for d in whole):
                 documents = whole  # else the texts stay cut: the turn is never lost over it
-        with storage_errors("write the legacy turn (dual write)"):
-            for document in documents:
-                await self._turns.replace_one({"_id": document["_id"]}, document, upsert=True)
-            await self._unless_deleted(conversation, documents)
+        try:
+            with storage_errors("write the legacy turn (dual write)"):
+                for document in documents:
+                    await self._turns.replace_one({"_id": document["_id"]}, document, upsert=True)
+                await self._unless_deleted(conversation, documents)
+        except InvalidInput as exc:
+            # The turn is stored by now: a copy refused is no fault of the caller's input.
+            raise StorageFailure(f"{exc.message}; the turn itself is stored") from exc
 
     async def _unless_deleted(
         self, conversation: Conversation, written: Sequence[dict[str, Any]]
