@@ -142,8 +142,7 @@ class Appends:
         user_id: str | None,
         prefix: str,
     ) -> None:
-        """Append to `conversation_id` as `user_id` (that user's own or a new one, as the
-        user's token writes: `owner_only`); turn ids start with `prefix`."""
+        """Append to `conversation_id` as `user_id`; turn ids start with `prefix`."""
         self.logger = logger
         self.conversation_id = conversation_id
         self.user_id = user_id
@@ -242,7 +241,6 @@ class Appends:
                 user_id=self.user_id,
                 turn_id=turn_id,
                 answers_to=answers_to,
-                owner_only=self.user_id is not None,
             )
         except BaseException as exc:
             self._failed(by, run, refused=isinstance(exc, InvalidInput | Conflict))

@@ -601,11 +601,15 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         if owner.user_id is None:
             found = await self.logger.upsert_conversation(thread_id)
             return Admission(None, conversation_mark(found.created_at))
-        # As the user's token: theirs, or created theirs; else NotFound as over HTTP (another
-        # user's, a service's, or no conversation here), their own legacy turns a Conflict.
-        found = await self.logger.upsert_conversation(
-            thread_id, user_id=owner.user_id, owner_only=True
-        )
+        try:
+            found = await self.store.get_conversation(thread_id, fallback=False)
+        except NotFound:
+            found = await self.logger.upsert_conversation(thread_id, user_id=owner.user_id)
+        if found.user_id != owner.user_id:
+            raise NotFound(
+                f"conversation {thread_id!r} was not found for user {owner.user_id!r}: "
+                "a user writes only to its own threads"
+            )
         return Admission(owner.user_id, conversation_mark(found.created_at))
 
     async def _store(

@@ -1104,10 +1104,6 @@ async def log_run(
     `deferred_tool_results`: a resumed run cut off while the approved tools ran holds no
     response of its own, and its messages alone do not say which calls it resumed; given
     them, it closes those that returned nothing (`interrupted`), as Pydantic AI does.
-
-    With `user_id`, the run is logged as that user's token logs a turn (`owner_only`): into
-    their own conversation, or a new id created as theirs; any other (unowned, another
-    user's, another user's legacy turns) is NotFound, nothing stored.
     """
     resumed = _resumed_calls(deferred_tool_results)
     stored = messages_from_run(messages, markers=logger.rules.markers, resumed=resumed)
@@ -1118,7 +1114,6 @@ async def log_run(
         turn_id=turn_id,
         name=name,
         answers_to=await logger.calls_answered(conversation_id, stored, user_id=user_id),
-        owner_only=user_id is not None,
     )
 
 

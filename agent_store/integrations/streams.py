@@ -684,7 +684,7 @@ async def _refuse_another_owner(
         conversation = await store.get_conversation(conversation_id)
     except NotFound:
         return
-    refusal = Actor(user_id, as_user=True).refusal(conversation.id, conversation.user_id)
+    refusal = Actor(user_id).refusal(conversation.id, conversation.user_id)
     if refusal is not None:
         raise refusal
 
@@ -703,25 +703,24 @@ async def log_streamed_turn(
 
     Idempotent by `turn_id` like any turn. Hidden runtime context is stripped
     from the prompt by the logger's rules. Each prompt the stream answered is
-    resolved (`ConversationStore.resolve_hitl`), pending or not, while it holds a pending
-    call (an approval of an earlier turn's prompt whose call's result the stream carries
-    before the turn is logged: the result clears the prompt); one resolved before keeps its
-    first answer. A rejected turn writes nothing, its answers included: that approval is
-    recorded only once the turn passed the logger's checks (`AgentMessageLogger.check_turn`)
-    and its `user_id` may write to the conversation, and every answer is recorded for that
-    user only. With `user_id` the turn is logged as that user's token logs one
-    (`owner_only`): into their own conversation, or a new id created as theirs; any other
-    (unowned, another user's, their legacy turns) is NotFound, nothing written, its answers
-    included. A turn that only resolved prompts (an approval whose result comes later)
-    stores no message: the answer it gave is the prompt's resolution; naming another user
-    than the conversation's owner, it is NotFound, as any turn is. A refusal whose prompt a
-    person approved first (another tab: the turn was built from pending calls read before)
-    denies nothing: the store refuses the denial (`AnsweredBefore`), and the turn is logged
-    without it; a retry of the turn is answered as that logged turn. So does a refusal of a
-    call another turn answered first (the store checks the calls the turn answers are still
-    pending: `StreamedTurn.answered_calls`), while a result for such a call is refused
-    (`AnsweredBefore`), nothing written: a call's first answer is its answer, and the
-    runtime learns its tool ran although the call had one.
+    resolved (`ConversationStore.resolve_hitl`), pending or not, while it holds a
+    pending call (an approval of an earlier turn's prompt whose call's result the stream
+    carries before the turn is logged: the result clears the prompt); one resolved before
+    keeps its first answer. A rejected turn writes nothing, its answers included: that
+    approval is recorded only once the turn passed the logger's checks
+    (`AgentMessageLogger.check_turn`) and its `user_id` may write to the conversation, and
+    every answer is recorded for that user only (its conversation or an unowned one). A
+    turn that only
+    resolved prompts (an approval whose result comes later) stores no message: the
+    answer it gave is the prompt's resolution; naming another user than the
+    conversation's owner, it is a Conflict, as any turn is. A refusal whose prompt a
+    person approved first (another tab: the turn was built from pending calls read
+    before) denies nothing: the store refuses the denial (`AnsweredBefore`), and the turn
+    is logged without it; a retry of the turn is answered as that logged turn. So does a
+    refusal of a call another turn answered first (the store checks the calls the turn
+    answers are still pending: `StreamedTurn.answered_calls`), while a result for such a
+    call is refused (`AnsweredBefore`), nothing written: a call's first answer is its
+    answer, and the runtime learns its tool ran although the call had one.
     """
     messages = _turn_messages(prompt, turn)
     answered = await _approvals_answered(
@@ -835,7 +834,6 @@ async def _checked(
             turn_id=turn_id,
             refused_prompts=_calls_named(turn.refused_prompts, checked),
             answers_to=_calls_named(turn.answered_calls, checked),
-            owner_only=user_id is not None,
         )
 
     try:
@@ -868,8 +866,8 @@ def _approved_with_results(
 
 def _answering_for(user_id: str | None) -> dict[str, Any]:
     """The arguments of `ConversationStore.resolve_hitl` answering for the user a turn names:
-    in that user's own conversation only, where the turn may write (as their token)."""
-    return {"user_id": user_id}
+    in that user's conversation or an unowned one, where the turn may write."""
+    return {"user_id": user_id, "or_unowned": True}
 
 
 def _naming(calls: Sequence[tuple[str, str | None]] | None) -> dict[str, Any]:
@@ -901,7 +899,6 @@ async def _logged(
             turn_id=turn_id,
             refused_prompts=_calls_named(turn.refused_prompts, messages),
             answers_to=_calls_named(turn.answered_calls, messages),
-            owner_only=user_id is not None,
         )
     if user_id is not None:
         await _refuse_another_owner(store, conversation_id, user_id)

@@ -464,7 +464,6 @@ class AgentMessageLogger:
         name: str | None = None,
         create_only: bool = False,
         copy_of: str | None = None,
-        owner_only: bool = False,
     ) -> Conversation:
         """Create a conversation if it is missing; set its name when one is given.
 
@@ -478,12 +477,7 @@ class AgentMessageLogger:
         creates: a conversation already under the id (anyone's, in any state) is a Conflict,
         nothing written (one round trip, and the legacy lookup when wired to legacy turns);
         `copy_of` (create-only) records the version of the conversation it is created to copy
-        (`Conversation.copy_of`). `owner_only` says the caller is the user `user_id` itself
-        (a user token, or a runtime acting for that user): it creates a new id as theirs and
-        updates their own conversation; any other (unowned, another user's, another user's
-        legacy turns, or one that is no conversation here) is NotFound, nothing written,
-        as over HTTP. A service that means to assign an unowned conversation names the user
-        without it.
+        (`Conversation.copy_of`).
         """
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         if user_id is not None:
@@ -500,17 +494,14 @@ class AgentMessageLogger:
         update: dict[str, Any] = {"$setOnInsert": on_insert}
         if changed:
             update["$set"] = changed
-        if owner_only and user_id is None:
-            raise NotFound(f"conversation {conversation_id!r} was not found")
-        actor = Actor(user_id, as_user=owner_only)
         if create_only:
             fields = on_insert | changed | ({} if copy_of is None else {"copy_of": copy_of})
-            return await self._created_only(conversation_id, actor, fields)
+            return await self._created_only(conversation_id, Actor(user_id), fields)
         if user_id is not None:  # the user's already, the common case: one round trip
             owned = await self._upsert(conversation_id, Actor(user_id, True), update, create=False)
             if owned is not None:
                 return Conversation.model_validate(owned)
-        doc = await self._created_or_assigned(conversation_id, actor, update)
+        doc = await self._created_or_assigned(conversation_id, Actor(user_id), update)
         if user_id is not None:
             await self._hand_over_all(conversation_id, doc)
         return Conversation.model_validate(doc)
@@ -624,8 +615,6 @@ class AgentMessageLogger:
                 await refuse_unless_found_standing(
                     self._conversations, query, "the update of the conversation"
                 )
-                if actor.as_user:  # not theirs, in whatever state: as a missing one
-                    raise NotFound(f"conversation {conversation_id!r} was not found") from exc
                 raise Conflict(
                     f"conversation {conversation_id!r} belongs to another user: name its "
                     "owner (the user id it was claimed by, if it was), or claim it first"
@@ -870,7 +859,6 @@ class AgentMessageLogger:
         answers_to: Mapping[str, str] | None = None,
         next_seq: int | None = None,
         step: str | None = None,
-        owner_only: bool = False,
     ) -> None:
         """Raise what `log_messages` refuses the same turn with before it writes anything, as
         the conversation stands: the InvalidInput of a turn breaking the contract; what the
@@ -890,14 +878,12 @@ class AgentMessageLogger:
         nothing of the turn's; a pop under way it finds (`popping`) is finished first, as the
         turn's reservation finishes it (two round trips and a read more, only then). For a
         caller that records something the turn concerns before logging it
-        (`log_streamed_turn` records an approval first): a turn it raises for writes nothing.
-        `owner_only` as for `log_messages`."""
+        (`log_streamed_turn` records an approval first): a turn it raises for writes nothing."""
         plan, actor, condition = self._planned(
             conversation_id,
             messages,
             user_id=user_id,
             turn_id=turn_id,
-            owner_only=owner_only,
             next_seq=next_seq,
             step=step,
             refused=refused_prompts,
