@@ -617,22 +617,24 @@ async def test_a_pop_landing_while_a_turn_is_placed_lets_the_turn_through_at_the
     assert travelled == comparable((await fresh.aget_state(config)).values["messages"])
 
 
+@pytest.mark.parametrize("user_id", ["user-ada", None], ids=["user", "service"])
 async def test_a_saver_that_read_a_message_popped_since_serves_the_message_stored_there_now(
-    backend: Backend,
+    backend: Backend, user_id: str | None
 ) -> None:
     """A process whose time travel read the transcript to its end, another writer's message
     included, then the message popped and its `seq` taken by another process's turn: the
-    process serves the state as stored, never the popped message."""
-    config = thread("user-ada")
+    process serves the state as stored, never the popped message, for a user and a service
+    (whose reads check no pops)."""
+    config = thread(user_id)
     thread_id = config["configurable"]["thread_id"]
     graph = approval_agent(AgentStoreSaver(backend.db))
     store = ConversationStore(backend.db)
     await graph.ainvoke(question(1), config)
     note = {"role": "user", "content": "a typo, ignore"}
-    await AgentMessageLogger(backend.db).log_messages(thread_id, [note], user_id="user-ada")
+    await AgentMessageLogger(backend.db).log_messages(thread_id, [note], user_id=user_id)
     history = [state async for state in graph.aget_state_history(config)]
     await graph.aupdate_state(history[1].config, None)  # reads the transcript to its end
-    popped = await store.pop_last_message(thread_id, user_id="user-ada")
+    popped = await store.pop_last_message(thread_id, user_id=user_id)
     assert popped is not None
     assert popped.content == "a typo, ignore"
 
@@ -642,6 +644,30 @@ async def test_a_saver_that_read_a_message_popped_since_serves_the_message_store
     assert comparable((await graph.aget_state(config)).values["messages"]) == expected
     await graph.ainvoke(question(5), config)
     assert (await graph.aget_state(config)).values == (await fresh.aget_state(config)).values
+
+
+async def test_a_users_first_read_after_a_services_drops_what_pops_may_have_given_back(
+    backend: Backend,
+) -> None:
+    """One saver serves a service job and the user on her thread: the job's time travel read a
+    side note, the note was popped and another process's turn took its `seq`. Her first read
+    in this process, which finds pops it cannot count from, serves what is stored there now."""
+    user = thread("user-ada")
+    thread_id = user["configurable"]["thread_id"]
+    service = thread(thread_id=thread_id)
+    graph = approval_agent(AgentStoreSaver(backend.db))
+    other = approval_agent(AgentStoreSaver(backend.db))  # another process
+    await other.ainvoke(question(1), user)
+    note = {"role": "user", "content": "a typo, ignore"}
+    await AgentMessageLogger(backend.db).log_messages(thread_id, [note], user_id="user-ada")
+    history = [state async for state in graph.aget_state_history(service)]
+    await graph.aupdate_state(history[1].config, None)  # the job reads the transcript to its end
+    popped = await ConversationStore(backend.db).pop_last_message(thread_id, user_id="user-ada")
+    assert popped is not None
+    await other.ainvoke(question(3), user)
+    fresh = approval_agent(AgentStoreSaver(backend.db))
+    expected = comparable((await fresh.aget_state(user)).values["messages"])
+    assert comparable((await graph.aget_state(user)).values["messages"]) == expected
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["same-process", "new-process"])
@@ -2176,6 +2202,36 @@ async def test_a_copy_run_again_after_a_crash_is_the_thread_as_its_fork_copied_i
     await went_on.ainvoke(None, target)
     ours = (await went_on.aget_state(target)).values["messages"]
     assert comparable(ours) == comparable((await graph.aget_state(source)).values["messages"])
+
+
+async def test_a_copy_of_a_thread_stored_before_epochs_run_again_after_it_went_on_converges(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread an earlier release stored (no `epoch`): its copy crashed once its fork was
+    made, the thread went on (its turn draws its epoch, so its `version` changes) and the copy
+    run again finishes its fork, as for any thread."""
+    source = thread("user-ada")
+    source_id = source["configurable"]["thread_id"]
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    await run_turns(graph, source, range(1, 3))
+    await backend.db[CONVERSATIONS].update_one({"_id": source_id}, {"$unset": {"epoch": ""}})
+    await backend.db[MESSAGES].update_many(
+        {"conversation_id": source_id}, {"$unset": {"epoch": ""}}
+    )
+    then = comparable((await graph.aget_state(source)).values["messages"])
+    await _crashing_before_the_checkpoints(backend.db, source_id, source_id + "-copy", monkeypatch)
+    before = (await ConversationStore(backend.db).get_conversation(source_id)).version
+    await run_turns(graph, source, range(3, 4))
+    assert (await ConversationStore(backend.db).get_conversation(source_id)).version != before
+
+    await AgentStoreSaver(backend.db).acopy_thread(source_id, source_id + "-copy")
+
+    store = ConversationStore(backend.db)
+    forked = [m.content for m in await store.transcript(source_id + "-copy")]
+    assert forked == [m.content for m in await store.transcript(source_id)][: len(then)]
+    copy = tool_agent(AgentStoreSaver(backend.db))
+    target = thread("user-ada", source_id + "-copy")
+    assert comparable((await copy.aget_state(target)).values["messages"])[: len(then)] == then
 
 
 async def test_a_copy_run_again_after_a_crash_and_a_pop_of_what_its_fork_copied_copies_afresh(

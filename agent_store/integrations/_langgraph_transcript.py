@@ -43,6 +43,7 @@ from agent_store.core import (
     StoreError,
     TranscriptMoved,
     VersionMismatch,
+    conversation_version,
     stand_in_result,
     utc_now,
 )
@@ -283,7 +284,9 @@ class TranscriptLink:
         pops finished since the last read (`Conversation.pops`), what it holds from the first
         `seq` they gave back on is dropped (`_Thread.ends_at`), read again when needed."""
         state = self.tie(thread_id, conversation_mark(found.created_at))
-        if state.pops is not None and found.pops != state.pops:
+        if state.pops is None:  # what it holds was read without counting pops (a service's)
+            state.ends_at(0)
+        elif found.pops != state.pops:
             state.ends_at(_first_popped(found, since=found.pops - state.pops))
         state.pops = found.pops
         return state
@@ -600,10 +603,22 @@ class TranscriptLink:
     async def _load(
         self, state: _Thread, thread_id: str, owner: Owner, *, start: int, stop: int | None
     ) -> None:
-        """Read the transcript's messages from `start` (to `stop`) into the thread's cache."""
+        """Read the transcript's messages from `start` (to `stop`) into the thread's cache.
+
+        A read of the cache's tail reads the last cached message again in the same query: when
+        another message is stored at its `seq` now, or none, a pop gave it back since (and
+        another writer may have taken its `seq`, bringing the transcript's end back to where it
+        was read), so everything held is dropped and read again (`_tail_moved`)."""
+        check = start - 1 if start > 0 and start == state.loaded_until else None
+        read_from = start if check is None or check not in state.stored_ids else check
         stored = await self._store.messages_by_seq(
-            thread_id, start=start, stop=stop, user_id=owner.user_id
+            thread_id, start=read_from, stop=stop, user_id=owner.user_id
         )
+        if read_from < start:
+            if _tail_moved(state, read_from, stored):
+                state.ends_at(0)
+                return await self._load(state, thread_id, owner, start=0, stop=stop)
+            stored = stored[1:]
         seq_filter: dict[str, int] = {"$gte": start}
         if stop is not None:
             seq_filter["$lt"] = stop
@@ -932,7 +947,10 @@ class TranscriptLink:
             raise Conflict(
                 f"conversation {target_id!r} belongs to another user: copy into a new id"
             )
-        if target.user_id == source.user_id and _forked_from_this_life(target, source):
+        if target.user_id == source.user_id and (
+            _forked_from_this_life(target, source)
+            or await self._forked_before_epoch(target, source)
+        ):
             return target
         if target.user_id == source.user_id and target.forked_from is None:
             held = await self._store.messages_by_seq(target_id)
@@ -953,6 +971,23 @@ class TranscriptLink:
             f"conversation {target_id!r} exists already and is no copy of thread "
             f"{source.conversation_id!r}: copy into a new id"
         )
+
+    async def _forked_before_epoch(self, target: Conversation, source: Conversation) -> bool:
+        """Whether the target is a fork of the source's life made before its first turn since
+        an earlier release stored it drew its `epoch` (which changed its `version`): the fork
+        names the version it had then (`conversation_version` of its `created_at`), and its
+        first message is still one stored before epochs, which no conversation started again
+        under the id holds. One lookup, only for a fork of such a version."""
+        origin = target.forked_from
+        if (
+            origin is None
+            or origin.conversation_id != source.conversation_id
+            or source.epoch is None
+            or origin.version != conversation_version(source.id, None, source.created_at)
+        ):
+            return False
+        first = await self._store.messages_by_seq(source.conversation_id, limit=1)
+        return bool(first) and first[0].epoch is None
 
     async def _has_checkpoints_of_its_own(self, thread_id: str, source_id: str) -> bool:
         """Whether the thread holds a checkpoint no copy of `source_id` wrote: one whose
@@ -1184,6 +1219,12 @@ def _first_popped(found: Conversation, *, since: int) -> int:
     if found.popping is not None:
         seqs.append(found.popping.seq)
     return min(seqs)
+
+
+def _tail_moved(state: _Thread, seq: int, stored: Sequence[AgentMessage]) -> bool:
+    """Whether the message the cache holds at `seq` (its last) is no longer stored there."""
+    first = stored[0] if stored else None
+    return first is None or first.seq != seq or first.id != state.stored_ids.get(seq)
 
 
 def _refers_until(segments: Sequence[Segment]) -> int:
