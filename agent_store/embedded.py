@@ -17,9 +17,9 @@ import os
 import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager, suppress
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from bson import BSON, Int64
 
@@ -62,17 +62,26 @@ def _data_directory_held(data_dir: Path) -> Iterator[None]:
     if sys.platform == "win32":
         yield
         return
-    with (data_dir / LOCK_FILE).open("a+") as lock:
+    with ExitStack() as held:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock = held.enter_context(_locked(data_dir))
         except BlockingIOError:
-            lock.seek(0)
-            raise DataDirectoryInUse(data_dir, lock.read().strip() or "unknown") from None
+            holder = (data_dir / LOCK_FILE).read_text().strip() or "unknown"
+            raise DataDirectoryInUse(data_dir, holder) from None
         lock.truncate(0)
         lock.write(str(os.getpid()))
         lock.flush()
+        yield
+
+
+@contextmanager
+def _locked(data_dir: Path) -> Iterator[IO[str]]:
+    """The data directory's lock file, locked (`flock`, exclusive, without waiting: a
+    `BlockingIOError` when another process holds it) until the block ends."""
+    with (data_dir / LOCK_FILE).open("a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
-            yield
+            yield lock
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
@@ -90,14 +99,12 @@ def _held_by_a_server(data_dir: Path, pid: int) -> bool:
             pass  # alive, under another user
         return True
     try:
-        with (data_dir / LOCK_FILE).open("a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        with _locked(data_dir):
+            return False
     except BlockingIOError:
         return True
     except OSError:
         return False
-    return False
 
 
 def published_uri(data_dir: Path) -> str | None:

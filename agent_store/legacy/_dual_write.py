@@ -9,12 +9,11 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-import bson
 from bson import Int64
 
 from agent_store.core import MAX_SAFE_INTEGER, AgentMessage, Truncation, Usage
 from agent_store.legacy._documents import EXACT_FIELD, WHOLE_TEXTS_FIELD, dumps, encodes
-from agent_store.store import bound_message, kept_blob_ids
+from agent_store.store import bound_message, document_size, kept_blob_ids
 
 
 def legacy_turn_id(conversation_id: str, turn_id: str) -> str:
@@ -225,13 +224,13 @@ def _fitted(
     marks its cuts: arguments stay JSON) to half the bound each time until it fits, still
     recording what the messages say whole (`_recorded`), so the copy converts to other
     messages (`dual_write_not_exact`) and is written: a stored turn is never refused for it."""
-    if max_bytes is None or len(bson.encode(document)) <= max_bytes:
+    if max_bytes is None or document_size(document) <= max_bytes:
         return document
     recorded = _recorded(messages)
     each = max_bytes // (2 * len(messages))  # a call's arguments are held twice
     while True:
         document = write([bound_message(m, each) for m in messages]) | recorded
-        if len(bson.encode(document)) <= max_bytes or each == 0:
+        if document_size(document) <= max_bytes or each == 0:
             return document
         each //= 2
 
