@@ -632,6 +632,24 @@ def _acceptable(db: Database[dict[str, Any]], given: str) -> tuple[str, str]:
     return given, stored
 
 
+def _accepted(conversation_id: str, given: str, kinds: Sequence[str], note: str | None) -> str:
+    """What `finish --accept` recorded, for a person: the unplaced content it accepts, and
+    never more. A difference `verify` names (a dual-written turn the legacy service edited,
+    stored messages edited by hand) is no recorded problem: it accepts none of those."""
+    named = "" if given == conversation_id else f" (legacy id {given!r})"
+    if kinds:
+        return (
+            f"recorded: the unplaced content of {conversation_id!r}{named} is accepted "
+            f"({note}): {', '.join(sorted(set(kinds)))}"
+        )
+    return (
+        f"recorded: {conversation_id!r}{named} records no unplaced content, so nothing of it "
+        "is covered; `finish --accept` accepts no difference of a dual-written turn (restore "
+        "its messages, or remove its `dual_write` mark so `run` migrates it) nor of a stored "
+        "message"
+    )
+
+
 def _finish(
     db: Database[dict[str, Any]],
     args: argparse.Namespace,
@@ -639,12 +657,8 @@ def _finish(
     accepting: list[tuple[str, str]],
 ) -> int:
     for given, conversation_id in accepting:
-        problem_report.accept(db, conversation_id, args.note)
-        named = "" if given == conversation_id else f" (legacy id {given!r})"
-        print(
-            f"recorded: the unplaced content of {conversation_id!r}{named} is accepted "
-            f"({args.note})"
-        )
+        kinds = problem_report.accept(db, conversation_id, args.note)
+        print(_accepted(conversation_id, given, kinds, args.note))
     found = gate.check(
         db,
         undated_at=explode.undated_time(db, record=False),

@@ -276,9 +276,10 @@ def recorded_for(db: Database[dict[str, Any]], conversation_id: str) -> bool:
     return db[PROBLEMS].find_one({"conversation_id": conversation_id}, {"_id": 1}) is not None
 
 
-def accept(db: Database[dict[str, Any]], conversation_id: str, note: str | None) -> None:
+def accept(db: Database[dict[str, Any]], conversation_id: str, note: str | None) -> list[str]:
     """Record that an operator accepts the conversation's unplaced content, as recorded now,
-    as kept elsewhere: its problems' kinds (for people) and digests (what it covers)."""
+    as kept elsewhere: its problems' kinds (for people) and digests (what it covers); the
+    kinds accepted (none when it records no unplaced content: nothing is covered)."""
     recorded = unplaced(db, [conversation_id]).get(conversation_id, [])
     db[STATE].replace_one(
         {"_id": f"accept:{conversation_id}"},
@@ -293,6 +294,7 @@ def accept(db: Database[dict[str, Any]], conversation_id: str, note: str | None)
         },
         upsert=True,
     )
+    return sorted(kind for kind, _ in recorded)
 
 
 def accepted(db: Database[dict[str, Any]]) -> dict[str, list[str]]:

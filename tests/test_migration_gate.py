@@ -42,7 +42,14 @@ from agent_store.legacy import (
     parse_turns,
     with_session_prompts,
 )
-from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES, MIGRATING, TurnRules
+from agent_store.store import (
+    BLOB_BUCKET,
+    CONVERSATIONS,
+    MESSAGES,
+    MIGRATING,
+    TRUNCATION_MARK,
+    TurnRules,
+)
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from migrations import (
     abandoned,
@@ -6091,7 +6098,7 @@ def _old_service_logs_a_turn(database: Database[dict[str, Any]]) -> None:
 
 def _old_service_resaves_the_copy(database: Database[dict[str, Any]]) -> None:
     """The old service saves the copy again without the marks it does not know."""
-    unset = {"dual_write": "", "turn_id": "", "dual_write_exact": ""}
+    unset = {"dual_write": "", "turn_id": "", "dual_write_exact": "", "dual_write_copy": ""}
     database[CONVERSATIONS].update_many({"conversation_id": "n-1"}, {"$unset": unset})
 
 
@@ -7058,6 +7065,103 @@ def test_a_dual_written_copy_holding_texts_cut_to_fit_is_work_left_naming_their_
     assert blob in problem["detail"]
     files = gridfs.GridFS(database, collection=BLOB_BUCKET)
     assert files.get(blob).read().decode() == page
+
+
+CUT_COPIES: dict[str, TurnRules | None] = {
+    "texts cut only to fit the copy": None,
+    "texts the store cut, kept whole in GridFS": TurnRules(max_message_bytes=16_384),
+}
+"""How a live turn's copy comes to hold cut texts: cut further to fit one legacy document
+(the store kept them whole in `agent_messages`), or cut by the store to its bound and too
+large whole for one legacy document (GridFS keeps them whole)."""
+
+
+def _log_cut_copy(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    rules: TurnRules | None,
+) -> None:
+    """A live turn of "c-dual" whose dual-written copy holds cut texts (`CUT_COPIES`), beside
+    a migrated conversation, then the runbook's rollback keeping `agent_messages`."""
+    from agent_store.legacy import _source
+
+    monkeypatch.setattr(_source, "MAX_LEGACY_DOCUMENT_BYTES", 30_000)
+    database[CONVERSATIONS].insert_one(legacy_turn("t-o", "c-other", 0, "O"))
+    assert cli(wire_uri, database, "run") == 0
+    turn = [
+        {"role": "user", "content": "scrape"},
+        {"role": "assistant", "content": None, "tool_calls": [_call("c1", "scrape")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "p" * 40_000 + "«END OF PAGE»"},
+        {"role": "assistant", "content": "done"},
+    ]
+    _log_turns(wire_uri, database, [turn], rules)
+    [copy] = database[LEGACY_TURNS].find({"dual_write": True})
+    assert any(str(p.get("result", "")).endswith(TRUNCATION_MARK) for p in copy["response_parts"])
+    roll_back(database, clear_messages=False)
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("rules", CUT_COPIES.values(), ids=list(CUT_COPIES))
+def test_a_held_copy_holding_cut_texts_the_dual_write_made_is_no_difference(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    rules: TurnRules | None,
+) -> None:
+    """After the runbook's rollback keeping `agent_messages`, a copy holding texts cut (to
+    fit one legacy document, or by the store) that nobody edited since is the dual write's
+    own: it records so (`dual_write_copy`), and the second attempt passes, unasked."""
+    _log_cut_copy(wire_uri, database, monkeypatch, rules)
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
+    assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
+
+
+EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "its answer reworded": lambda copy: copy["response_parts"][-1].update(content="DONE"),
+    "its cut text reworded": lambda copy: copy["response_parts"][1].update(
+        result="«REDACTED»" + TRUNCATION_MARK
+    ),
+    "its cut text cut shorter": lambda copy: copy["response_parts"][1].update(
+        result=copy["response_parts"][1]["result"][:100] + TRUNCATION_MARK
+    ),
+    "its record of cut texts edited": lambda copy: copy.update(dual_write_cut=[]),
+}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("rules", CUT_COPIES.values(), ids=list(CUT_COPIES))
+@pytest.mark.parametrize("edit", EDITS.values(), ids=list(EDITS))
+def test_a_held_copy_holding_cut_texts_edited_after_the_rollback_still_blocks_the_drop(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    rules: TurnRules | None,
+    edit: Callable[[dict[str, Any]], None],
+) -> None:
+    """The gate errs on blocking a drop: a cut copy the legacy service edited after the
+    rollback is a difference (`verify` and `finish` exit 1, the drop refused), and
+    `finish --accept` says it accepts no such difference, and does not."""
+    _log_cut_copy(wire_uri, database, monkeypatch, rules)
+    [copy] = database[CONVERSATIONS].find({"dual_write": True})
+    edit(copy)
+    database[CONVERSATIONS].replace_one({"_id": copy["_id"]}, copy)
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+    assert "the legacy service edited it after a rollback?" in capsys.readouterr().out
+    assert cli(wire_uri, database, "finish", "--accept", "c-dual", "--note", "seen") == 1
+    out = capsys.readouterr().out
+    assert "is accepted" not in out, out
+    assert "accepts no difference of a dual-written turn" in out, out
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
 
 
 OUTSIDE = (

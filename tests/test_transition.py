@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
@@ -34,6 +35,7 @@ from agent_store.legacy import (
     with_session_prompts,
 )
 from agent_store.store import (
+    BLOB_BUCKET,
     CONVERSATIONS,
     MAX_MESSAGE_BYTES,
     MESSAGES,
@@ -2079,6 +2081,47 @@ async def test_the_legacy_copy_of_a_stored_turn_is_cut_further_until_it_fits_a_d
     assert cut
     assert all(text.endswith(TRUNCATION_MARK) for text in cut)
     assert convert([document]).problems[0].kind == "dual_write_not_exact"
+
+
+async def test_a_legacy_copy_cut_to_fit_names_only_whole_texts_kept_and_says_what_it_cut(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Texts cut only to fit the copy are kept whole nowhere but in `agent_messages`: the copy
+    names no GridFS file for them (none was written), records each cut text (the message's
+    `seq`, its path, its whole length and SHA-256) and keeps the `native` forms that fit."""
+    from agent_store.legacy import _source
+
+    monkeypatch.setattr(_source, "MAX_LEGACY_DOCUMENT_BYTES", 30_000)
+    logger = AgentMessageLogger(backend.db, observers=[LegacyTurns(backend.db, dual_write=True)])
+    turn = _big_turn("results", 20_000)
+    reasoning = {"format": "openai-agents", "set": {"type": "reasoning", "summary": ["r" * 3000]}}
+    turn[1]["native"] = reasoning  # more than the bound each message is cut to at first
+
+    await logger.log_messages("conv-big", turn, turn_id="t")
+
+    (document,) = await backend.db[LEGACY_TURNS].find().to_list(None)
+    stored = await ConversationStore(backend.db).transcript("conv-big")
+    assert len(bson.encode(document)) <= 30_000
+    assert await backend.db[f"{BLOB_BUCKET}.files"].count_documents({}) == 0
+    assert "dual_write_whole_texts" not in document
+    [native] = [m.native for m in stored if m.native is not None]
+    assert native.model_dump()["set"] == reasoning["set"]
+    assert document["native"] == [native.model_dump(mode="json")]
+    results = [m for m in stored if m.role == "tool"]
+    assert document["dual_write_cut"] == [
+        {
+            "seq": m.seq,
+            "path": "content",
+            "length": len(m.content or ""),
+            "sha256": hashlib.sha256((m.content or "").encode()).hexdigest(),
+        }
+        for m in results
+    ]
+    problems = convert([document]).problems
+    [problem] = [p for p in problems if p.kind == "dual_write_not_exact"]
+    assert "kept whole in GridFS" not in problem.detail
+    assert "no file keeps whole" in problem.detail
+    assert problem.content["cut"] == document["dual_write_cut"]
 
 
 async def test_a_turn_at_the_ceiling_bound_has_a_legacy_copy_within_16_mib() -> None:

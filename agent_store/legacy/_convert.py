@@ -35,6 +35,7 @@ from agent_store.core import (
     to_utc_millis,
 )
 from agent_store.legacy._documents import (
+    CUT_FIELD,
     EPOCH,
     EXACT_FIELD,
     MAX_REFERENCE_LENGTH,
@@ -1461,6 +1462,7 @@ def _check_exact(converter: _Converter, turn: LegacyTurn, plan: TurnPlan | None)
     if recorded == exact_digest(converted):
         return
     cut = extra.get(WHOLE_TEXTS_FIELD)
+    unkept = extra.get(CUT_FIELD)
     detail = (
         "the dual-written copy of live turn "
         f"{extra.get('turn_id')!r} converts to other messages than the live service stored"
@@ -1475,10 +1477,30 @@ def _check_exact(converter: _Converter, turn: LegacyTurn, plan: TurnPlan | None)
             if isinstance(cut, list) and cut
             else ""
         )
+        + _unkept_detail(unkept)
         + "; its messages are stored as it converts"
     )
     content = {"turn_id": extra.get("turn_id"), "whole_texts": cut if cut else None}
+    if unkept:
+        content["cut"] = unkept
     converter.problem(turn, DUAL_WRITE_NOT_EXACT, detail, field=None, content=content)
+
+
+def _unkept_detail(unkept: Any) -> str:
+    """The texts a dual-written turn lists as cut to fit it that no file keeps whole
+    (`CUT_FIELD`), for a person; "" for none."""
+    if not isinstance(unkept, list) or not unkept:
+        return ""
+    shown = ", ".join(
+        f"{e.get('path')} of seq {e.get('seq')} ({e.get('length')} characters)"
+        if isinstance(e, dict)
+        else repr(e)
+        for e in unkept
+    )
+    return (
+        f"; it holds texts cut to fit one legacy document that no file keeps whole: {shown} "
+        "(whole only in the live messages, `agent_messages`, when kept)"
+    )
 
 
 def _legacy_user_id(turns: list[LegacyTurn], owner: str | None) -> str | None:

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from itertools import pairwise
 from typing import Any
 
 from bson import Int64
 
 from agent_store.core import MAX_SAFE_INTEGER, AgentMessage, Truncation, Usage
-from agent_store.legacy._documents import EXACT_FIELD, WHOLE_TEXTS_FIELD, dumps, encodes
-from agent_store.store import bound_message, document_size, kept_blob_ids
+from agent_store.legacy._documents import (
+    COPY_FIELD,
+    CUT_FIELD,
+    EXACT_FIELD,
+    WHOLE_TEXTS_FIELD,
+    dumps,
+    encodes,
+)
+from agent_store.store import DERIVED_FIELDS, bound_message, document_size, kept_blob_ids
 
 
 def legacy_turn_id(conversation_id: str, turn_id: str) -> str:
@@ -221,18 +229,115 @@ def _fitted(
 ) -> dict[str, Any]:
     """The legacy document of `messages` (`document`, `write` makes it) within `max_bytes` of
     BSON: when over, made of the messages cut further (`bound_message`, marked as the store
-    marks its cuts: arguments stay JSON) to half the bound each time until it fits, still
-    recording what the messages say whole (`_recorded`), so the copy converts to other
-    messages (`dual_write_not_exact`) and is written: a stored turn is never refused for it."""
+    marks its cuts: arguments stay JSON) to half the bound each time until it fits, their
+    `native` forms put back after, in order, each whole while the document still fits
+    (`_with_natives`). It still records what the messages say whole (`_recorded`), so the copy
+    converts to other messages (`dual_write_not_exact`) and is written: a stored turn is never
+    refused for it. It names only the GridFS files the store wrote (`_cut_further`) and lists
+    each text it cut that no file keeps whole (`CUT_FIELD`)."""
     if max_bytes is None or document_size(document) <= max_bytes:
         return document
     recorded = _recorded(messages)
+    bare = [m.model_copy(update={"native": None}) for m in messages]
     each = max_bytes // (2 * len(messages))  # a call's arguments are held twice
     while True:
-        document = write([bound_message(m, each) for m in messages]) | recorded
+        cut = [_cut_further(m, bound_message(b, each)) for m, b in zip(messages, bare, strict=True)]
+        document = _cut_copy(messages, cut, write, recorded)
         if document_size(document) <= max_bytes or each == 0:
-            return document
+            break
         each //= 2
+    return _with_natives(messages, cut, write, recorded, max_bytes) or document
+
+
+def _cut_further(message: AgentMessage, cut: AgentMessage) -> AgentMessage:
+    """The message `cut` further (`bound_message`), its `truncated` entries telling the truth
+    of the copy: a field the store had cut keeps the store's entry (its whole text's length,
+    digest and GridFS file); a field cut only now names no file, none being written for it."""
+    before = message.truncated or {}
+    entries: dict[str, Truncation | int] = {
+        path: before[path] if path in before else _unkept(entry)
+        for path, entry in (cut.truncated or {}).items()
+    }
+    return cut.model_copy(update={"truncated": entries or None})
+
+
+def _unkept(entry: Truncation | int) -> Truncation | int:
+    """A cut's entry naming no GridFS file."""
+    return entry.model_copy(update={"blob_id": None}) if isinstance(entry, Truncation) else entry
+
+
+def _cut_copy(
+    messages: Sequence[AgentMessage],
+    cut: Sequence[AgentMessage],
+    write: Callable[[Sequence[AgentMessage]], dict[str, Any]],
+    recorded: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The legacy document of `messages` made of them `cut` further: what it records of the
+    messages is theirs (`_recorded`), and each text cut that no file keeps whole is listed."""
+    document = write(cut)
+    document.pop(WHOLE_TEXTS_FIELD, None)
+    document |= recorded
+    if unkept := _unkept_texts(messages, cut):
+        document[CUT_FIELD] = unkept
+    return document
+
+
+def _unkept_texts(
+    messages: Sequence[AgentMessage], cut: Sequence[AgentMessage]
+) -> list[dict[str, Any]]:
+    """Each text of the messages that their `cut` copies hold cut and no GridFS file keeps
+    whole (`CUT_FIELD`): its message's `seq`, its path, its whole length and SHA-256."""
+    unkept: list[dict[str, Any]] = []
+    for message, copy in zip(messages, cut, strict=True):
+        before = message.truncated or {}
+        for path, entry in (copy.truncated or {}).items():
+            if path not in before and path not in DERIVED_FIELDS and isinstance(entry, Truncation):
+                unkept.append(_cut_entry(message.seq, path, entry.length, entry.sha256))
+        if message.native is not None and copy.native is None:
+            dumped = message.model_dump(by_alias=True)["native"]
+            text = json.dumps(dumped, ensure_ascii=False, default=str)  # as the store digests it
+            digest = hashlib.sha256(text.encode()).hexdigest()
+            unkept.append(_cut_entry(message.seq, "native", len(text), digest))
+    return unkept
+
+
+def _cut_entry(seq: int | None, path: str, length: int, sha256: str | None) -> dict[str, Any]:
+    return {"seq": seq, "path": path, "length": length, "sha256": sha256}
+
+
+def _with_natives(
+    messages: Sequence[AgentMessage],
+    cut: Sequence[AgentMessage],
+    write: Callable[[Sequence[AgentMessage]], dict[str, Any]],
+    recorded: Mapping[str, Any],
+    max_bytes: int,
+) -> dict[str, Any] | None:
+    """The document of the messages `cut` with their `native` forms put back: all of them
+    when they fit (one more document made), else each in order, whole, while the document
+    still fits; None when none fits."""
+    natives = [i for i, m in enumerate(messages) if m.native is not None]
+    if not natives:
+        return None
+
+    def with_native(kept: Sequence[AgentMessage], index: int) -> list[AgentMessage]:
+        native = messages[index].native
+        return [
+            m.model_copy(update={"native": native}) if i == index else m for i, m in enumerate(kept)
+        ]
+
+    every: list[AgentMessage] = list(cut)
+    for index in natives:
+        every = with_native(every, index)
+    document = _cut_copy(messages, every, write, recorded)
+    if document_size(document) <= max_bytes:
+        return document
+    kept, found = list(cut), None
+    for index in natives:
+        trial = with_native(kept, index)
+        candidate = _cut_copy(messages, trial, write, recorded)
+        if document_size(candidate) <= max_bytes:
+            kept, found = trial, candidate
+    return found
 
 
 def _recorded(messages: Sequence[AgentMessage]) -> dict[str, Any]:
@@ -270,7 +375,7 @@ def legacy_turn_documents(
     user or system message but its first (`_pieces`): one legacy turn opens with one user's
     message, or is a system turn holding its system text alone, so each converts back to
     its messages in order. With `max_bytes`, each document fits in that much BSON
-    (`_fitted`)."""
+    (`_fitted`). Each is marked as the dual write's own (`COPY_FIELD`, `copy_digest`)."""
     cuts = [i for i, m in enumerate(messages) if i and m.seq in starts]
     documents: list[dict[str, Any]] = []
     for first, end in pairwise([0, *cuts, len(messages)]):
@@ -289,8 +394,52 @@ def legacy_turn_documents(
                     legacy_id=legacy_id,
                 )
 
-            documents.append(_fitted(piece, write(piece), write, max_bytes))
+            room = None if max_bytes is None else max_bytes - _mark_bytes(piece)
+            documents.append(_marked(_fitted(piece, write(piece), write, room), piece))
     return documents
+
+
+_UNCOPIED = frozenset({"_id", "conversation_id", "user_id", "name", "created_at", "dual_write"})
+"""Fields of a dual-written turn its copy digest leaves out (`copy_digest`): where it is
+filed, whose it is, its name and its date, which the migration's gate checks on their own
+(a re-filed, re-owned, renamed or re-dated copy), and its marks."""
+
+
+def copy_digest(document: Mapping[str, Any]) -> str:
+    """The SHA-256, in hex, of what a dual-written turn holds (every field but those of
+    `_UNCOPIED`, the turn id and `COPY_FIELD`), as JSON with sorted keys, a time to the
+    millisecond the database keeps: the same for the document written and read back, another
+    for one the legacy service edited since."""
+    held = {
+        key: value
+        for key, value in document.items()
+        if key not in _UNCOPIED and key not in ("turn_id", COPY_FIELD)
+    }
+    text = json.dumps(held, sort_keys=True, separators=(",", ":"), default=_plain)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _plain(value: Any) -> str:
+    """A value JSON does not hold as its text: a time in UTC to the millisecond."""
+    if isinstance(value, datetime):
+        at = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+        return at.astimezone(UTC).isoformat(timespec="milliseconds")
+    return str(value)
+
+
+def _mark(piece: Sequence[AgentMessage], digest: str) -> dict[str, Any]:
+    return {"sha256": digest, "seqs": [m.seq for m in piece]}
+
+
+def _mark_bytes(piece: Sequence[AgentMessage]) -> int:
+    """The room the mark of a document of these messages takes (`_marked`), at most."""
+    return document_size({COPY_FIELD: _mark(piece, "0" * 64)})
+
+
+def _marked(document: dict[str, Any], piece: Sequence[AgentMessage]) -> dict[str, Any]:
+    """The document marked as the dual write's own copy of the messages of `piece`
+    (`COPY_FIELD`): the digest of what it holds, and their `seq`s."""
+    return document | {COPY_FIELD: _mark(piece, copy_digest(document))}
 
 
 def _pieces(run: Sequence[AgentMessage], part: str) -> list[tuple[Sequence[AgentMessage], str]]:
