@@ -32,7 +32,9 @@ DATABASE_FILE = "agent_store.sqlite3"
 """The embedded server's SQLite file, in its data directory."""
 URI_FILE = "embedded-mongodb.json"
 """Where a running embedded server publishes its URI (and its process id), in its data
-directory, so other processes (`python -m migrations`) reach the same data."""
+directory, so other processes (`python -m migrations`) reach the same data. A server started
+for one command (`embedded_mongodb(publish=False)`: a migration's own) publishes none: it ends
+with that command, under whoever would use it."""
 
 
 LOCK_FILE = "embedded-mongodb.lock"
@@ -386,11 +388,12 @@ class _ListenerWithoutAbort:
 
 
 @asynccontextmanager
-async def embedded_mongodb(data_dir: Path | None) -> AsyncIterator[str]:
+async def embedded_mongodb(data_dir: Path | None, *, publish: bool = True) -> AsyncIterator[str]:
     """Start the embedded server for as long as the context lasts; yields its URI.
 
-    `data_dir` holds its SQLite file and, while it runs, the published URI
-    (`URI_FILE`); None keeps everything in memory (tests).
+    `data_dir` holds its SQLite file and, while it runs and `publish` says so, the published
+    URI (`URI_FILE`); None keeps everything in memory (tests). Unpublished, the server is the
+    caller's alone: another process finds the data directory held, and nothing to use.
     """
     try:
         from mongoeco.engines.memory import MemoryEngine
@@ -409,13 +412,16 @@ async def embedded_mongodb(data_dir: Path | None) -> AsyncIterator[str]:
             data_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, at start-up
             held.enter_context(_data_directory_held(data_dir))
             engine = SQLiteEngine(str(data_dir / DATABASE_FILE))
-        async with _served(engine, data_dir) as uri:
+        async with _served(engine, data_dir, published_in=data_dir if publish else None) as uri:
             yield uri
 
 
 @asynccontextmanager
-async def _served(engine: Any, data_dir: Path | None) -> AsyncIterator[str]:
-    """mongoeco's wire server on `engine`, published in `data_dir` while it runs."""
+async def _served(
+    engine: Any, data_dir: Path | None, *, published_in: Path | None
+) -> AsyncIterator[str]:
+    """mongoeco's wire server on `engine` (the SQLite file of `data_dir`, else in memory),
+    published in `published_in` (when given) while it runs."""
     from mongoeco.wire.proxy import AsyncMongoEcoProxyServer
 
     server = AsyncMongoEcoProxyServer(
@@ -435,23 +441,31 @@ async def _served(engine: Any, data_dir: Path | None) -> AsyncIterator[str]:
         server._server = _ListenerWithoutAbort(server._server)  # type: ignore[assignment]
     uri = f"mongodb://{address.host}:{address.port}/?directConnection=true"
     try:
-        if data_dir is not None:
-            _publish(data_dir, uri)  # a few bytes, once, at start-up
+        if published_in is not None:
+            _publish(published_in, uri)  # a few bytes, once, at start-up
         yield uri
     except BaseException as stopped:
-        # A failure to close must not hide what stopped the service.
-        try:
-            await _close(server, data_dir, uri)
-        except Exception as unclosed:
-            stopped.add_note(f"the embedded server did not close cleanly: {unclosed!r}")
+        with _unclosed_noted(stopped):
+            await _close(server, published_in, uri)
         raise
     else:
-        await _close(server, data_dir, uri)
+        await _close(server, published_in, uri)
 
 
-async def _close(server: Any, data_dir: Path | None, uri: str) -> None:
-    if data_dir is not None:
-        _withdraw(data_dir, uri)
+@contextmanager
+def _unclosed_noted(stopped: BaseException) -> Iterator[None]:
+    """Closing the server while `stopped` ends its caller (a signal, a port in use): a failure
+    to close (mongoeco's cleanup raises an `ExceptionGroup` of what failed in it, a connection
+    cut mid-command) is a note on `stopped`, never in its place."""
+    try:
+        yield
+    except Exception as unclosed:
+        stopped.add_note(f"the embedded server did not close cleanly: {unclosed!r}")
+
+
+async def _close(server: Any, published_in: Path | None, uri: str) -> None:
+    if published_in is not None:
+        _withdraw(published_in, uri)
     await server.close()
 
 
@@ -460,11 +474,14 @@ class ServerThread:
 
     For callers that have no loop running all the time (tests, scripts): the
     server answers whatever the calling thread is doing. `data_dir` None keeps
-    the data in memory.
+    the data in memory; `publish` as `embedded_mongodb` takes it. As a context manager
+    (`with ServerThread(...) as uri`), it is stopped however the block ends, and a failure
+    to stop never takes the place of what ended the block (`_unclosed_noted`).
     """
 
-    def __init__(self, data_dir: Path | None = None) -> None:
+    def __init__(self, data_dir: Path | None = None, *, publish: bool = True) -> None:
         self._data_dir = data_dir
+        self._publish = publish
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._stack = AsyncExitStack()
@@ -477,11 +494,32 @@ class ServerThread:
         return self.uri
 
     async def _open(self) -> str:
-        return await self._stack.enter_async_context(embedded_mongodb(self._data_dir))
+        served = embedded_mongodb(self._data_dir, publish=self._publish)
+        return await self._stack.enter_async_context(served)
+
+    def __enter__(self) -> str:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(
+        self, kind: type[BaseException] | None, ended: BaseException | None, traceback: Any
+    ) -> None:
+        if ended is None:
+            self.stop()
+            return
+        with _unclosed_noted(ended):
+            self.stop()
 
     def stop(self) -> None:
-        """Stop the server and its thread."""
-        asyncio.run_coroutine_threadsafe(self._stack.aclose(), self._loop).result(60)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
+        """Stop the server and its thread; when closing the server fails, the thread is
+        stopped all the same (never left running into the interpreter's shutdown), then the
+        failure raised."""
+        try:
+            asyncio.run_coroutine_threadsafe(self._stack.aclose(), self._loop).result(60)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()

@@ -4,8 +4,9 @@ In order: `--uri`; `MONGODB_URI` or `AGENT_STORE_MONGODB_URI` (read as the servi
 them, `migrations.settings`: in any case, an empty one refused); the embedded server a
 running service (`make run`) publishes in its data directory (`--data-dir`, else
 `AGENT_STORE_DATA_DIR`, default `data/`); else the embedded database of that directory
-opened here, for as long as the command runs (when another process holds that directory,
-a service starting, the migration waits a few seconds for its URI, else it is misuse). So
+opened here, for as long as the command runs, its URI published nowhere (when another
+process holds that directory, a service starting, the migration waits a few seconds for its
+URI, else it is misuse: a migration holding it publishes none). So
 `make migrate` after `make run` works on the same data whether the service is still running
 or not.
 """
@@ -67,13 +68,11 @@ def _embedded(data_dir: Path, stack: ExitStack) -> tuple[str, str]:
 
 
 def _opened_here(data_dir: Path, stack: ExitStack) -> tuple[str, str]:
-    server = ServerThread(data_dir)
-    try:
-        uri = server.start()
-    except BaseException:
-        server.stop()
-        raise
-    stack.callback(server.stop)
+    """The embedded database of `data_dir`, opened for this command: its server publishes no
+    URI (it ends with the command, under any other process that would use it: a second
+    migration finds the directory held), and a failure to close it never takes the place of
+    what ended the command (a signal's exit stays the signal's)."""
+    uri = stack.enter_context(ServerThread(data_dir, publish=False))
     return uri, f"the embedded database in {data_dir}/ (opened here, at {uri})"
 
 

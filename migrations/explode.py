@@ -725,6 +725,11 @@ def ranges_unfinished(state: Mapping[str, Any]) -> bool:
     return not state.get("complete", True) and "ranges" in state
 
 
+RANGES_CUT_BY = "ranges_cut_by"
+"""The field naming the run that cut the ranges of ids (`Ranges.cut_by`), in the migration's
+state (beside them) and in the record of every run going through them: the runs resuming
+them go on with the pass that run began, whatever runs went through conversations between."""
+
 MIGRATING = {"kind": "run", "counts.conversations": {"$gt": 0}}
 """The records of runs that went through conversations: a run records its count of them
 before it writes the first (`Explosion.batch`), so a run killed at any point is among them."""
@@ -750,25 +755,39 @@ def rules_stored_by(db: Database[dict[str, Any]], rules: TurnRules) -> tuple[lis
     """The runs whose settings the stored conversations may be converted by that differ from
     `rules`, and the settings they differ in (names, in `settings_differing`'s order). Those
     runs are the last that went through every conversation (a pass `completed`, not one
-    `--conversation`: every conversation it left was converted by the pass's settings, a
-    resume going on by the settings of the run it resumes) and every run that went through
-    conversations since (a `--new-rules` pass not gone through yet leaves the earlier ones)."""
+    `--conversation`) and every run that went through conversations since the pass began
+    (`_pass_began`): the runs of the pass, each of which converted a part of them by its own
+    settings (a resume passes over what the runs before it converted), any run between them
+    (a `--new-rules` run killed before its first checkpoint, whose ranges no run resumed),
+    and those since (a `--new-rules` pass not gone through yet leaves the earlier ones)."""
     passes = {"kind": "run", "status": "completed", "options.conversation": None}
-    last = list(db[STATE].find(passes, {"started_at": 1}).sort("started_at", -1).limit(1))
+    shown = {"started_at": 1, RANGES_CUT_BY: 1, "checkpoint_at_start": 1}
+    last = list(db[STATE].find(passes, shown).sort("started_at", -1).limit(1))
+    began = _pass_began(db, last[0]) if last else None
     since: dict[str, Any] = MIGRATING
-    if last:
-        since = {
-            "$or": [
-                {"_id": last[0]["_id"]},
-                {**MIGRATING, "started_at": {"$gt": last[0]["started_at"]}},
-            ]
-        }
+    if began is not None:
+        since = {"$or": [{"_id": last[0]["_id"]}, {**MIGRATING, "started_at": {"$gte": began}}]}
     differing = [
         (str(record["_id"]), _recorded_rules(record))
         for record in db[STATE].find(since, {"options.rules": 1}).sort("started_at", 1)
         if settings_differing(rules, _recorded_rules(record))
     ]
     return [run for run, _ in differing], settings_differing(rules, *(r for _, r in differing))
+
+
+def _pass_began(db: Database[dict[str, Any]], completed: Mapping[str, Any]) -> Any:
+    """When the pass a `completed` run's record ends began: when the run that cut the ranges
+    it went through started (`RANGES_CUT_BY`; recorded before runs named it, the run itself
+    when it resumed no checkpoint). None when not known (a resume recorded before runs named
+    the cut, or the cutting run's record gone): every run that went through conversations
+    may have converted some."""
+    cut_by = completed.get(RANGES_CUT_BY)
+    if cut_by is None and not completed.get("checkpoint_at_start"):
+        cut_by = completed["_id"]
+    if cut_by == completed["_id"]:
+        return completed.get("started_at")
+    cutting = db[STATE].find_one({"_id": cut_by, "kind": "run"}, {"started_at": 1})
+    return None if cutting is None else cutting.get("started_at")
 
 
 def refuse_other_rules(db: Database[dict[str, Any]], rules: TurnRules) -> None:
@@ -876,13 +895,16 @@ class Explosion:
             return None
         self.late = {id_key(cid): cid for cid in owed}
         done, kinds = dict(state.get("done") or {}), dict(state.get("kinds") or {})
-        return Ranges(list(state["ranges"]), done, kinds)
+        return Ranges(list(state["ranges"]), done, kinds, cut_by=state.get(RANGES_CUT_BY))
 
     def plan(self, after: Ranges | None) -> Ranges:
-        """The ranges this run goes through: the resumed run's, or a new cut of the id space."""
+        """The ranges this run goes through: the resumed run's, or a new cut of the id space
+        (cut by this run: `Ranges.cut_by`)."""
         if after is not None:
             return after
-        return plan_ranges(self.db, self.source, LEGACY_FILTER, self.options.spread)
+        ranges = plan_ranges(self.db, self.source, LEGACY_FILTER, self.options.spread)
+        ranges.cut_by = self.run_id
+        return ranges
 
     def _checkpoint(self, ranges: Ranges, *, complete: bool) -> None:
         if self.options.dry_run or self.options.conversation is not None:
@@ -892,6 +914,7 @@ class Explosion:
             "done": ranges.done,
             "kinds": ranges.kinds,
             "complete": complete,
+            RANGES_CUT_BY: ranges.cut_by,
         }
         # The conversations owed whatever the checkpoints (`late`): a new cut owes none.
         owed = {LATE: list(self.late.values())} if self.late else {}
@@ -940,7 +963,9 @@ class Explosion:
 
     def run(self, ranges: Ranges) -> Counts:
         """Migrate every conversation not done yet, batch by batch, checkpointing each."""
-        self._record("running", checkpoint_at_start=dict(ranges.done))
+        self._record(
+            "running", checkpoint_at_start=dict(ranges.done), **{RANGES_CUT_BY: ranges.cut_by}
+        )
         try:
             first: set[bytes] = set()  # owed ones migrated, which their range passes over
             for pairs in batches(self.ids(ranges), self.options.batch_size):

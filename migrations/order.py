@@ -79,6 +79,9 @@ class Ranges:
     """The last id migrated in each range, by the range's index as a string."""
     kinds: dict[str, str] = field(default_factory=dict)
     """The kind each range's last id was read under (`_BRACKETS`, `REST`)."""
+    cut_by: str | None = None
+    """The run that cut them (`Explosion.plan`), which the runs resuming them go on with; None
+    when not known (a state recorded before runs recorded it)."""
 
     def bounds(self, index: int) -> dict[str, Any]:
         """The filter of the conversation ids of range `index` (text, once the id space is

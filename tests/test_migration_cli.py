@@ -32,7 +32,7 @@ from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
 from agent_store.store import CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from migrations import connection, explode, lease, problems, relocate, writes
-from migrations.cli import _report_id_clustering, main, parser
+from migrations.cli import Stopped, _report_id_clustering, main, parser
 from migrations.connection import database
 from migrations.errors import MigrationError
 from migrations.lease import Lease
@@ -512,6 +512,30 @@ def test_a_migration_waits_for_a_starting_service_to_publish_its_uri(
 
 
 @pytest.mark.wire
+def test_a_second_migration_on_a_data_dir_a_migration_opened_is_misuse_never_its_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A migration that opened the embedded database itself publishes no URI: its server
+    ends with it, so a second migration meanwhile would lose it part-way (exit 4, "cannot
+    reach"). The second waits for a URI as for a service starting, then exits 2 in one line
+    naming the holder; once the first ended, it opens the directory itself."""
+    monkeypatch.delenv("MONGODB_URI", raising=False)
+    monkeypatch.setenv("AGENT_STORE_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(connection, "HOLDER_WAIT_SECONDS", 0.5)
+    (tmp_path / embedded.DATABASE_FILE).touch()
+    with database(parser().parse_args(["status"])) as (_, where):  # the first migration
+        assert "opened here" in where
+        assert main(["status"]) == 2
+        said = capsys.readouterr().err
+        assert embedded.published_uri(tmp_path) is None
+    assert said.startswith("error: the embedded database: "), said
+    assert said.count("\n") == 1, said
+    assert f"held by process {os.getpid()}" in said
+    assert main(["status"]) == 0
+    assert "opened here" in capsys.readouterr().out
+
+
+@pytest.mark.wire
 def test_a_conversation_logged_before_its_migration_is_reported_not_merged(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -970,6 +994,57 @@ def test_a_run_stopped_by_a_signal_releases_the_lock_and_the_next_resumes(
     assert database[lease.STATE].find_one({"_id": lease.LOCK_ID}) is None
     assert run_process(wire_uri, database.name, "--wait-seconds", "0") == 0
     assert cli(wire_uri, database, "verify") == 0
+
+
+def embedded_data_dir_seeded(data_dir: Path, conversations: int) -> None:
+    """`data_dir` holding an embedded database of legacy turns, no server running on it."""
+    server = embedded.ServerThread(data_dir)
+    client: MongoClient[dict[str, Any]] = MongoClient(server.start(), tz_aware=True)
+    seed(client["agent_store"], conversations)
+    client.close()
+    server.stop()
+
+
+@pytest.mark.wire
+def test_a_sigterm_on_the_embedded_database_a_run_opened_exits_143_whatever_its_close_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stopped by SIGTERM part-way, the run closes the embedded server it opened: mongoeco's
+    close may fail (an `ExceptionGroup` of its cleanup, the run's connection cut mid-command),
+    which never takes the place of the signal's exit (143, one line, never a traceback with
+    exit 1, "differences found"). The lock is released and the next run converges."""
+    from mongoeco.wire.proxy import AsyncMongoEcoProxyServer
+
+    monkeypatch.delenv("MONGODB_URI", raising=False)
+    monkeypatch.setenv("AGENT_STORE_DATA_DIR", str(tmp_path))
+    embedded_data_dir_seeded(tmp_path, conversations=6)
+    real_batch, real_close = explode.Explosion.batch, AsyncMongoEcoProxyServer.close
+
+    def batch(run: explode.Explosion, ids: list[Any]) -> None:
+        real_batch(run, ids)
+        if run.counts.conversations >= 2:
+            raise Stopped  # SIGTERM, raised where the run is
+
+    async def close(server: AsyncMongoEcoProxyServer) -> None:
+        await real_close(server)
+        raise ExceptionGroup("proxy cleanup failed", [ConnectionResetError(104, "reset")])
+
+    def loop_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.endswith("(run_forever)")}
+
+    before = loop_threads()
+    with (
+        mock.patch.object(explode.Explosion, "batch", batch),
+        mock.patch.object(AsyncMongoEcoProxyServer, "close", close),
+    ):
+        assert main(["run", "--batch-size", "1", "--progress", "none"]) == 128 + signal.SIGTERM
+    said = capsys.readouterr().err
+    assert said.startswith("stopped by SIGTERM: the lock is released"), said
+    assert said.count("\n") == 1, said
+    assert loop_threads() <= before  # the server's thread ended all the same
+
+    assert main(["run", "--progress", "none", "--wait-seconds", "0"]) == 0
+    assert main(["verify", "--progress", "none"]) == 0
 
 
 def resumes_after_each_id(db: Database[dict[str, Any]], ids: list[Any]) -> None:
@@ -1714,3 +1789,39 @@ def test_the_migration_reads_the_services_database_variables_as_the_service_does
     assert main(["run", "--progress", "none"]) == 0
     assert database[MESSAGES].count_documents({"conversation_id": "leg-ctx"}) == 4
     assert "embedded" not in capsys.readouterr().out
+
+
+@pytest.mark.wire
+def test_verify_and_finish_fail_when_a_resume_goes_on_with_ranges_an_earlier_setting_began(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A run stopped part-way by the service's settings, a `--new-rules` run by another name
+    length killed in its first batch (before its first checkpoint), then a plain run by the
+    new length, which resumes the stopped run's ranges and passes over what that run
+    converted: those conversations stand converted by the earlier name length, so `verify`
+    and `finish` exit 1 naming it (and the stopped run), until `--new-rules` goes through
+    every conversation."""
+    with_service_turn_settings(monkeypatch)
+    for n in range(4):
+        database[CONVERSATIONS].insert_many(context_turns(f"leg-{n}"))
+    assert cli(wire_uri, database, "run", "--limit", "2", "--batch-size", "1") == 0
+    stopped = database[lease.STATE].find_one({"kind": "run", "status": "stopped"})
+    assert stopped is not None
+    monkeypatch.setenv("AGENT_STORE_NAME_CHARS", "30")
+    with killed_nine_after("apply"):
+        cli(wire_uri, database, "run", "--new-rules", "--batch-size", "1")
+    assert cli(wire_uri, database, "run") == 0  # resumes the stopped run's ranges
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish", "--accept", "leg-0", "--note", "context") == 1
+    note = [line for line in capsys.readouterr().out.splitlines() if "settings differ" in line]
+    assert len(note) == 2
+    assert all(": AGENT_STORE_NAME_CHARS;" in line for line in note)
+    assert all(stopped["_id"] in line for line in note)
+
+    assert cli(wire_uri, database, "run", "--new-rules") == 0
+    assert cli(wire_uri, database, "verify") == 0
