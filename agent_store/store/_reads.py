@@ -41,6 +41,7 @@ from agent_store.core import (
     PendingCall,
     PendingHitl,
     PoppedMessage,
+    PromptNotPending,
     StorageUnavailable,
     Truncation,
     VersionMismatch,
@@ -359,7 +360,7 @@ def _not_resolvable(
     pending: PendingHitl | None,
     held: Sequence[Mapping[str, Any]],
     asked_again: bool,
-) -> Conflict:
+) -> PromptNotPending:
     """Why an answer to the prompt `request_id` matched nothing (`resolve_hitl`): the prompt,
     pending or open (holding calls no answer released, `held`) while another is the pending
     one, holds none of the calls it names, asked again since the answer was read (a prompt
@@ -375,7 +376,7 @@ def _not_resolvable(
                 f" (the pending one is {shown(pending.request_id)})" if pending else ""
             )
         if asked_again:
-            return Conflict(
+            return PromptNotPending(
                 f"{said} holds none of the calls the answer names: it was asked again since "
                 "the answer was read (read pending_calls again)"
             )
@@ -384,10 +385,10 @@ def _not_resolvable(
             for c in held
         ]
         holds = f"it holds {listed(calls, str)}" if calls else "it holds no call"
-        return Conflict(
+        return PromptNotPending(
             f"{said} holds none of the calls the answer names; {holds} (read pending_calls again)"
         )
-    return Conflict(
+    return PromptNotPending(
         f"no pending prompt {shown(request_id)} in conversation {conversation_id!r}"
         + (f"; the pending one is {shown(pending.request_id)}" if pending else "")
     )
