@@ -605,12 +605,16 @@ def create_app(
     """The application: what `uvicorn --factory app.api:create_app` and gunicorn serve.
 
     Without `settings` it reads them from the environment (as `python -m app` does) and
-    sets up the process's JSON logs. Pass `store` to serve an existing one (tests do); else
-    it connects. `tracer_provider` traces with that OpenTelemetry provider (tests pass one
-    with an in-memory exporter); otherwise `settings.tracing` decides.
+    sets up the process's JSON logs; a development token it makes up (embedded server, no
+    token configured) is logged once the process holds its database, so a worker refused
+    the embedded server's data directory (another worker holds it) logs none. Pass `store`
+    to serve an existing one (tests do); else it connects. `tracer_provider` traces with
+    that OpenTelemetry provider (tests pass one with an in-memory exporter); otherwise
+    `settings.tracing` decides.
     """
+    dev_token = None
     if settings is None:
-        settings = _settings_for_this_process()
+        settings, dev_token = _settings_for_this_process()
     tracing = Tracing.configure(settings, tracer_provider)
     listeners = [tracing.command_listener()] if tracing else []
 
@@ -621,6 +625,7 @@ def create_app(
             return
         async with open_store(settings, command_listeners=listeners) as opened:
             _serve(app, opened)
+            _announce(dev_token)
             await app.state.viewer_sessions.ensure_indexes()
             if settings.demo_data:
                 await load_demo(opened)
@@ -650,16 +655,22 @@ def create_app(
     return app
 
 
-def _settings_for_this_process() -> Settings:
-    """Read and check the environment's settings, set up JSON logs, announce a dev token."""
+def _settings_for_this_process() -> tuple[Settings, str | None]:
+    """Read and check the environment's settings and set up JSON logs; the development token
+    made up, if any (`_announce` logs it)."""
     settings, dev_token = settings_from_environment()
     configure_logging(settings.log_level)
+    return settings, dev_token
+
+
+def _announce(dev_token: str | None) -> None:
+    """Log the development token the process serves with, once it holds its database (the
+    embedded server started: its data directory locked for this process)."""
     if dev_token is not None:
         logging.getLogger("agent_store.api").warning(
             "No AGENT_STORE_SERVICE_TOKENS set; development token for this process: %s",
             dev_token,
         )
-    return settings
 
 
 def _serve(app: Starlette, store: Store) -> None:

@@ -112,6 +112,37 @@ async def test_an_agents_sessions_window_is_its_lifes_last_items_past_a_late_ins
     assert said == ["new q", [{"type": "output_text", "text": "new a", "annotations": []}]]
 
 
+def calling(tool: str, call_id: str) -> dict[str, Any]:
+    call = {"id": call_id, "type": "function", "function": {"name": tool, "arguments": "{}"}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+async def test_the_calls_before_a_page_are_its_lifes_past_a_batch_of_another_lifes_late_insert(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RELIABILITY.md: a late insert of a life a delete ended is never served, nor does it
+    take a page's results: `calls_before` pairs them with this life's calls, also when more
+    than a batch of the other life's messages making the same call id lie below the page
+    (the scan reads on with the life's `epoch` in its query, never stops at theirs)."""
+    monkeypatch.setattr("agent_store.store._reads.PAGE_FIRST_BATCH", 3)
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    for n in range(6):
+        await logger.log_messages(CID, [calling(f"old_{n}", "call_0")], turn_id=f"o{n}")
+    late = (
+        await backend.db[MESSAGES].find({"conversation_id": CID, "seq": {"$gte": 2}}).to_list(None)
+    )
+    store = ConversationStore(backend.db)
+    await store.delete(CID)
+    await logger.log_messages(CID, [user("new q"), calling("new", "call_0")], turn_id="n0")
+    await backend.db[MESSAGES].insert_many(late)  # four calls of call_0 at seq 2-5
+
+    found = await store.calls_before(CID, ["call_0"], before_seq=6)
+
+    assert [(m.seq, m.tool_calls[0].function.name) for m in found if m.tool_calls] == [(1, "new")]
+    assert len(found) == 1
+
+
 async def test_popping_the_last_message_leaves_the_summary_as_if_it_was_never_logged(
     backend: Backend,
 ) -> None:

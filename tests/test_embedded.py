@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import uuid
@@ -17,6 +18,7 @@ from pymongo import AsyncMongoClient, MongoClient
 
 from agent_store import AgentMessageLogger, ConversationStore, embedded
 from agent_store.embedded import embedded_mongodb
+from app.api import create_app
 from app.service import open_store
 from app.settings import Settings
 from tests.api_harness import SERVICE_TOKEN, auth_headers, serve
@@ -276,6 +278,41 @@ def test_a_second_embedded_server_on_a_data_dir_in_use_is_refused_naming_mongodb
     again = embedded.ServerThread(tmp_path)  # the directory is free once its server stopped
     assert again.start()
     again.stop()
+
+
+async def _started(app: Any) -> None:
+    """What the app's server does as it starts and stops: its lifespan."""
+    async with app.router.lifespan_context(app):
+        pass
+
+
+async def test_a_second_worker_on_a_data_dir_in_use_stops_without_logging_a_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`uvicorn --factory … --workers N` (or gunicorn's) without MONGODB_URI: a worker whose
+    data directory another one's embedded server holds stops, and logs no development token
+    (one that would never work, its worker gone); the worker that holds it logs its own."""
+    for name in ("MONGODB_URI", "AGENT_STORE_SERVICE_TOKENS", "AGENT_STORE_NAMED_SERVICE_TOKENS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AGENT_STORE_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("AGENT_STORE_DEMO_DATA", "false")
+    monkeypatch.setattr("app.api.configure_logging", lambda level: None)  # caplog's handler stays
+    caplog.set_level(logging.INFO)
+    held = embedded.ServerThread(tmp_path)
+    held.start()
+    try:
+        second = create_app()
+        with pytest.raises(embedded.DataDirectoryInUse, match="MONGODB_URI"):
+            await _started(second)
+    finally:
+        held.stop()
+    assert not [r for r in caplog.records if "development token" in r.getMessage()]
+
+    first = create_app()
+    async with first.router.lifespan_context(first):
+        [announced] = [r for r in caplog.records if "development token" in r.getMessage()]
+    assert first.state.authenticator is not None
+    assert "dev-" in announced.getMessage()
 
 
 async def test_the_service_refuses_a_data_dir_whose_embedded_server_another_process_runs(

@@ -15,6 +15,7 @@ from agent_store import (
     Conflict,
     ConversationStore,
     InvalidInput,
+    LegacyTurns,
     LoggedTurn,
     TurnRules,
 )
@@ -27,7 +28,9 @@ from agent_store.integrations.streams import (
     turn_from_metadata,
     turn_from_sse,
 )
-from agent_store.store import RuntimeContextMarkers
+from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
+from agent_store.store import CONVERSATIONS, MIGRATING, RuntimeContextMarkers
+from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_legacy_turns
 from tests.conftest import Backend
 
 STREAMS = Path(__file__).parent / "streams"
@@ -553,3 +556,126 @@ def test_a_call_without_an_id_gets_one_within_the_bound_whatever_its_tools_name(
     assert all(len(i) <= MAX_CALL_ID_CHARS and i.startswith(name[:150]) for i in ids)
     results = [m.tool_call_id for m in turn.messages if m.role == "tool"]
     assert results == ids
+
+
+def _approval_of(request_id: str, pending: Any = ()) -> StreamedTurn:
+    """A turn whose stream only approves the prompt `request_id`: no message of its own."""
+    return turn_from_metadata(
+        [{"type": "confirm_resolved", "request_id": request_id, "approved": True}],
+        complete=True,
+        pending=pending,
+    )
+
+
+async def test_a_turn_only_approving_a_prompt_of_legacy_turns_not_migrated_is_refused(
+    backend: Backend,
+) -> None:
+    """A streamed turn that only answers the prompt of its user's conversation that exists
+    only as legacy turns records nothing, as the same answer over HTTP does: it is refused
+    with the store's own Conflict (not migrated yet), never reported as logged."""
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    await backend.db[SESSION_HITL].insert_one(
+        {"conversation_id": EXAMPLE_CONVERSATION_ID, "request_id": "req-booking-1",
+         "action": "confirm_booking", "status": "pending", "user_id": EXAMPLE_USER_ID}
+    )  # fmt: skip
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(backend.db, legacy=legacy)
+    store = ConversationStore(backend.db, legacy=legacy)
+
+    with pytest.raises(Conflict, match="exists as legacy turns not migrated yet"):
+        await log_streamed_turn(
+            logger=logger, store=store, conversation_id=EXAMPLE_CONVERSATION_ID,
+            turn=_approval_of("req-booking-1"), turn_id="t-approve", user_id=EXAMPLE_USER_ID,
+        )  # fmt: skip
+
+    prompt = await backend.db[SESSION_HITL].find_one({"request_id": "req-booking-1"})
+    assert prompt is not None
+    assert prompt["status"] == "pending"
+    assert await backend.db[CONVERSATIONS].count_documents({}) == 0
+
+
+async def _asked_then_migrating(
+    backend: Backend,
+) -> tuple[AgentMessageLogger, ConversationStore, list[PendingCall]]:
+    """`c-owned`, user-alice's, asking `confirm-1` about its call `tc-1` (its pending calls as a
+    client read them), then marked as the migration marks a conversation it is still writing
+    (`MIGRATING`)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    ask = [
+        {"type": "tool_start", "tool_name": "pay", "tool_call_id": "tc-1", "args": {"eur": 9}},
+        {"type": "confirm_required", "request_id": "confirm-1", "action": "pay",
+         "params": {"eur": 9}, "prompt": "Pay 9 EUR?", "tool_call_id": "tc-1"},
+    ]  # fmt: skip
+    await log_streamed_turn(
+        logger=logger, store=store, conversation_id="c-owned", user_id="user-alice",
+        turn=turn_from_metadata(ask, complete=True), turn_id="t1", prompt="Pay the invoice.",
+    )  # fmt: skip
+    pending = await store.pending_calls("c-owned")
+    await backend.db[CONVERSATIONS].update_one({"_id": "c-owned"}, {"$set": {MIGRATING: True}})
+    return logger, store, pending
+
+
+async def test_a_turn_only_approving_a_prompt_while_its_conversation_is_migrated_is_refused(
+    backend: Backend,
+) -> None:
+    """A turn that only answers a prompt of a conversation the migration is still writing
+    records nothing: refused with the store's Conflict (sent again once migrated), not
+    reported as logged; the prompt stays pending."""
+    logger, store, pending = await _asked_then_migrating(backend)
+
+    with pytest.raises(Conflict, match="may be sent again once `python -m migrations run`"):
+        await log_streamed_turn(
+            logger=logger, store=store, conversation_id="c-owned",
+            turn=_approval_of("confirm-1", pending), turn_id="t2", user_id="user-alice",
+        )  # fmt: skip
+
+    await backend.db[CONVERSATIONS].update_one({"_id": "c-owned"}, {"$unset": {MIGRATING: 1}})
+    asked = await store.pending_hitl("c-owned")
+    assert asked is not None
+    assert asked.request_id == "confirm-1"
+
+
+async def test_a_turn_approving_a_call_then_giving_its_result_while_migrated_is_refused(
+    backend: Backend,
+) -> None:
+    """A turn that approves a call and logs its result (the approval recorded before the
+    turn) into a conversation being migrated records nothing: the store's refusal reaches
+    the caller, the prompt stays pending and no message is stored."""
+    logger, store, pending = await _asked_then_migrating(backend)
+    answer = turn_from_metadata(
+        [{"type": "confirm_resolved", "request_id": "confirm-1", "approved": True},
+         {"type": "tool_end", "tool_name": "pay", "tool_call_id": "tc-1", "result": "paid"}],
+        complete=True,
+        pending=pending,
+    )  # fmt: skip
+
+    with pytest.raises(Conflict, match="not migrated yet"):
+        await log_streamed_turn(
+            logger=logger, store=store, conversation_id="c-owned", turn=answer, turn_id="t2",
+            user_id="user-alice",
+        )  # fmt: skip
+
+    await backend.db[CONVERSATIONS].update_one({"_id": "c-owned"}, {"$unset": {MIGRATING: 1}})
+    asked = await store.pending_hitl("c-owned")
+    assert asked is not None
+    assert asked.request_id == "confirm-1"
+    assert len(await store.transcript("c-owned")) == 3
+
+
+async def test_a_streamed_approval_replayed_after_its_prompt_was_answered_still_logs(
+    backend: Backend,
+) -> None:
+    """What a stream answers that was answered before (a replay, another tab first) keeps
+    its first answer: the turn is logged, no refusal."""
+    logger, store, pending = await _asked_then_migrating(backend)
+    await backend.db[CONVERSATIONS].update_one({"_id": "c-owned"}, {"$unset": {MIGRATING: 1}})
+    approval = _approval_of("confirm-1", pending)
+    await store.resolve_hitl("c-owned", "confirm-1", user_id="user-alice")
+
+    logged = await log_streamed_turn(
+        logger=logger, store=store, conversation_id="c-owned", turn=approval, turn_id="t2",
+        user_id="user-alice",
+    )  # fmt: skip
+
+    assert logged.messages == []
+    assert await store.pending_hitl("c-owned") is None

@@ -81,6 +81,15 @@ class AnsweredBefore(Conflict):
         confirmation, or answered by another turn."""
 
 
+class PromptNotPending(Conflict):
+    """An answer to a prompt (`resolve_hitl`) that no prompt of its request id takes now: it
+    was resolved before (its first answer stands), asked again since the answer was read, or
+    holds other calls than those the answer names, or no prompt of the id was asked. Nothing
+    was written, and the conversation takes writes: a caller replaying an answer (a stream's
+    approval, logged again) may pass over it, unlike the other Conflicts of an answer (a
+    conversation not migrated yet, or being migrated), which mean it can record nothing."""
+
+
 class Unsupported(StoreError):
     """The connected database cannot do this (e.g. full-text search on an in-process fake)."""
 

@@ -53,6 +53,7 @@ from agent_store.core import (
     MessageError,
     NotFound,
     PendingCall,
+    PromptNotPending,
     TokenUsage,
     ToolCall,
     ToolMessage,
@@ -759,8 +760,10 @@ async def _resolve_the_rest(
             continue
         calls = held.get(request_id)
         concerned = None if calls is None else [(c, m or made.get(c)) for c, m in calls]
-        # Resolved before, holding nothing any more, or asked again about other calls.
-        with contextlib.suppress(Conflict):
+        # Resolved before, holding nothing any more, or asked again about other calls: that
+        # prompt's first answer stands. Any other refusal (the conversation not migrated yet,
+        # being migrated) means nothing is recorded, and reaches the caller.
+        with contextlib.suppress(PromptNotPending):
             await store.resolve_hitl(
                 conversation_id, request_id, **_naming(concerned), **_answering_for(user_id)
             )
@@ -805,7 +808,7 @@ async def _approvals_answered(
         await _refuse_another_owner(store, conversation_id, user_id)
     resolved: set[str] = set()
     for request_id, known in early:
-        with contextlib.suppress(Conflict):  # resolved before: its first answer stands
+        with contextlib.suppress(PromptNotPending):  # resolved before: its first answer stands
             await store.resolve_hitl(
                 conversation_id, request_id, **_naming(known), **_answering_for(user_id)
             )

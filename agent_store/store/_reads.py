@@ -41,6 +41,7 @@ from agent_store.core import (
     PendingCall,
     PendingHitl,
     PoppedMessage,
+    PromptNotPending,
     StorageUnavailable,
     Truncation,
     VersionMismatch,
@@ -359,7 +360,7 @@ def _not_resolvable(
     pending: PendingHitl | None,
     held: Sequence[Mapping[str, Any]],
     asked_again: bool,
-) -> Conflict:
+) -> PromptNotPending:
     """Why an answer to the prompt `request_id` matched nothing (`resolve_hitl`): the prompt,
     pending or open (holding calls no answer released, `held`) while another is the pending
     one, holds none of the calls it names, asked again since the answer was read (a prompt
@@ -375,7 +376,7 @@ def _not_resolvable(
                 f" (the pending one is {shown(pending.request_id)})" if pending else ""
             )
         if asked_again:
-            return Conflict(
+            return PromptNotPending(
                 f"{said} holds none of the calls the answer names: it was asked again since "
                 "the answer was read (read pending_calls again)"
             )
@@ -384,10 +385,10 @@ def _not_resolvable(
             for c in held
         ]
         holds = f"it holds {listed(calls, str)}" if calls else "it holds no call"
-        return Conflict(
+        return PromptNotPending(
             f"{said} holds none of the calls the answer names; {holds} (read pending_calls again)"
         )
-    return Conflict(
+    return PromptNotPending(
         f"no pending prompt {shown(request_id)} in conversation {conversation_id!r}"
         + (f"; the pending one is {shown(pending.request_id)}" if pending else "")
     )
@@ -1345,8 +1346,11 @@ class ConversationStore:
         (an id whose every earlier call is answered is read down to its first), the
         conversation document read with the first (`_of_standing`: none of one that is no
         conversation; with `life`, NotFound when that one is no longer under the id, as
-        `messages_by_seq`); none for no ids. No legacy fallback: a conversation not migrated yet
-        is read whole.
+        `messages_by_seq`); none for no ids. The messages are the conversation's own: when the
+        scan met a late insert of a life a delete ended, it is made again with the life's
+        `epoch` in its query (`_of_life`, as a window of the last messages is), so another
+        life's calls never take a page's results nor end the scan. No legacy fallback: a
+        conversation not migrated yet is read whole.
         """
         if isinstance(before_seq, bool) or not isinstance(before_seq, int) or before_seq < 0:
             raise InvalidInput(f"invalid before_seq {before_seq!r}: it must be a seq, 0 or more")
@@ -1364,8 +1368,9 @@ class ConversationStore:
         read = partial(self._paired_calls, scope, needed, before_seq, validated)
         step = "read the calls before a page"
         docs = await self._of_standing(
-            conversation_id, user_id, read, step, absent_is_empty=True, life=life
-        )
+            conversation_id, user_id, partial(read, {}), step, absent_is_empty=True, life=life,
+            again=read,
+        )  # fmt: skip
         return [validated[doc["_id"]] for doc in docs or ()]
 
     async def _paired_calls(
@@ -1374,16 +1379,19 @@ class ConversationStore:
         needed: Counter[str],
         before_seq: int,
         validated: dict[Any, AgentMessage],
+        life: Mapping[str, Any],
     ) -> list[dict[str, Any]]:
-        """`calls_before`'s scan of the messages below `before_seq` in `scope`, by `seq`; each
-        kept validated once, into `validated` by `_id`."""
+        """`calls_before`'s scan of the messages below `before_seq` in `scope` and `life` (a
+        filter: `_of_life`, or none), by `seq`; each kept validated once, into `validated` by
+        `_id`. Every message read that takes part in the pairing is among those it returns, so
+        a scan that met another life's (`_its_messages` leaves some out) is read again."""
         found: list[tuple[dict[str, Any], AgentMessage]] = []
         reach: dict[str, int] = {}
         below = before_seq
         while len(reach) < len(needed):
             wanted = sorted(set(needed) - set(reach))
             either = [{"tool_calls.id": {"$in": wanted}}, {"tool_call_id": {"$in": wanted}}]
-            query = {**scope, "seq": {"$lt": below}, "$or": either}
+            query = {**scope, **life, "seq": {"$lt": below}, "$or": either}
             cursor = self._messages.find(query).sort("seq", -1).limit(PAGE_FIRST_BATCH)
             docs = await cursor.to_list(None)
             found += zip(docs, messages_adapter.validate_python(docs), strict=True)
