@@ -759,7 +759,7 @@ async def _alice_asked_to_book(backend: Backend) -> Runtime:
 async def test_a_streamed_turn_naming_another_user_approves_nothing_of_the_owners(
     backend: Backend, read_as: str
 ) -> None:
-    """A turn naming another user than the conversation's owner is a Conflict, and so is the
+    """A turn naming another user than the conversation's owner is NotFound, and so is the
     approval it carries with its call's result: the owner's prompt stays pending, its call
     held, nothing approved (the pending calls read by a service, or for that user: none)."""
     runtime = await _alice_asked_to_book(backend)
@@ -768,12 +768,12 @@ async def test_a_streamed_turn_naming_another_user_approves_nothing_of_the_owner
         CID, user_id=None if read_as == "service" else "mallory"
     )
 
-    with pytest.raises((Conflict, InvalidInput)) as refused:
+    with pytest.raises((NotFound, InvalidInput)) as refused:
         await _approve_and_book_as(runtime, "mallory", read)
 
     if read_as == "service":
-        assert isinstance(refused.value, Conflict)
-        assert "belongs to another user" in str(refused.value)
+        assert isinstance(refused.value, NotFound)
+        assert str(refused.value) == f"conversation {CID!r} was not found"
     assert await _approvals_recorded(runtime) == before
     assert before["pending_hitl"] == "confirm-9"
 

@@ -29,6 +29,7 @@ from langchain_core.messages import (
 )
 from langchain_core.runnables.history import RunnableWithMessageHistory
 from langchain_mongodb import MongoDBChatMessageHistory
+from mongomock_motor import AsyncMongoMockClient
 from pydantic import BaseModel
 from pymongo import MongoClient
 from pymongo.errors import AutoReconnect
@@ -38,6 +39,8 @@ from agent_store import (
     Conflict,
     ConversationStore,
     InvalidInput,
+    LegacyTurns,
+    NotFound,
     RuntimeContextMarkers,
     StorageUnavailable,
     TurnRules,
@@ -45,7 +48,8 @@ from agent_store import (
 )
 from agent_store.core import DENIED_RESULT, FAILED_RESULT, INTERRUPTED_RESULT, MAX_PARAMS_DEPTH
 from agent_store.integrations.langchain import ConversationChatHistory, message_from_langchain
-from agent_store.store import MESSAGES
+from agent_store.legacy import LEGACY_TURNS
+from agent_store.store import CONVERSATIONS, MESSAGES
 from tests.conftest import COUNTED, Backend, CommandLog
 
 pytestmark = [
@@ -1204,3 +1208,60 @@ async def test_a_result_stored_with_only_an_error_replays_as_what_the_error_says
     result = read_back[2]
     assert isinstance(result, ToolMessage)
     assert (result.content, result.status) == (expected, "error")
+
+
+async def test_a_users_history_never_adopts_a_conversation_a_service_logged(
+    backend: Backend,
+) -> None:
+    """A service's (unowned) conversation is to a user's history what it is to her token: it
+    reads empty, a write is NotFound and nothing is written, and a clear takes nothing. A
+    service that means her to have it assigns it (`upsert_conversation`)."""
+    logger = AgentMessageLogger(backend.db)
+    secret = {"role": "system", "content": "internal: api key sk-SERVICE"}
+    await logger.log_messages(CID, [secret], turn_id="svc-0")
+    history = ConversationChatHistory(CID, backend.db, user_id="user-ada")
+
+    assert await history.aget_messages() == []
+    with pytest.raises(NotFound, match=re.escape(f"conversation {CID!r} was not found")):
+        await history.aadd_messages([HumanMessage("hi")])
+    await history.aclear()
+    assert (await history.store.get_conversation(CID)).user_id is None
+    assert [m.content for m in await history.store.transcript(CID)] == [secret["content"]]
+
+    await logger.upsert_conversation(CID, user_id="user-ada")  # the service assigns it
+    await history.aadd_messages([HumanMessage("hi")])
+    assert [m.content for m in await history.aget_messages()] == [secret["content"], "hi"]
+
+
+async def test_a_history_given_the_legacy_turns_never_takes_another_users_unmigrated_id(
+    backend: Backend,
+) -> None:
+    """During a migration the history takes the logger and store the service wires to the
+    legacy turns (MIGRATION.md, Transition flags): another user's conversation not migrated
+    yet is NotFound to a user's history, as to her token, and nothing is written."""
+    await backend.db[LEGACY_TURNS].insert_one(
+        {"_id": "lt-1", "conversation_id": CID, "user_id": "user-mallory",
+         "user_message": "mallory's words", "response_parts": [{"type": "text", "content": "ok"}],
+         "created_at": datetime.now(UTC)}
+    )  # fmt: skip
+    legacy = LegacyTurns(backend.db)
+    history = ConversationChatHistory(
+        CID,
+        backend.db,
+        user_id="user-ada",
+        logger=AgentMessageLogger(backend.db, legacy=legacy),
+        store=ConversationStore(backend.db, legacy=legacy),
+    )
+
+    with pytest.raises(NotFound, match=re.escape(f"conversation {CID!r} was not found")):
+        await history.aadd_messages([HumanMessage("ada squats")])
+    assert await history.aget_messages() == []
+    assert await backend.db[CONVERSATIONS].count_documents({}) == 0
+
+
+def test_a_history_on_a_synchronous_database_refuses_a_logger_it_cannot_drive() -> None:
+    logger = AgentMessageLogger(AsyncMongoMockClient()["async"])
+    with MongoClient("mongodb://127.0.0.1:9", connect=False) as client:
+        refused = "pass `logger` and `store` with an async database"
+        with pytest.raises(InvalidInput, match=refused):
+            ConversationChatHistory(CID, client["sync"], logger=logger)

@@ -11,7 +11,7 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Annotated, Any, TypedDict
 
@@ -34,6 +34,7 @@ from agent_store import (
     Conflict,
     ConversationStore,
     InvalidInput,
+    LegacyTurns,
     NotFound,
     StorageFailure,
     StorageUnavailable,
@@ -44,6 +45,7 @@ from agent_store.integrations._langgraph_documents import check_metadata_keys, m
 from agent_store.integrations.exports import chat_completions
 from agent_store.integrations.langgraph import CHECKPOINTS, REWRITTEN, AgentStoreSaver
 from agent_store.integrations.pydantic_ai import history_from_messages
+from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import CONVERSATIONS, MESSAGES, BeingDeleted, checkpoints_referring_to
 from scripts.langgraph_agent import approval_agent, comparable, question, tool_agent
 from tests.api_harness import SERVICE_TOKEN, auth_headers, serve
@@ -945,7 +947,7 @@ async def test_a_users_write_into_a_checkpoint_naming_no_user_costs_two_round_tr
     mine = {"configurable": saved["configurable"] | {"user_id": "user-ada"}}
     wire_backend.commands.clear()
     await saver.aput_writes(mine, [("note", "Ada's")], "task-1")
-    assert wire_backend.commands.names == ["update", "find", "update"]
+    assert wire_backend.commands.names == ["update", "findAndModify", "update"]
     wire_backend.commands.clear()
     await saver.aput_writes(mine, [("note", "Ada's again")], "task-2")
     assert wire_backend.commands.names == ["update"]  # the document names her now
@@ -1035,7 +1037,7 @@ async def test_a_users_thread_is_that_users_conversation_and_no_one_elses(
         other = tool_agent(saver)
         assert (await other.aget_state(grace)).values == {}
         assert [s async for s in other.aget_state_history(grace)] == []
-        with pytest.raises(NotFound, match="a user writes only to its own threads"):
+        with pytest.raises(NotFound, match=re.escape(f"conversation {thread_id!r} was not found")):
             await other.ainvoke(question(3), grace)
     assert await _counts(backend.db) == before
     # A service (no user in the config) reads it.
@@ -1055,6 +1057,41 @@ async def test_a_user_never_adopts_a_thread_a_service_started(backend: Backend) 
         service["configurable"]["thread_id"]
     )
     assert conversation.user_id is None
+
+
+@pytest.mark.parametrize("state", ["live", "deleting", "forking", "migrating", "unowned", "legacy"])
+async def test_another_users_thread_in_any_state_is_the_same_not_found_to_a_users_graph(
+    backend: Backend, state: str
+) -> None:
+    """A graph run for Ada on an id Mallory holds, in whatever state, or a service holds, is
+    told what Ada's token is told over HTTP: NotFound, the same words, nothing written."""
+    legacy = LegacyTurns(backend.db)
+    logger = AgentMessageLogger(backend.db, legacy=legacy)
+    if state == "legacy":
+        await backend.db[LEGACY_TURNS].insert_one(
+            {"_id": "lt-1", "conversation_id": "conv-x", "user_id": "user-mallory",
+             "user_message": "w", "response_parts": [{"type": "text", "content": "ok"}],
+             "created_at": datetime.now(UTC)}
+        )  # fmt: skip
+    else:
+        owner = None if state == "unowned" else "user-mallory"
+        await logger.log_messages("conv-x", [{"role": "user", "content": "hers"}], user_id=owner)
+        field = {"deleting": "deleting_since", "forking": "fork_check", "migrating": "migrating"}
+        if state in field:
+            mark = datetime.now(UTC) if state == "deleting" else {"since": datetime.now(UTC)}
+            await backend.db[CONVERSATIONS].update_one(
+                {"_id": "conv-x"}, {"$set": {field[state]: mark}}
+            )
+    saver = AgentStoreSaver(
+        backend.db, logger=logger, store=ConversationStore(backend.db, legacy=legacy)
+    )
+    before = await _counts(backend.db)
+
+    with pytest.raises(NotFound) as refused:
+        await tool_agent(saver).ainvoke(question(1), thread("user-ada", "conv-x"))
+
+    assert str(refused.value) == "conversation 'conv-x' was not found"
+    assert await _counts(backend.db) == before
 
 
 async def test_erasing_a_user_leaves_none_of_their_langgraph_state_for_the_next_holder_of_the_id(
@@ -1116,11 +1153,11 @@ async def test_a_graph_of_an_erased_user_cannot_write_into_the_thread_another_us
         if t.checkpoint["id"] != later["id"]
     ]
     before = await _counts(backend.db)
-    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+    with pytest.raises(NotFound, match="was not found"):
         await adas_graph.aput(ada, empty_checkpoint(), {"source": "input", "step": 2}, {})
-    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+    with pytest.raises(NotFound, match="was not found"):
         await adas_graph.aput(first, later, {"source": "loop", "step": 1}, {})
-    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+    with pytest.raises(NotFound, match="was not found"):
         await adas_graph.aput_writes(first, [("note", "Ada's")], "task-1")
     assert await _counts(backend.db) == before
     assert await AgentStoreSaver(backend.db).aget_tuple(mallory) == mallorys
@@ -1173,9 +1210,9 @@ async def test_time_travel_of_a_deleted_conversations_graph_never_writes_into_th
     graces = (await adas_graph.aget_state(grace)).values
     transcript = await store.transcript(thread_id, user_id="user-grace")
 
-    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+    with pytest.raises(NotFound, match="was not found"):
         await adas_graph.aupdate_state(kept, _said("written by Ada's process"))
-    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+    with pytest.raises(NotFound, match="was not found"):
         await adas_graph.ainvoke(_said("a run from Ada's process"), kept)
     assert (await adas_graph.aget_state(grace)).values == graces
     assert await store.transcript(thread_id, user_id="user-grace") == transcript
@@ -1466,7 +1503,7 @@ async def test_an_old_ids_pending_writes_after_a_claim_never_reach_the_new_owner
     await ConversationStore(backend.db).claim("user-guest", "user-ada")
 
     running = {"configurable": saved["configurable"] | {"user_id": "user-guest"}}
-    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+    with pytest.raises(NotFound, match="was not found"):
         await guests.aput_writes(running, [("note", "written by the old id's graph")], "task-1")
     adas = await AgentStoreSaver(backend.db).aget_tuple(thread("user-ada", thread_id))
     assert adas is not None

@@ -36,6 +36,8 @@ from agent_store import (
     Conflict,
     ConversationStore,
     InvalidInput,
+    LegacyTurns,
+    NotFound,
     StorageUnavailable,
     TurnRules,
 )
@@ -46,6 +48,7 @@ from agent_store.core import (
     MessageError,
     ToolCall,
     UserMessage,
+    utc_now,
 )
 from agent_store.integrations.exports import chat_completions, check_chat_completions
 from agent_store.integrations.openai_agents import (
@@ -53,7 +56,8 @@ from agent_store.integrations.openai_agents import (
     item_from_message,
     message_from_item,
 )
-from agent_store.store import MESSAGES
+from agent_store.legacy import LEGACY_TURNS
+from agent_store.store import CONVERSATIONS, MESSAGES
 from tests.conftest import COUNTED, Backend
 
 CID = "conv-agents"
@@ -999,9 +1003,60 @@ async def test_a_session_of_one_user_neither_reads_nor_writes_anothers(backend: 
     intruder = ConversationSession(CID, backend.db, user_id="mallory")
 
     assert await intruder.get_items() == []
-    with pytest.raises(Conflict):
+    with pytest.raises(NotFound, match=re.escape(f"conversation {CID!r} was not found")):
         await intruder.add_items([{"role": "user", "content": "yours now"}])
     assert await intruder.pop_item() is None
+
+
+async def test_a_users_session_never_adopts_a_conversation_a_service_logged(
+    backend: Backend,
+) -> None:
+    """A service's (unowned) conversation is to a user's session what it is to her token: it
+    reads empty, a write is NotFound and nothing is written, and a pop or a clear takes
+    nothing. A service that means her to have it assigns it (`upsert_conversation`)."""
+    logger = AgentMessageLogger(backend.db)
+    secret = {"role": "system", "content": "internal: api key sk-SERVICE"}
+    await logger.log_messages(CID, [secret], turn_id="svc-0")
+    session = ConversationSession(CID, backend.db, user_id="user-ada")
+
+    assert await session.get_items() == []
+    with pytest.raises(NotFound, match=re.escape(f"conversation {CID!r} was not found")):
+        await session.add_items([{"role": "user", "content": "hi"}])
+    assert await session.pop_item() is None
+    await session.clear_session()
+    stored = await session.store.get_conversation(CID)
+    assert stored.user_id is None
+    assert [m.content for m in await session.store.transcript(CID)] == [secret["content"]]
+
+    await logger.upsert_conversation(CID, user_id="user-ada")  # the service assigns it
+    await session.add_items([{"role": "user", "content": "hi"}])
+    assert len(await session.get_items()) == 2
+
+
+async def test_a_session_given_the_legacy_turns_never_takes_another_users_unmigrated_id(
+    backend: Backend,
+) -> None:
+    """During a migration the session takes the logger and store the service wires to the
+    legacy turns (MIGRATION.md, Transition flags): another user's conversation not migrated
+    yet is NotFound to a user's session, as to her token, and nothing is written."""
+    await backend.db[LEGACY_TURNS].insert_one(
+        {"_id": "lt-1", "conversation_id": CID, "user_id": "user-mallory",
+         "user_message": "mallory's words", "response_parts": [{"type": "text", "content": "ok"}],
+         "created_at": utc_now()}
+    )  # fmt: skip
+    legacy = LegacyTurns(backend.db)
+    session = ConversationSession(
+        CID,
+        backend.db,
+        user_id="user-ada",
+        logger=AgentMessageLogger(backend.db, legacy=legacy),
+        store=ConversationStore(backend.db, legacy=legacy),
+    )
+
+    with pytest.raises(NotFound, match=re.escape(f"conversation {CID!r} was not found")):
+        await session.add_items([{"role": "user", "content": "ada squats"}])
+    assert await session.get_items() == []
+    assert await backend.db[CONVERSATIONS].count_documents({}) == 0
 
 
 async def test_adding_costs_two_round_trips_reading_one_and_clearing_ten(

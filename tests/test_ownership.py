@@ -624,3 +624,202 @@ async def test_with_dual_write_on_a_users_reads_and_delete_beside_a_live_convers
             assert answers[route, "conv-alone"][0] == 200, route
         left = {c["_id"] for c in await api.db[LEGACY_TURNS].find().to_list(None)}
         assert left == copies
+
+
+# A runtime acting for a user (an integration given `user_id`) checks that user's ownership as
+# the user's token does; its turns stay a runtime's (it steers them: `SteeringInbox`).
+
+ENTRIES = ("agents-session", "langchain-history", "pydantic-ai-run", "langgraph-saver", "stream")
+UNSTANDING = {"another-deleting": "deleting_since", "another-forking": "fork_check",
+              "another-migrating": "migrating"}  # fmt: skip
+"""Another user's conversation that is no conversation here: marked by a delete, a fork not
+made yet, being migrated. Over HTTP each is a 404 to OWNER's token, as a missing one."""
+
+
+async def seed_unstanding(api: Served) -> None:
+    for state, field in UNSTANDING.items():
+        target = conversation_id(state)
+        await api.store.logger.log_messages(target, hitl_turn("req"), user_id=OTHER, turn_id="t-1")
+        mark = utc_now() if field == "deleting_since" else {"since": utc_now()}
+        await api.db[CONVERSATIONS].update_one({"_id": target}, {"$set": {field: mark}})
+
+
+async def write_for_owner(api: Served, entry: str, target: str) -> None:
+    """One turn written by `entry` acting for OWNER, on the service's legacy-aware logger and
+    store (MIGRATION.md, Transition flags)."""
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from pydantic_ai import messages as pai
+
+    from agent_store.integrations.langchain import ConversationChatHistory
+    from agent_store.integrations.langgraph import AgentStoreSaver
+    from agent_store.integrations.openai_agents import ConversationSession
+    from agent_store.integrations.pydantic_ai import log_run
+    from agent_store.integrations.streams import log_streamed_turn, turn_from_metadata
+
+    wired = {"logger": api.store.logger, "store": api.store.conversations}
+    if entry == "agents-session":
+        session = ConversationSession(target, api.db, user_id=OWNER, **wired)
+        await session.add_items([{"role": "user", "content": "hi"}])
+    elif entry == "langchain-history":
+        history = ConversationChatHistory(target, api.db, user_id=OWNER, **wired)
+        await history.aadd_messages([HumanMessage("hi")])
+    elif entry == "pydantic-ai-run":
+        run = [pai.ModelRequest(parts=[pai.UserPromptPart("hi")])]
+        await log_run(api.store.logger, target, run, turn_id="t-matrix", user_id=OWNER)
+    elif entry == "langgraph-saver":
+        builder = StateGraph(MessagesState)
+        builder.add_node("agent", lambda state: {"messages": [AIMessage("ok")]})
+        builder.add_edge(START, "agent")
+        builder.add_edge("agent", END)
+        graph = builder.compile(checkpointer=AgentStoreSaver(api.db, **wired))
+        config = {"configurable": {"thread_id": target, "user_id": OWNER}}
+        await graph.ainvoke({"messages": [HumanMessage("hi")]}, config)  # type: ignore[arg-type]
+    else:
+        turn = turn_from_metadata([{"type": "stream_token", "token": "ok"}], complete=True)
+        await log_streamed_turn(
+            **wired, conversation_id=target, turn=turn, turn_id="t-matrix", prompt="hi",
+            user_id=OWNER,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("state", [*STATES, *SPELLED, *UNSTANDING])
+@pytest.mark.parametrize("entry", ENTRIES)
+async def test_a_runtime_acting_for_a_user_writes_where_that_users_token_may(
+    entry: str, state: str
+) -> None:
+    """Its own conversation or a new id: written, and its. A service's unowned one, another
+    user's in any state, another user's legacy turns: NotFound with the HTTP 404's very text
+    (no state told), nothing written, never adopted. Its own legacy turns: the 409's
+    Conflict. The same answers as OWNER's token gets for a turn over HTTP."""
+    from agent_store import Conflict, NotFound
+
+    target = conversation_id(state)
+    turn = {"turn_id": "t-matrix", "messages": [{"role": "user", "content": "hi"}]}
+    async with serve(mongomock_db(), seeded=False) as told:
+        await told.store.logger.ensure_indexes()
+        await seed_states(told)
+        await seed_unstanding(told)
+        url = f"/v1/conversations/{target}/turns"
+        token = await told.http.post(url, json=turn, headers=auth_headers(user=OWNER))
+    async with serve(mongomock_db(), seeded=False) as api:
+        await api.store.logger.ensure_indexes()
+        await seed_states(api)
+        await seed_unstanding(api)
+        everything = await digests(api.db)
+
+        if token.status_code == 201:
+            await write_for_owner(api, entry, target)
+            owner = await api.db[CONVERSATIONS].find_one({"_id": target})
+            assert owner is not None
+            assert owner["user_id"] == OWNER
+            return
+        refusal = NotFound if token.status_code == 404 else Conflict
+        with pytest.raises(refusal) as refused:
+            await write_for_owner(api, entry, target)
+
+        assert str(refused.value) == token.json()["error"]["message"]
+        assert await digests(api.db) == everything, "a refused write changed data"
+
+
+@pytest.mark.parametrize("flag", ["strict_owner", "owner_only"])
+@pytest.mark.parametrize("state", ["another", "unowned", "another-deleting", "mine"])
+async def test_creating_only_under_an_id_not_the_users_is_not_found_to_her(
+    state: str, flag: str
+) -> None:
+    """`upsert_conversation(create_only=True)` for a user checked strictly: an id another
+    user or a service holds, in any state, is the 404's NotFound, as a missing one (never
+    "exists already", which would tell her it is taken); her own is "exists already"."""
+    from agent_store import Conflict, NotFound
+
+    target = conversation_id(state)
+    async with serve(mongomock_db(), seeded=False) as api:
+        await seed_states(api)
+        await seed_unstanding(api)
+        everything = await digests(api.db)
+        expected = Conflict if state == "mine" else NotFound
+        with pytest.raises(expected) as refused:
+            await api.store.logger.upsert_conversation(
+                target, user_id=OWNER, create_only=True, **{flag: True}
+            )
+        if state != "mine":
+            assert str(refused.value) == f"conversation {target!r} was not found"
+        assert await digests(api.db) == everything
+
+
+async def test_a_runtime_acting_for_a_user_steers_its_turn_and_logs_it(backend: Backend) -> None:
+    """The steering loop of a runtime acting for a user: it logs the prompt for her, opens the
+    turn's inbox, and logs the streamed answer under that turn id for her, a retry answered
+    as logged; the prompt a run logged for her opens an inbox too. Its turns are a
+    runtime's, never a person's: no 409 "only the runtime logs a turn under it"."""
+    from pydantic_ai import messages as pai
+
+    from agent_store import AgentMessageLogger, ConversationStore, SteeringInbox
+    from agent_store.integrations.pydantic_ai import log_run
+    from agent_store.integrations.streams import log_streamed_turn, turn_from_metadata
+
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    inbox = SteeringInbox(logger)
+    await logger.log_messages("conv-run", [{"role": "user", "content": "hi"}], user_id=OWNER)
+    for opened in ("run-1", "run-2"):
+        prompt = [pai.ModelRequest(parts=[pai.UserPromptPart("go")])]
+        await log_run(logger, "conv-run", prompt, turn_id=f"{opened}-prompt", user_id=OWNER)
+        await inbox.open_turn("conv-run", f"{opened}-prompt", user_id=OWNER)  # its own turn
+        await inbox.open_turn("conv-run", opened, user_id=OWNER)
+        assert await inbox.close_inbox("conv-run", opened, -1) == []
+        turn = turn_from_metadata([{"type": "stream_token", "token": "ok"}], complete=True)
+        for _ in range(2):  # the first attempt, then its retry
+            logged = await log_streamed_turn(
+                logger=logger, store=store, conversation_id="conv-run", turn=turn,
+                turn_id=opened, user_id=OWNER,
+            )  # fmt: skip
+            assert [m.content for m in logged.messages] == ["ok"]
+    found = await backend.db[CONVERSATIONS].find_one({"_id": "conv-run"})
+    assert found is not None
+    assert not any(r.get("u") for r in found["turns"]), "a runtime's turn recorded a person's"
+
+
+async def test_a_runtime_acting_for_a_user_logs_after_a_persons_turn_in_her_conversation(
+    backend: Backend,
+) -> None:
+    """A person (her token: `owner_only`) logged a turn in her conversation; a runtime acting
+    for her logs the next one there, and opens an inbox for its own turn id."""
+    from agent_store import AgentMessageLogger, ConversationStore, SteeringInbox
+    from agent_store.integrations.streams import log_streamed_turn, turn_from_metadata
+
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    said = [{"role": "user", "content": "mine"}]
+    await logger.log_messages("conv-hers", said, user_id=OWNER, turn_id="p-1", owner_only=True)
+    await SteeringInbox(logger).open_turn("conv-hers", "run-9", user_id=OWNER)
+    turn = turn_from_metadata([{"type": "stream_token", "token": "ok"}], complete=True)
+    await log_streamed_turn(
+        logger=logger, store=store, conversation_id="conv-hers", turn=turn, turn_id="run-9",
+        prompt="next", user_id=OWNER,
+    )  # fmt: skip
+    assert [m.content for m in await store.transcript("conv-hers")] == ["mine", "next", "ok"]
+
+
+async def test_a_runtime_acting_for_a_user_opens_inboxes_in_her_conversations_only(
+    backend: Backend,
+) -> None:
+    """`open_turn(..., strict_owner=True)`: her conversation's inbox opens, and the turn is
+    then logged for her; a service's unowned conversation or another user's is NotFound, as
+    to her token, nothing changed."""
+    from agent_store import AgentMessageLogger, ConversationStore, NotFound, SteeringInbox
+    from agent_store.integrations.streams import log_streamed_turn, turn_from_metadata
+
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages("conv-hers", [{"role": "user", "content": "hi"}], user_id=OWNER)
+    await SteeringInbox(logger).open_turn("conv-hers", "run-1", user_id=OWNER, strict_owner=True)
+    turn = turn_from_metadata([{"type": "stream_token", "token": "ok"}], complete=True)
+    await log_streamed_turn(
+        logger=logger, store=ConversationStore(backend.db), conversation_id="conv-hers",
+        turn=turn, turn_id="run-1", user_id=OWNER,
+    )  # fmt: skip
+    await logger.log_messages("conv-svc", [{"role": "user", "content": "job"}], turn_id="s-0")
+    await logger.log_messages("conv-other", [{"role": "user", "content": "x"}], user_id=OTHER)
+    before = await digests(backend.db)
+    for target in ("conv-svc", "conv-other"):
+        with pytest.raises(NotFound, match=f"conversation '{target}' was not found"):
+            await SteeringInbox(logger).open_turn(target, "run-1", user_id=OWNER, strict_owner=True)
+    assert await digests(backend.db) == before

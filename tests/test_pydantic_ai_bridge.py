@@ -60,7 +60,7 @@ from pydantic_ai.output import is_output_tool_part
 from pydantic_ai.ui.vercel_ai import VercelAIAdapter
 from pydantic_ai.usage import RequestUsage, UsageLimits
 
-from agent_store import AgentMessageLogger, AnsweredBefore, ConversationStore, TurnRules
+from agent_store import AgentMessageLogger, AnsweredBefore, ConversationStore, NotFound, TurnRules
 from agent_store.core import (
     INTERRUPTED_RESULT,
     AssistantMessage,
@@ -2211,3 +2211,22 @@ async def test_the_documented_resume_logs_a_run_cut_off_while_its_approved_tool_
         await eval(code, {**namespace, "log_run": log_run})
 
     assert await store.pending_calls("conv-42", user_id="user-7") == []
+
+
+async def test_a_run_logged_for_a_user_never_adopts_a_conversation_a_service_logged(
+    backend: Backend,
+) -> None:
+    """`log_run(..., user_id=)` logs as the user's token does: a service's (unowned)
+    conversation is NotFound, nothing written; the service assigns it explicitly."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("job-1", [{"role": "user", "content": "payroll"}], turn_id="s-0")
+    run = [ModelRequest(parts=[UserPromptPart("hi")]), ModelResponse(parts=[TextPart("ok")])]
+
+    with pytest.raises(NotFound, match=re.escape("conversation 'job-1' was not found")):
+        await log_run(logger, "job-1", run, turn_id="ada-1", user_id="user-ada")
+    assert (await store.get_conversation("job-1")).user_id is None
+    assert await store.recent_messages("job-1", user_id="user-ada") == []
+
+    await logger.upsert_conversation("job-1", user_id="user-ada")  # the service assigns it
+    await log_run(logger, "job-1", run, turn_id="ada-1", user_id="user-ada")
+    assert len(await store.recent_messages("job-1", user_id="user-ada")) == 3

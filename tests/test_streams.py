@@ -17,6 +17,7 @@ from agent_store import (
     InvalidInput,
     LegacyTurns,
     LoggedTurn,
+    NotFound,
     TurnRules,
 )
 from agent_store.core import MAX_CALL_ID_CHARS, PendingCall, TokenUsage, messages_adapter
@@ -31,6 +32,7 @@ from agent_store.integrations.streams import (
 from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
 from agent_store.store import CONVERSATIONS, MIGRATING, RuntimeContextMarkers
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_legacy_turns
+from tests.api_harness import hitl_turn
 from tests.conftest import Backend
 
 STREAMS = Path(__file__).parent / "streams"
@@ -385,7 +387,7 @@ async def test_a_turn_that_only_resolves_a_prompt_naming_another_user_changes_no
         pending=await store.pending_calls("c-owned"),
     )
 
-    with pytest.raises(Conflict, match="belongs to another user"):
+    with pytest.raises(NotFound, match="conversation 'c-owned' was not found"):
         await log_streamed_turn(
             logger=logger, store=store, conversation_id="c-owned", turn=approve, turn_id="t2",
             user_id="user-mallory",
@@ -679,3 +681,28 @@ async def test_a_streamed_approval_replayed_after_its_prompt_was_answered_still_
 
     assert logged.messages == []
     assert await store.pending_hitl("c-owned") is None
+
+
+async def test_a_streamed_turn_for_a_user_never_answers_a_prompt_of_a_services_conversation(
+    backend: Backend,
+) -> None:
+    """`log_streamed_turn(..., user_id=)` writes as the user's token does: a service's
+    (unowned) conversation is NotFound, its prompt left pending and nothing written, even for
+    a turn that only resolves prompts."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, hitl_turn("req-svc"), turn_id="svc-0")
+    approval = turn_from_metadata(
+        [{"type": "confirm_resolved", "request_id": "req-svc", "approved": True}], complete=True
+    )
+    answer = turn_from_metadata([{"type": "stream_token", "token": "ok"}], complete=True)
+
+    for turn, prompt in ((approval, None), (answer, "hi")):
+        with pytest.raises(NotFound, match=re.escape(f"conversation {CID!r} was not found")):
+            await log_streamed_turn(
+                logger=logger, store=store, conversation_id=CID, turn=turn, turn_id="t-ada",
+                prompt=prompt, user_id="user-ada",
+            )  # fmt: skip
+
+    assert (await store.get_conversation(CID)).user_id is None
+    assert (await store.pending_hitl(CID)) is not None
+    assert len(await store.transcript(CID)) == 2

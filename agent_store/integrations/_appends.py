@@ -142,7 +142,9 @@ class Appends:
         user_id: str | None,
         prefix: str,
     ) -> None:
-        """Append to `conversation_id` as `user_id`; turn ids start with `prefix`."""
+        """Append to `conversation_id` as a runtime acting for `user_id` (`strict_owner`: that
+        user's own conversation or a new id, never an unowned one adopted); turn ids start
+        with `prefix`."""
         self.logger = logger
         self.conversation_id = conversation_id
         self.user_id = user_id
@@ -241,6 +243,7 @@ class Appends:
                 user_id=self.user_id,
                 turn_id=turn_id,
                 answers_to=answers_to,
+                strict_owner=self.user_id is not None,
             )
         except BaseException as exc:
             self._failed(by, run, refused=isinstance(exc, InvalidInput | Conflict))

@@ -549,7 +549,7 @@ class TranscriptLink:
             step.thread_id,
             stored_new,
             user_id=user_id,
-            owner_only=user_id is not None,
+            strict_owner=user_id is not None,
             turn_id=_step_turn_id(step.parent_id, stored_new, fork_id),
             next_seq=next_seq,
             step=step.checkpoint_id if claim else None,

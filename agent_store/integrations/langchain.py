@@ -195,9 +195,11 @@ def _history(messages: Sequence[AgentMessage]) -> list[BaseMessage]:
 class ConversationChatHistory(BaseChatMessageHistory):
     """A LangChain `BaseChatMessageHistory` keeping its messages as a stored conversation.
 
-    Use it as `RunnableWithMessageHistory`'s history. With `user_id`, the conversation
-    is that user's (created for them, refused when another user owns it) and only theirs
-    is read.
+    Use it as `RunnableWithMessageHistory`'s history. With `user_id`, the history is a
+    runtime acting for that user (`strict_owner`): only their conversation is read, written
+    or cleared; a new id is created as theirs, and any other (a service's unowned one,
+    another user's, another user's legacy turns when the store is given them) reads empty
+    and a write is NotFound, as to the user's token, nothing written.
     """
 
     def __init__(
@@ -207,15 +209,26 @@ class ConversationChatHistory(BaseChatMessageHistory):
         *,
         user_id: str | None = None,
         rules: TurnRules | None = None,
+        logger: AgentMessageLogger | None = None,
+        store: ConversationStore | None = None,
     ) -> None:
         """A history of conversation `conversation_id` in `db`: an async database (PyMongo
-        `AsyncDatabase`, Motor) for the async methods, or a synchronous PyMongo `Database`."""
+        `AsyncDatabase`, Motor) for the async methods, or a synchronous PyMongo `Database`.
+        `logger` and `store` default to plain ones on `db` with `rules`; pass your own (on
+        an async `db`) to wire the legacy turns during a migration (MIGRATION.md, Transition
+        flags), as the service does."""
         self.conversation_id = validate_identifier(conversation_id, "conversation_id")
         self.user_id = validate_identifier(user_id, "user_id") if user_id is not None else None
         self._sync = isinstance(db, SyncPyMongoDatabase)
+        if self._sync and (logger is not None or store is not None):
+            raise InvalidInput(
+                "a history on a synchronous pymongo Database builds its own logger and store: "
+                "pass `logger` and `store` with an async database (PyMongo AsyncDatabase, "
+                "Motor), which they are built on"
+            )
         handle = SyncDatabase(db) if self._sync else db
-        self.logger = AgentMessageLogger(handle, rules=rules)
-        self.store = ConversationStore(handle, rules=rules)
+        self.logger = logger or AgentMessageLogger(handle, rules=rules)
+        self.store = store or ConversationStore(handle, rules=rules)
         self._appends = Appends(
             self.logger, self.conversation_id, user_id=self.user_id, prefix="langchain"
         )

@@ -601,15 +601,11 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         if owner.user_id is None:
             found = await self.logger.upsert_conversation(thread_id)
             return Admission(None, conversation_mark(found.created_at))
-        try:
-            found = await self.store.get_conversation(thread_id, fallback=False)
-        except NotFound:
-            found = await self.logger.upsert_conversation(thread_id, user_id=owner.user_id)
-        if found.user_id != owner.user_id:
-            raise NotFound(
-                f"conversation {thread_id!r} was not found for user {owner.user_id!r}: "
-                "a user writes only to its own threads"
-            )
+        # A runtime acting for the user: theirs, or created theirs; any other (a service's,
+        # another user's in any state or legacy turns) NotFound in the HTTP 404's words.
+        found = await self.logger.upsert_conversation(
+            thread_id, user_id=owner.user_id, strict_owner=True
+        )
         return Admission(owner.user_id, conversation_mark(found.created_at))
 
     async def _store(

@@ -238,8 +238,11 @@ class ConversationSession:
     """An Agents SDK `Session` keeping its history as a stored conversation.
 
     Pass it as `Runner.run(agent, input, session=...)`. `session_id` is the
-    conversation id; with `user_id`, the conversation is that user's (created
-    for them, refused when another user owns it) and only theirs is read.
+    conversation id. With `user_id`, the session is a runtime acting for that user
+    (`strict_owner`): only their conversation is read, written, popped or cleared; a new id
+    is created as theirs, and any other (a service's unowned one, another user's, another
+    user's legacy turns when the store is given them) reads empty and a write is NotFound,
+    as to the user's token, nothing written. Its turns stay a runtime's.
     Each `add_items` call is one logged turn: two round trips, and a repeat
     of a call that raised is stored once. `get_items` is one round trip.
     """
@@ -254,13 +257,18 @@ class ConversationSession:
         user_id: str | None = None,
         rules: TurnRules | None = None,
         session_settings: SessionSettings | None = None,
+        logger: AgentMessageLogger | None = None,
+        store: ConversationStore | None = None,
     ) -> None:
-        """A session on conversation `session_id` of `db` (a PyMongo `AsyncDatabase` or Motor)."""
+        """A session on conversation `session_id` of `db` (a PyMongo `AsyncDatabase` or Motor).
+        `logger` and `store` default to plain ones on `db` with `rules`; pass your own to
+        wire the legacy turns during a migration (MIGRATION.md, Transition flags), as the
+        service does."""
         self.session_id = validate_identifier(session_id, "session_id")
         self.user_id = validate_identifier(user_id, "user_id") if user_id is not None else None
         self.session_settings = session_settings
-        self.logger = AgentMessageLogger(db, rules=rules)
-        self.store = ConversationStore(db, rules=rules)
+        self.logger = logger or AgentMessageLogger(db, rules=rules)
+        self.store = store or ConversationStore(db, rules=rules)
         self._appends = Appends(self.logger, self.session_id, user_id=self.user_id, prefix="agents")
 
     async def get_items(self, limit: int | None = None) -> list[TResponseInputItem]:

@@ -1104,6 +1104,11 @@ async def log_run(
     `deferred_tool_results`: a resumed run cut off while the approved tools ran holds no
     response of its own, and its messages alone do not say which calls it resumed; given
     them, it closes those that returned nothing (`interrupted`), as Pydantic AI does.
+
+    With `user_id`, the run is logged by a runtime acting for that user (`strict_owner`):
+    into their own conversation, or a new id created as theirs; any other (a service's
+    unowned one, another user's, another user's legacy turns) is NotFound, as to the user's
+    token, nothing stored. The turn stays a runtime's: it may open its steering inbox.
     """
     resumed = _resumed_calls(deferred_tool_results)
     stored = messages_from_run(messages, markers=logger.rules.markers, resumed=resumed)
@@ -1114,6 +1119,7 @@ async def log_run(
         turn_id=turn_id,
         name=name,
         answers_to=await logger.calls_answered(conversation_id, stored, user_id=user_id),
+        strict_owner=user_id is not None,
     )
 
 

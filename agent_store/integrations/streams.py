@@ -685,7 +685,7 @@ async def _refuse_another_owner(
         conversation = await store.get_conversation(conversation_id)
     except NotFound:
         return
-    refusal = Actor(user_id).refusal(conversation.id, conversation.user_id)
+    refusal = Actor(user_id, strict_owner=True).refusal(conversation.id, conversation.user_id)
     if refusal is not None:
         raise refusal
 
@@ -709,12 +709,15 @@ async def log_streamed_turn(
     carries before the turn is logged: the result clears the prompt); one resolved before
     keeps its first answer. A rejected turn writes nothing, its answers included: that
     approval is recorded only once the turn passed the logger's checks
-    (`AgentMessageLogger.check_turn`) and its `user_id` may write to the conversation, and
-    every answer is recorded for that user only (its conversation or an unowned one). A
-    turn that only
-    resolved prompts (an approval whose result comes later) stores no message: the
-    answer it gave is the prompt's resolution; naming another user than the
-    conversation's owner, it is a Conflict, as any turn is. A refusal whose prompt a
+    (`AgentMessageLogger.check_turn`) and its `user_id` may write to the conversation. With
+    `user_id` the turn is logged by a runtime acting for that user (`strict_owner`): into
+    their own conversation, or a new id created as theirs; any other (a service's unowned
+    one, another user's, another user's legacy turns) is NotFound, as to the user's token,
+    nothing written, its answers included, and every answer is recorded in that user's
+    conversation only. The turn stays a runtime's: it logs a turn whose steering inbox it
+    opened. A turn that only resolved prompts (an approval whose result comes later) stores
+    no message: the answer it gave is the prompt's resolution; naming another user than the
+    conversation's owner, it is NotFound, as any turn is. A refusal whose prompt a
     person approved first (another tab: the turn was built from pending calls read
     before) denies nothing: the store refuses the denial (`AnsweredBefore`), and the turn
     is logged without it; a retry of the turn is answered as that logged turn. So does a
@@ -837,6 +840,7 @@ async def _checked(
             turn_id=turn_id,
             refused_prompts=_calls_named(turn.refused_prompts, checked),
             answers_to=_calls_named(turn.answered_calls, checked),
+            strict_owner=user_id is not None,
         )
 
     try:
@@ -869,8 +873,8 @@ def _approved_with_results(
 
 def _answering_for(user_id: str | None) -> dict[str, Any]:
     """The arguments of `ConversationStore.resolve_hitl` answering for the user a turn names:
-    in that user's conversation or an unowned one, where the turn may write."""
-    return {"user_id": user_id, "or_unowned": True}
+    in that user's own conversation only, where the turn may write (`strict_owner`)."""
+    return {"user_id": user_id}
 
 
 def _naming(calls: Sequence[tuple[str, str | None]] | None) -> dict[str, Any]:
@@ -902,6 +906,7 @@ async def _logged(
             turn_id=turn_id,
             refused_prompts=_calls_named(turn.refused_prompts, messages),
             answers_to=_calls_named(turn.answered_calls, messages),
+            strict_owner=user_id is not None,
         )
     if user_id is not None:
         await _refuse_another_owner(store, conversation_id, user_id)

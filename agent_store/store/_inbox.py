@@ -332,17 +332,20 @@ class SteeringInbox:
         *,
         user_id: str | None = None,
         owner_only: bool = False,
+        strict_owner: bool = False,
     ) -> None:
         """Mark `turn_id` running with an open inbox (idempotent). The conversation must exist
-        and be the caller's (the same ownership rules as logging), hold no turn a user token
-        logged under `turn_id` (a person who guessed the id took it first: `_person_took`),
-        and have fewer inboxes open than the rules' `open_inboxes` (else Conflict, nothing
+        and be the caller's (the same ownership rules as logging: `owner_only` and
+        `strict_owner`, a runtime acting for the user `user_id`, open only that user's own),
+        hold no turn a user token logged under `turn_id` (a person who guessed the id took it
+        first: `_person_took`; a turn a runtime acting for a user logged is no person's), and
+        have fewer inboxes open than the rules' `open_inboxes` (else Conflict, nothing
         written). An id no turn may be logged under (`refuse_unloggable_turn_id`) is
         InvalidInput: its runtime could never log the turn it runs."""
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         turn_id = validate_identifier(turn_id, "turn_id")
         refuse_unloggable_turn_id(turn_id)
-        actor = Actor(user_id, as_user=owner_only)
+        actor = Actor(user_id, as_user=owner_only, strict_owner=strict_owner)
         field = inbox_field(turn_id)
         opened = {"turn_id": turn_id, "v": Int64(0), "seqs": [], "opened_at": utc_now()}
         remembered = _runtime_turn(turn_id)
@@ -383,6 +386,7 @@ class SteeringInbox:
         delivery_id: str | None = None,
         user_id: str | None = None,
         owner_only: bool = False,
+        strict_owner: bool = False,
     ) -> bool:
         """Store `message` in the conversation (next `seq`) if `turn_id`'s inbox is open: True.
         False when it is closed, or holds the rules' `inbox_deliveries` already: nothing was
@@ -393,10 +397,12 @@ class SteeringInbox:
         is another delivery. Without it the delivery is named by a digest of the message,
         its `created_at` included: a message sent without `created_at` gets a new time on
         each call, so its retry is stored again unless the message carries its own
-        `created_at` (give a `delivery_id` to retry safely).
+        `created_at` (give a `delivery_id` to retry safely). `owner_only` (a user token)
+        and `strict_owner` (a runtime acting for the user) deliver only into `user_id`'s own
+        conversation, as `log_messages` logs.
         """
         field = inbox_field(validate_identifier(turn_id, "turn_id"))
-        actor = Actor(user_id, as_user=owner_only)
+        actor = Actor(user_id, as_user=owner_only, strict_owner=strict_owner)
         plan = await self._delivery_plan(conversation_id, turn_id, message, delivery_id, field)
 
         try:
@@ -594,7 +600,7 @@ class SteeringInbox:
         StorageUnavailable, close again later)."""
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         field = inbox_field(validate_identifier(turn_id, "turn_id"))
-        actor = Actor(user_id, as_user=user_id is not None)
+        actor = Actor(user_id, strict_owner=user_id is not None)
         with storage_errors("read the turn's inbox"):
             found = await self._conversations.find_one(
                 {"_id": conversation_id}, {field: 1, "user_id": 1, **UNSTANDING_READ}

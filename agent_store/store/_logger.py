@@ -464,6 +464,8 @@ class AgentMessageLogger:
         name: str | None = None,
         create_only: bool = False,
         copy_of: str | None = None,
+        strict_owner: bool = False,
+        owner_only: bool = False,
     ) -> Conversation:
         """Create a conversation if it is missing; set its name when one is given.
 
@@ -477,7 +479,12 @@ class AgentMessageLogger:
         creates: a conversation already under the id (anyone's, in any state) is a Conflict,
         nothing written (one round trip, and the legacy lookup when wired to legacy turns);
         `copy_of` (create-only) records the version of the conversation it is created to copy
-        (`Conversation.copy_of`).
+        (`Conversation.copy_of`). `strict_owner` (a runtime acting for the user `user_id`, the
+        LangGraph saver's way in) and `owner_only` (a user token: the same here, no turn is
+        logged) upsert only the user's own conversation or a new id created as theirs; any
+        other (unowned, another user's in any state, another user's legacy turns, an id the
+        migration derives) is NotFound, nothing written, as over HTTP, with `create_only` too.
+        A service that means to assign an unowned conversation names the user without them.
         """
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         if user_id is not None:
@@ -494,14 +501,18 @@ class AgentMessageLogger:
         update: dict[str, Any] = {"$setOnInsert": on_insert}
         if changed:
             update["$set"] = changed
+        if (strict_owner or owner_only) and user_id is None:
+            raise NotFound(f"conversation {conversation_id!r} was not found")
+        actor = Actor(user_id, as_user=owner_only, strict_owner=strict_owner)
         if create_only:
             fields = on_insert | changed | ({} if copy_of is None else {"copy_of": copy_of})
-            return await self._created_only(conversation_id, Actor(user_id), fields)
+            return await self._created_only(conversation_id, actor, fields)
         if user_id is not None:  # the user's already, the common case: one round trip
-            owned = await self._upsert(conversation_id, Actor(user_id, True), update, create=False)
+            own = Actor(user_id, strict_owner=True)
+            owned = await self._upsert(conversation_id, own, update, create=False)
             if owned is not None:
                 return Conversation.model_validate(owned)
-        doc = await self._created_or_assigned(conversation_id, Actor(user_id), update)
+        doc = await self._created_or_assigned(conversation_id, actor, update)
         if user_id is not None:
             await self._hand_over_all(conversation_id, doc)
         return Conversation.model_validate(doc)
@@ -513,7 +524,8 @@ class AgentMessageLogger:
         or Conflict when its id is taken (legacy turns not migrated yet included), BeingDeleted
         when by one whose delete has begun (`being_deleted`: a delete that failed part-way
         finishes when it is run again, and the id is free then); an id the migration derives
-        is never created."""
+        is never created. To an actor checked strictly (`Actor.strict`) an id it does not own,
+        in any state, is NotFound, as a missing one: only its own is "exists already"."""
         _refuse_derived(conversation_id, actor)
         await self._refuse_unmigrated(conversation_id, actor)
         doc = {"_id": conversation_id, **fields}
@@ -521,7 +533,11 @@ class AgentMessageLogger:
             try:
                 await self._conversations.insert_one(doc)
             except DuplicateKeyError as exc:
-                taken = await self._conversations.find_one({"_id": conversation_id}, {DELETING: 1})
+                taken = await self._conversations.find_one(
+                    {"_id": conversation_id}, {DELETING: 1, "user_id": 1}
+                )
+                if actor.strict and (taken is None or not actor.owns(taken)):
+                    raise NotFound(f"conversation {conversation_id!r} was not found") from exc
                 if taken is not None and taken.get(DELETING) is not None:
                     raise being_deleted(conversation_id, "its creation") from exc
                 raise Conflict(f"conversation {conversation_id!r} exists already") from exc
@@ -615,6 +631,8 @@ class AgentMessageLogger:
                 await refuse_unless_found_standing(
                     self._conversations, query, "the update of the conversation"
                 )
+                if actor.strict:  # not theirs, in whatever state: as a missing one
+                    raise NotFound(f"conversation {conversation_id!r} was not found") from exc
                 raise Conflict(
                     f"conversation {conversation_id!r} belongs to another user: name its "
                     "owner (the user id it was claimed by, if it was), or claim it first"
@@ -645,6 +663,7 @@ class AgentMessageLogger:
         turn_id: str | None = None,
         name: str | None = None,
         owner_only: bool = False,
+        strict_owner: bool = False,
         next_seq: int | None = None,
         step: str | None = None,
         refused_prompts: Mapping[str, str] | None = None,
@@ -654,38 +673,37 @@ class AgentMessageLogger:
         """Log one turn's messages in order, idempotently by `turn_id`.
 
         `turn_id` defaults to a digest of the messages (content and timestamps), so retrying the
-        same messages is safe even without one, as long as they carry their `created_at` (a
-        message without one is stamped on each call). A retry of any age stores nothing twice
-        and answers with the stored messages; a retry with other content raises Conflict; but a
-        first attempt that stored nothing, retried after `turns_recorded` or more later turns,
-        is stored as new (DESIGN.md). `name` is a name the runtime generated; it replaces an
-        automatic name or an earlier runtime name, never one a person set. `owner_only` says the
-        caller is the user `user_id` itself (a user token): it writes only to its own
-        conversations or to a new id, and anything else is NotFound to it; a turn id a runtime
-        opened a steering inbox for is the runtime's, a Conflict to it
-        (`Actor.running_refusal`), nothing written. A service naming `user_id` may write to that
-        user's conversations or to unowned ones (which it then assigns). With `next_seq`, a new
-        turn is logged only if its first message gets that `seq` (compare-and-sets in the
-        reservation's command), and with `step` (an ordering key, a LangGraph checkpoint id)
+        same messages is safe even without one, as long as they carry their `created_at` (a message
+        without one is stamped on each call). A retry of any age stores nothing twice and answers
+        with the stored messages; a retry with other content raises Conflict; but a first attempt
+        that stored nothing, retried after `turns_recorded` or more later turns, is stored as new
+        (DESIGN.md). `name` is a name the runtime generated; it replaces an automatic name or an
+        earlier runtime name, never one a person set. `owner_only` (a user token) and `strict_owner`
+        (a runtime acting for the user) write only to `user_id`'s own conversations or a new id,
+        else NotFound (`Actor.strict`); only a user token's turn is a person's, refused a turn id a
+        runtime opened a steering inbox for (`Actor.running_refusal`). A service naming `user_id`
+        may write to that user's conversations or to unowned ones (which it then assigns). With
+        `next_seq`, a new turn is logged only if its first message gets that `seq` (compare-and-sets
+        in the reservation's command), and with `step` (an ordering key, a LangGraph checkpoint id)
         only if it is after every step logged before: otherwise `TranscriptMoved` (`next_seq`,
         `later_step`: where the conversation is), nothing written. `refused_prompts`: the prompt
-        each denial of an earlier call answers, as read (`_denials`). `answers_to`: the call of
-        an earlier turn each of its answers (a result or a denial) answers, by tool call id,
-        with the message that made it, as read from `pending_calls`: the turn is logged only
-        while each is still the latest pending call of its id, else `AnsweredBefore` (another
-        turn answered it first: a call's first answer is its answer), nothing written
-        (`_answers`); a call merely off the list, no answer to it stored nor being written, is
-        answered (`_reserve_answering`). InvalidInput, nothing written, for a turn breaking the
-        contract (`_check_answers_named` too) or taking a delivery's id (`delivery-` + hex).
-        `version` (`Conversation.version`): logged only into the conversation it names, nothing
-        written otherwise (`_life_named`, in the reservation's own command: one read more).
+        each denial of an earlier call answers, as read (`_denials`). `answers_to`: the call of an
+        earlier turn each of its answers (a result or a denial) answers, by tool call id, with the
+        message that made it, as read from `pending_calls`: the turn is logged only while each is
+        still the latest pending call of its id, else `AnsweredBefore` (another turn answered it
+        first: a call's first answer is its answer), nothing written (`_answers`); a call merely off
+        the list, no answer to it stored nor being written, is answered (`_reserve_answering`).
+        InvalidInput, nothing written, for a turn breaking the contract (`_check_answers_named` too)
+        or taking a delivery's id (`delivery-` + hex). `version` (`Conversation.version`): logged
+        only into the conversation it names, nothing written otherwise (`_life_named`, in the
+        reservation's own command: one read more).
         """
         plan, actor, condition = self._planned(
             conversation_id,
             messages,
             user_id=user_id,
             turn_id=turn_id,
-            owner_only=owner_only,
+            owner=(owner_only, strict_owner),
             next_seq=next_seq,
             step=step,
             refused=refused_prompts,
@@ -859,6 +877,7 @@ class AgentMessageLogger:
         answers_to: Mapping[str, str] | None = None,
         next_seq: int | None = None,
         step: str | None = None,
+        strict_owner: bool = False,
     ) -> None:
         """Raise what `log_messages` refuses the same turn with before it writes anything, as
         the conversation stands: the InvalidInput of a turn breaking the contract; what the
@@ -878,12 +897,14 @@ class AgentMessageLogger:
         nothing of the turn's; a pop under way it finds (`popping`) is finished first, as the
         turn's reservation finishes it (two round trips and a read more, only then). For a
         caller that records something the turn concerns before logging it
-        (`log_streamed_turn` records an approval first): a turn it raises for writes nothing."""
+        (`log_streamed_turn` records an approval first): a turn it raises for writes nothing.
+        `strict_owner` as for `log_messages`."""
         plan, actor, condition = self._planned(
             conversation_id,
             messages,
             user_id=user_id,
             turn_id=turn_id,
+            owner=(False, strict_owner),
             next_seq=next_seq,
             step=step,
             refused=refused_prompts,
@@ -1143,24 +1164,26 @@ class AgentMessageLogger:
         *,
         user_id: str | None,
         turn_id: str | None,
-        owner_only: bool = False,
+        owner: tuple[bool, bool] = (False, False),
         next_seq: int | None = None,
         step: str | None = None,
         refused: Mapping[str, str] | None = None,
         answers_to: Mapping[str, str] | None = None,
     ) -> tuple[TurnPlan, Actor, Condition | None]:
         """`log_messages`'s arguments checked, as nothing is written yet: the turn's plan, who
-        logs it and what its reservation must meet."""
+        logs it (`owner`: its `owner_only` and `strict_owner`) and what its reservation must
+        meet."""
         plan = plan_turn(conversation_id, messages, turn_id=turn_id, rules=self.rules)
         if user_id is not None:
             user_id = validate_identifier(user_id, "user_id")
         _refuse_other_owners(messages, turn_id=turn_id, user_id=user_id)
-        if owner_only and user_id is None:
+        actor = Actor(user_id, as_user=owner[0], strict_owner=owner[1])
+        if actor.strict and user_id is None:
             raise NotFound(f"conversation {plan.conversation_id!r} was not found")
         refuse_unloggable_turn_id(plan.turn_id)
         _check_answers_named(plan, _answers_to(answers_to), _refused_prompts(refused))
         condition = _turn_conditions(plan, next_seq, step, refused, answers_to)
-        return plan, Actor(user_id, as_user=owner_only), condition
+        return plan, actor, condition
 
     async def _told(
         self, plan: TurnPlan, reserved: _Reserved, stored: list[AgentMessage]
@@ -1293,7 +1316,7 @@ class AgentMessageLogger:
         plan = _leaving_what_the_copies_left(plan, chosen, origin, kept)
         answered = answers_in_fork(kept.copied, chosen, _fork_ids(chosen, plan))
         condition = _fork_condition(plan, origin, source, kept.resolved, approved, answered)
-        owner = Actor(source.get("user_id"), as_user=actor.as_user)
+        owner = replace(actor, user_id=source.get("user_id"))
         started = time.monotonic()
         reserved = await self._reserve(plan, owner, None, condition)
         # Its copies keep 0…n, which `forked_from.turn_starts` names: a fork never moves them.
@@ -2053,7 +2076,7 @@ class AgentMessageLogger:
         if reserved is None or reserved.owner is not None:
             return reserved
         made = conversation.get(FORK_CHECK) is None  # else the retry makes the fork now
-        if actor.as_user or actor.user_id is None or (condition and condition.new_only and made):
+        if actor.strict or actor.user_id is None or (condition and condition.new_only and made):
             return reserved
         same = _same_as_reserved(plan.conversation_id, reserved)
         doc = await self._assign(plan.conversation_id, actor.user_id, same)
@@ -2324,7 +2347,7 @@ class AgentMessageLogger:
         holder = await self._legacy.holder(conversation_id, user_id=actor.caller)
         if holder is None:
             return
-        if actor.as_user and holder.user_id != actor.user_id:
+        if actor.strict and holder.user_id != actor.user_id:
             raise NotFound(f"conversation {conversation_id!r} was not found")
         raise _held(not_migrated_yet(conversation_id, what), condition)
 
@@ -4086,11 +4109,12 @@ def _held(
 def _seen_by(actor: Actor, found: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     """Of the conversation document a write found under an id (read whole, or with
     `UNSTANDING_READ`), what `actor` sees, as a read sees it (`seen_by_caller`): to a user
-    token another owner's conversation, or an unowned one, is none, as when no document is
+    token (or a runtime acting for a user: `Actor.strict`) another owner's conversation, or
+    an unowned one, is none, as when no document is
     there, so a write of hers is refused as one finding none (her legacy turns under the id:
     409 not migrated yet, `_refuse_unmigrated`; else NotFound) and never tells that another
     conversation holds the id. One a delete marked or a fork not made yet is seen by all."""
-    hidden = found is not None and actor.as_user and not actor.owns(found)
+    hidden = found is not None and actor.strict and not actor.owns(found)
     return seen_by_caller(found, found is not None and not hidden)
 
 
@@ -4102,11 +4126,12 @@ def _refused_turn(plan: TurnPlan) -> str:
 
 
 def _refuse_derived(conversation_id: str, actor: Actor) -> None:
-    """Refuse a new conversation under an id the migration derives. To a user token it is
-    NotFound, as another user's conversation is: the answer tells nothing of what exists."""
+    """Refuse a new conversation under an id the migration derives. To a user token (or a
+    runtime acting for a user: `Actor.strict`) it is NotFound, as another user's
+    conversation is: the answer tells nothing of what exists."""
     if not is_derived_id(conversation_id):
         return
-    if actor.as_user:
+    if actor.strict:
         raise NotFound(f"conversation {conversation_id!r} was not found")
     raise InvalidInput(
         f"conversation id {conversation_id!r}: ids starting with "

@@ -270,16 +270,29 @@ class Actor:
     user_id: str | None
     """The owner named by the call: a user token's subject, or the user a service names."""
     as_user: bool = False
-    """A user token: it writes only to its own conversations and never adopts one."""
+    """A user token: a person. Its turns are a person's (`running_refusal`, the
+    `runtime_turns` filter, `TurnRecord.by_person`), and its ownership is checked strictly
+    (`strict`)."""
+    strict_owner: bool = False
+    """A runtime acting for the user `user_id` (an integration given a `user_id`): its
+    ownership is checked as a user token's is (`strict`), its turns stay a runtime's."""
+
+    @property
+    def strict(self) -> bool:
+        """Whether only `user_id`'s own conversations (or a new id) are written: never an
+        unowned one adopted, any other NotFound, as to a user token. A user token, or a
+        runtime acting for a user (`strict_owner`)."""
+        return self.as_user or self.strict_owner
 
     @property
     def caller(self) -> str | None:
-        """The user a user token is; None for a service, whichever user it names."""
-        return self.user_id if self.as_user else None
+        """The user whose ownership is checked strictly (`strict`); None for a service,
+        whichever user it names."""
+        return self.user_id if self.strict else None
 
     def owner_filter(self) -> dict[str, Any]:
         """The part of a reservation's filter that keeps the conversation's owner."""
-        if self.as_user:
+        if self.strict:
             return {"user_id": self.user_id}
         if self.user_id is not None:
             return {"user_id": {"$in": [None, self.user_id]}}
@@ -287,7 +300,7 @@ class Actor:
 
     def owns(self, conversation: Mapping[str, Any]) -> bool:
         """Whether `conversation` (read with its `user_id`) is one `owner_filter` keeps."""
-        if self.as_user:
+        if self.strict:
             return conversation.get("user_id") == self.user_id
         return self.user_id is None or conversation.get("user_id") in (None, self.user_id)
 
@@ -311,9 +324,9 @@ class Actor:
 
     def refusal(self, conversation_id: str, owner: str | None) -> StoreError | None:
         """Why this actor may not write to a conversation `owner` holds; None if it may."""
-        if self.as_user and owner != self.user_id:
+        if self.strict and owner != self.user_id:
             return NotFound(f"conversation {conversation_id!r} was not found")
-        if not self.as_user and self.user_id is not None and owner not in (None, self.user_id):
+        if not self.strict and self.user_id is not None and owner not in (None, self.user_id):
             return Conflict(
                 f"conversation {conversation_id!r} belongs to another user than "
                 f"{self.user_id!r}: log the turn as the conversation's owner (the user id "
@@ -1566,7 +1579,7 @@ def _assignment(actor: Actor) -> dict[str, Any]:
     the turn's first `seq`. Its messages before it, logged unowned, then move to the owner
     (`AgentMessageLogger._hand_over_earlier`). Left as it is (absent on most conversations)
     by every other turn; only a service naming a user can assign one."""
-    if actor.as_user or actor.user_id is None:
+    if actor.strict or actor.user_id is None:
         return {}
     return {"owned_from": _ASSIGNED_FROM}
 
