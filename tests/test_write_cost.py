@@ -165,6 +165,36 @@ async def test_a_reservation_brings_back_only_the_next_seq_the_owner_and_its_boo
         await client.close()
 
 
+class _ReadFields(dict[str, Any]):
+    """A conversation document that records every field read of it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+
+def test_every_field_the_logger_reads_of_a_reservation_is_in_its_projection() -> None:
+    from agent_store.store._logger import _reserved
+    from agent_store.store._reservation import RESERVED
+    from agent_store.store._turns import plan_turn
+
+    plan = plan_turn(CID, [{"role": "user", "content": "hi"}], turn_id="t-1")
+    answered = _ReadFields(
+        _id=CID, message_count=3, user_id="u-1", created_at=datetime.now(UTC), epoch="e-1"
+    )
+    reserved = _reserved(plan, answered, observed=False)
+    assert answered.read <= set(RESERVED), answered.read - set(RESERVED)
+    assert (reserved.first_seq, reserved.owner, reserved.epoch) == (2, "u-1", "e-1")
+
+
 _texts = st.text(st.characters(codec="utf-8"), max_size=300)
 _messages = st.one_of(
     st.builds(

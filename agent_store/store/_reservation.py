@@ -1259,7 +1259,7 @@ def _records(
     return {
         "turns": {"$slice": [appended, -rules.turns_recorded]},
         "turns_dropped": _dropped(rules.turns_recorded)
-        if turns == _TURNS
+        if turns is _TURNS or turns == _TURNS
         else _dropped_from(turns, rules.turns_recorded),
     }
 
@@ -1339,7 +1339,7 @@ def _names(plan: TurnPlan, runtime_name: str | None) -> dict[str, Any]:
     automatic name records the message it is taken from (`name_message_id`), which a pop
     of that message reads (under a runtime's or a person's name it is left as it is, read
     by no pop: `name_source` is no longer "auto")."""
-    name_is_unset = {"$eq": [_kept("name", None), None]}
+    name_is_unset = _NAME_IS_UNSET
     if runtime_name is not None:
         replaceable = _runtime_replaceable()
         return {
@@ -1354,7 +1354,13 @@ def _names(plan: TurnPlan, runtime_name: str | None) -> dict[str, Any]:
                 "$cond": [name_is_unset, literal(plan.auto_name_from), _NAME_MESSAGE_KEPT]
             },
         }
-    return {"name": _kept("name", None), "name_source": _kept("name_source", None)}
+    return _NAMES_KEPT
+
+
+_NAME_IS_UNSET = {"$eq": [_kept("name", None), None]}
+_NAMES_KEPT = {"name": _kept("name", None), "name_source": _kept("name_source", None)}
+"""The parts of `_names` that no turn changes: built once, never changed in place (a
+reservation's stage takes the items of `_NAMES_KEPT`, not the dict)."""
 
 
 def reservation(
@@ -1371,10 +1377,7 @@ def reservation(
         "message_count": _plus("message_count", plan.count),
         "usage.input_tokens": _capped("usage.input_tokens", plan.usage.input_tokens),
         "usage.output_tokens": _capped("usage.output_tokens", plan.usage.output_tokens),
-        # Kept as they are, null when unset: a document holds every key it is served with.
-        "forked_from": _kept("forked_from", None),
-        "legacy_conversation_id": _kept("legacy_conversation_id", None),
-        "legacy_user_id": _kept("legacy_user_id", None),
+        **_KEPT_OR_NULL,
         **_appended(plan, _released(plan)),
         **_records(
             plan.key,
@@ -1392,6 +1395,14 @@ def reservation(
     }
     superseded = _superseded(plan)
     return [{"$set": stage}, {"$set": superseded}] if superseded else [{"$set": stage}]
+
+
+_KEPT_OR_NULL: dict[str, Any] = {
+    field: _kept(field, None)
+    for field in ("forked_from", "legacy_conversation_id", "legacy_user_id")
+}
+"""Fields every reservation keeps as they are, null when unset: a document holds every key it
+is served with. Built once, never changed in place."""
 
 
 def _superseded(plan: TurnPlan) -> dict[str, Any] | None:
@@ -1412,19 +1423,23 @@ def _superseded(plan: TurnPlan) -> dict[str, Any] | None:
     for call_id in sorted(made):
         by_maker.setdefault(made[call_id], []).append(call_id)
     makers = literal([{"m": maker, "c": ids} for maker, ids in by_maker.items()])
-    naming = {
-        "$filter": {
-            "input": "$$makers",
-            "as": "p",
-            "cond": {"$in": ["$$a.tool_call_id", "$$p.c"]},
-        }
-    }
-    maker = {"$arrayElemAt": [{"$map": {"input": naming, "as": "p", "in": "$$p.m"}}, 0]}
-    before = {"$ifNull": ["$$a.superseded_by", None]}
     # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
     earlier = {"$eq": [{"$in": ["$$a.message_id", own]}, False]}
-    reused = {"$and": [{"$gt": [{"$size": naming}, 0]}, earlier, {"$eq": [before, None]}]}
-    return approvals_superseded_by({"$cond": [reused, maker, before]}, bound={"makers": makers})
+    reused = {"$and": [_NAMING_SOME, earlier, _NOT_SUPERSEDED]}
+    superseded_by = {"$cond": [reused, _FIRST_MAKER, _SUPERSEDED_BEFORE]}
+    return approvals_superseded_by(superseded_by, bound={"makers": makers})
+
+
+_NAMING = {
+    "$filter": {"input": "$$makers", "as": "p", "cond": {"$in": ["$$a.tool_call_id", "$$p.c"]}}
+}
+"""The turn's makers (`$$makers`) of a call of the approval's (`$$a`) id (`_superseded`)."""
+_NAMING_SOME = {"$gt": [{"$size": _NAMING}, 0]}
+_FIRST_MAKER = {"$arrayElemAt": [{"$map": {"input": _NAMING, "as": "p", "in": "$$p.m"}}, 0]}
+_SUPERSEDED_BEFORE = {"$ifNull": ["$$a.superseded_by", None]}
+_NOT_SUPERSEDED = {"$eq": [_SUPERSEDED_BEFORE, None]}
+"""The parts of `_superseded`'s expression that no turn changes: built once, never changed in
+place."""
 
 
 def _asked_again(plan: TurnPlan) -> dict[str, Any]:
@@ -1600,6 +1615,12 @@ _ASSIGNED_FROM = {
 for every such turn, built once and never changed in place."""
 
 
+_PENDING_CALLS = {"$ifNull": ["$pending_calls", literal([])]}
+_PENDING_HITL = {"$ifNull": ["$pending_hitl", None]}
+"""The pending calls and prompt as they stand (`_pending_state`): built once, never changed in
+place."""
+
+
 def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
     """`pending_calls` and `pending_hitl` after the turn, in the reservation's `$set` stage,
     by the rules of `_turns.pending_after` (its `_fold`), as expressions; `calls` are the
@@ -1612,8 +1633,8 @@ def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
     The ids answered are one constant per field (`$$answered`), whatever their number.
     """
     if calls is None:
-        calls = {"$ifNull": ["$pending_calls", literal([])]}
-    hitl: Any = {"$ifNull": ["$pending_hitl", None]}
+        calls = _PENDING_CALLS
+    hitl: Any = _PENDING_HITL
     if not isinstance(plan.pending_hitl, KeepPendingHitl):
         hitl = literal(plan.pending_hitl and plan.pending_hitl.model_dump())
     if not (plan.answered_calls or plan.opened_calls or plan.named_holds) and (

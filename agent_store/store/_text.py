@@ -188,8 +188,12 @@ def _holds_marker(value: Any, markers: RuntimeContextMarkers) -> bool:
         return _has_marker(value, markers)
     if isinstance(value, NativeForm) and value.json_text:
         return _holds_marker(_spelt(value), markers)
-    if isinstance(value, BaseModel):
-        return any(_holds_marker(item, markers) for item in value.__dict__.values())
+    if isinstance(value, BaseModel):  # most fields are None or hold no text: not walked
+        return any(
+            _holds_marker(item, markers)
+            for item in value.__dict__.values()
+            if item is not None and type(item) not in _NO_TEXT
+        )
     if isinstance(value, Mapping):
         return any(
             (isinstance(key, str) and _has_marker(key, markers)) or _holds_marker(item, markers)

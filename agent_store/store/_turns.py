@@ -1044,6 +1044,8 @@ def _pending_hitl(
     turn does neither. An answer is to the turn's own call of its id when the turn made one
     (before it), else to an earlier turn's: only an answer to the very call the prompt
     holds clears it, not one to a call of the same id the turn made after the prompt."""
+    if all(m.hitl_action is None and m.upload is None for m in messages):
+        return KeepPendingHitl()  # no prompt raised, none cleared: most turns, not walked
     outcome: PendingHitl | KeepPendingHitl | None = KeepPendingHitl()
     made: set[str] = set()  # calls of the turn so far: an answer of such an id is to it
     unheld: set[str] = set()  # calls of the turn not answered yet, held by no prompt
@@ -1211,6 +1213,8 @@ def _holders(
     it), by call id, as the messages go: a prompt naming calls holds those it names (its
     turn's, made before it; else an earlier turn's), and another naming one later holds it
     instead; a prompt naming none holds its turn's calls before it that no prompt holds."""
+    if all(m.hitl_action is None for m in messages):
+        return {}, {}  # no prompt: most turns, not walked
     own: dict[str, str] = {}
     earlier: dict[str, list[int]] = {}
     made: list[str] = []
