@@ -823,3 +823,25 @@ async def test_a_runtime_acting_for_a_user_opens_inboxes_in_her_conversations_on
         with pytest.raises(NotFound, match=f"conversation '{target}' was not found"):
             await SteeringInbox(logger).open_turn(target, "run-1", user_id=OWNER, strict_owner=True)
     assert await digests(backend.db) == before
+
+
+@pytest.mark.parametrize("flag", ["strict_owner", "owner_only"])
+async def test_strict_ownership_naming_no_user_owns_nothing_in_an_inbox_either(
+    backend: Backend, flag: str
+) -> None:
+    """Strict ownership with no `user_id` owns no conversation: opening an inbox or delivering
+    into one of a service's unowned conversation is NotFound, as logging there is, nothing
+    changed (never the unowned conversations a missing `user_id` would match)."""
+    from agent_store import AgentMessageLogger, NotFound, SteeringInbox
+
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages("conv-svc", [{"role": "user", "content": "job"}], turn_id="s-0")
+    inbox = SteeringInbox(logger)
+    await inbox.open_turn("conv-svc", "run-1")
+    before = await digests(backend.db)
+    delivery = {"role": "user", "content": "steer"}
+    with pytest.raises(NotFound, match="conversation 'conv-svc' was not found"):
+        await inbox.open_turn("conv-svc", "run-2", **{flag: True})
+    with pytest.raises(NotFound, match="conversation 'conv-svc' was not found"):
+        await inbox.try_deliver("conv-svc", "run-1", delivery, delivery_id="d-1", **{flag: True})
+    assert await digests(backend.db) == before

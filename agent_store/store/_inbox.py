@@ -345,7 +345,9 @@ class SteeringInbox:
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         turn_id = validate_identifier(turn_id, "turn_id")
         refuse_unloggable_turn_id(turn_id)
-        actor = Actor(user_id, as_user=owner_only, strict_owner=strict_owner)
+        actor = Actor.of_call(
+            conversation_id, user_id, owner_only=owner_only, strict_owner=strict_owner
+        )
         field = inbox_field(turn_id)
         opened = {"turn_id": turn_id, "v": Int64(0), "seqs": [], "opened_at": utc_now()}
         remembered = _runtime_turn(turn_id)
@@ -402,7 +404,9 @@ class SteeringInbox:
         conversation, as `log_messages` logs.
         """
         field = inbox_field(validate_identifier(turn_id, "turn_id"))
-        actor = Actor(user_id, as_user=owner_only, strict_owner=strict_owner)
+        actor = Actor.of_call(
+            conversation_id, user_id, owner_only=owner_only, strict_owner=strict_owner
+        )
         plan = await self._delivery_plan(conversation_id, turn_id, message, delivery_id, field)
 
         try:

@@ -501,9 +501,9 @@ class AgentMessageLogger:
         update: dict[str, Any] = {"$setOnInsert": on_insert}
         if changed:
             update["$set"] = changed
-        if (strict_owner or owner_only) and user_id is None:
-            raise NotFound(f"conversation {conversation_id!r} was not found")
-        actor = Actor(user_id, as_user=owner_only, strict_owner=strict_owner)
+        actor = Actor.of_call(
+            conversation_id, user_id, owner_only=owner_only, strict_owner=strict_owner
+        )
         if create_only:
             fields = on_insert | changed | ({} if copy_of is None else {"copy_of": copy_of})
             return await self._created_only(conversation_id, actor, fields)
@@ -1177,9 +1177,9 @@ class AgentMessageLogger:
         if user_id is not None:
             user_id = validate_identifier(user_id, "user_id")
         _refuse_other_owners(messages, turn_id=turn_id, user_id=user_id)
-        actor = Actor(user_id, as_user=owner[0], strict_owner=owner[1])
-        if actor.strict and user_id is None:
-            raise NotFound(f"conversation {plan.conversation_id!r} was not found")
+        actor = Actor.of_call(
+            plan.conversation_id, user_id, owner_only=owner[0], strict_owner=owner[1]
+        )
         refuse_unloggable_turn_id(plan.turn_id)
         _check_answers_named(plan, _answers_to(answers_to), _refused_prompts(refused))
         condition = _turn_conditions(plan, next_seq, step, refused, answers_to)

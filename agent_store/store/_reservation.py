@@ -277,6 +277,18 @@ class Actor:
     """A runtime acting for the user `user_id` (an integration given a `user_id`): its
     ownership is checked as a user token's is (`strict`), its turns stay a runtime's."""
 
+    @classmethod
+    def of_call(
+        cls, conversation_id: str, user_id: str | None, *, owner_only: bool, strict_owner: bool
+    ) -> Actor:
+        """Who a call's arguments name. Strict ownership (`owner_only`, `strict_owner`) with no
+        `user_id` owns nothing: NotFound, as for another user's conversation (never the
+        unowned ones, which `owner_filter` would match by a missing `user_id`)."""
+        actor = cls(user_id, as_user=owner_only, strict_owner=strict_owner)
+        if actor.strict and user_id is None:
+            raise NotFound(f"conversation {conversation_id!r} was not found")
+        return actor
+
     @property
     def strict(self) -> bool:
         """Whether only `user_id`'s own conversations (or a new id) are written: never an
