@@ -47,11 +47,11 @@ class DataDirectoryInUse(RuntimeError):
 
     def __init__(self, data_dir: Path, holder: str) -> None:
         super().__init__(
-            f"{data_dir}/ (AGENT_STORE_DATA_DIR) is held by process {holder}, another "
+            f"the data directory {data_dir}/ is held by process {holder}, another "
             "process running its embedded server (a running service, a migration, a second "
-            "`make run`): stop it or let it end, or give this one another "
-            "AGENT_STORE_DATA_DIR, or a MongoDB server in MONGODB_URI (which several worker "
-            "processes, uvicorn or gunicorn --workers, need)"
+            "`make run`): stop it or let it end, or give this one another data directory "
+            "(AGENT_STORE_DATA_DIR, or the migration's --data-dir), or a MongoDB server in "
+            "MONGODB_URI (which several worker processes, uvicorn or gunicorn --workers, need)"
         )
         self.holder = holder
 

@@ -531,6 +531,7 @@ def test_a_second_migration_on_a_data_dir_a_migration_opened_is_misuse_never_its
     assert said.startswith("error: the embedded database: "), said
     assert said.count("\n") == 1, said
     assert f"held by process {os.getpid()}" in said
+    assert "the migration's --data-dir" in said  # not the service's setting alone
     assert main(["status"]) == 0
     assert "opened here" in capsys.readouterr().out
 
