@@ -38,16 +38,12 @@ from pymongo.database import Database
 
 from agent_store.core import AgentMessage, InvalidInput, Usage, to_utc_millis, utc_now
 from agent_store.legacy import (
-    COPY_FIELD,
     DUAL_WRITE_NOT_EXACT,
-    EXACT_FIELD,
     NATIVE_FIELD,
     LegacyConversion,
     LegacyTurn,
     Problem,
     convert,
-    copy_digest,
-    exact_digest,
     legacy_turn_id,
     normalize_part,
     parse_turns,
@@ -180,10 +176,7 @@ def differences(
             continue
         held.setdefault(cid, {})[turn_id] = parse_turns(group)
         messages = [m for m in stored.get(cid, []) if m.turn_id == turn_id]
-        own = _own_copy(
-            group, messages, [m for m in stored.as_stored.get(cid, []) if m.turn_id == turn_id]
-        )
-        unheld = _unheld(group, conversion, messages, conversations.get(cid), rules.markers, own)
+        unheld = _unheld(group, conversion, messages, conversations.get(cid), rules.markers)
         if unheld:
             found.setdefault(cid, []).append(
                 f"the dual-written turn {turn_id!r} holds content its stored messages do not "
@@ -255,15 +248,17 @@ def _unheld(
     messages: Sequence[AgentMessage],
     recorded: Mapping[str, Any] | None = None,
     markers: RuntimeContextMarkers = DEFAULT_MARKERS,
-    own: bool = False,
 ) -> str:
     """What a dual-written turn converts to that its stored messages do not hold, for a
-    person; "" when they hold it all: its content (`_content_unheld`, but for a copy the dual
-    write made of those very messages that nobody edited since, `own`: `_own_copy`), its
-    owner, its dates, its token usage and latency."""
-    if not own and (differs := _content_unheld(group, conversion, messages, recorded, markers)):
-        return differs
-    if differs := _owner(conversion, messages) or _dated(group, messages):
+    person; "" when they hold it all: its content (`_content_unheld`, whatever the copy
+    records of itself: a copy holding texts cut, to fit or by the store, converts to those
+    cut texts and is a difference, the gate erring on blocking the drop), its owner, its
+    dates, its token usage and latency."""
+    if differs := (
+        _content_unheld(group, conversion, messages, recorded, markers)
+        or _owner(conversion, messages)
+        or _dated(group, messages)
+    ):
         return differs
     for what, wanted, found in (
         ("token usage", _usage(conversion.messages), _usage(messages)),
@@ -306,36 +301,6 @@ def _content_unheld(
     if removed := _removed(legacy, transcript) or _earlier_answers_gone(conversion, messages):
         return removed
     return _natives_differ(natives, messages)
-
-
-def _own_copy(
-    group: Sequence[Mapping[str, Any]],
-    messages: Sequence[AgentMessage],
-    as_stored: Sequence[AgentMessage],
-) -> bool:
-    """Whether the documents of a held dual-written turn are the dual write's own copy of its
-    stored `messages` (whole; `as_stored`: the same, cut fields still cut) that nobody edited
-    since: each holds what it held as written (the digest of its mark, `COPY_FIELD`:
-    `copy_digest`), was written from the stored messages its mark names by `seq` (its
-    `dual_write_exact` digest is theirs, whole or as stored), and together they copy every
-    stored message of the turn once. Such a copy holds what they hold, but texts cut to fit
-    (which the store keeps whole) and `native` forms that did not fit; a copy without the
-    mark (written before copies had it), or edited since, is compared as it converts."""
-    seqs: list[Any] = []
-    for document in group:
-        mark = document.get(COPY_FIELD)
-        if not isinstance(mark, Mapping) or mark.get("sha256") != copy_digest(document):
-            return False
-        named = mark.get("seqs")
-        if not isinstance(named, list) or not all(isinstance(s, int) for s in named):
-            return False
-        written = [
-            exact_digest([m for m in form if m.seq in named]) for form in (messages, as_stored)
-        ]
-        if document.get(EXACT_FIELD) not in written:
-            return False
-        seqs += named
-    return bool(messages) and Counter(seqs) == Counter(m.seq for m in messages)
 
 
 def _removed(legacy: Transcript, stored: Transcript) -> str:

@@ -128,8 +128,6 @@ class StoredMessages(dict[str, list[AgentMessage]]):
     def __init__(self, ids: Iterable[str]) -> None:
         super().__init__({i: [] for i in ids})
         self.invalid: dict[str, list[str]] = {}
-        self.as_stored: dict[str, list[AgentMessage]] = {i: [] for i in self}
-        """The same messages as stored: cut fields still cut (a dual write copied some so)."""
 
     def read(self, document: dict[str, Any]) -> AgentMessage | None:
         """The stored document as a message; None, noted in `invalid`, when it is none."""
@@ -161,7 +159,6 @@ def stored_messages(db: Database[dict[str, Any]], ids: list[str]) -> StoredMessa
     docs = db[MESSAGES].find(query).sort([("conversation_id", 1), ("seq", 1)])
     stored = StoredMessages(ids)
     read = [m for m in map(stored.read, docs) if m is not None]
-    for message, as_stored in zip(restore(db, read), read, strict=True):
+    for message in restore(db, read):
         stored[str(message.conversation_id)].append(message)
-        stored.as_stored[str(message.conversation_id)].append(as_stored)
     return stored

@@ -6098,7 +6098,7 @@ def _old_service_logs_a_turn(database: Database[dict[str, Any]]) -> None:
 
 def _old_service_resaves_the_copy(database: Database[dict[str, Any]]) -> None:
     """The old service saves the copy again without the marks it does not know."""
-    unset = {"dual_write": "", "turn_id": "", "dual_write_exact": "", "dual_write_copy": ""}
+    unset = {"dual_write": "", "turn_id": "", "dual_write_exact": ""}
     database[CONVERSATIONS].update_many({"conversation_id": "n-1"}, {"$unset": unset})
 
 
@@ -7103,22 +7103,38 @@ def _log_cut_copy(
 
 @pytest.mark.wire
 @pytest.mark.parametrize("rules", CUT_COPIES.values(), ids=list(CUT_COPIES))
-def test_a_held_copy_holding_cut_texts_the_dual_write_made_is_no_difference(
+def test_a_held_copy_holding_cut_texts_blocks_the_drop_until_its_mark_is_removed(
     wire_uri: str,
     database: Database[dict[str, Any]],
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
     rules: TurnRules | None,
 ) -> None:
-    """After the runbook's rollback keeping `agent_messages`, a copy holding texts cut (to
-    fit one legacy document, or by the store) that nobody edited since is the dual write's
-    own: it records so (`dual_write_copy`), and the second attempt passes, unasked."""
+    """The gate errs on blocking a drop and takes nothing on a copy's word: after the
+    runbook's rollback keeping `agent_messages`, a copy holding texts cut (to fit one legacy
+    document, or by the store) converts to other messages than are stored, so `verify` and
+    `finish` exit 1 for it; `finish --accept` does not clear it and says so. The way out is
+    the documented one: once checked, its `dual_write` mark removed, `run` migrates it as a
+    legacy turn of a live conversation, which an operator accepts."""
     _log_cut_copy(wire_uri, database, monkeypatch, rules)
 
     assert cli(wire_uri, database, "run") == 0
     capsys.readouterr()
-    assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
-    assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+    assert "the legacy service edited it after a rollback?" in capsys.readouterr().out
+    assert cli(wire_uri, database, "finish", "--accept", "c-dual", "--note", "seen") == 1
+    out = capsys.readouterr().out
+    assert "is accepted" not in out, out
+    assert "accepts no difference of a dual-written turn" in out, out
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert database[LEGACY_TURNS].count_documents({"dual_write": True}) == 1
+
+    database[LEGACY_TURNS].update_one({"dual_write": True}, {"$unset": {"dual_write": ""}})
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish") == 1
+    assert cli(wire_uri, database, "finish", "--accept", "c-dual", "--note", "checked") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
 
 
 EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
@@ -7162,6 +7178,100 @@ def test_a_held_copy_holding_cut_texts_edited_after_the_rollback_still_blocks_th
     assert "is accepted" not in out, out
     assert "accepts no difference of a dual-written turn" in out, out
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+
+
+def _roll_back_a_live_turn(
+    wire_uri: str, database: Database[dict[str, Any]], turn: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """`turn` logged live in "c-dual" (dual write on) beside a migrated conversation, then
+    the runbook's rollback keeping `agent_messages`; its legacy copy."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-o", "c-other", 0, "O"))
+    assert cli(wire_uri, database, "run") == 0
+    _log_turns(wire_uri, database, [turn])
+    roll_back(database, clear_messages=False)
+    [copy] = database[CONVERSATIONS].find({"dual_write": True})
+    return copy
+
+
+def _blocks_the_drop(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> str:
+    """`run` passes, `verify` and `finish` exit 1 and the drop is refused; what they said."""
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert database[LEGACY_TURNS].count_documents({"dual_write": True}) == 1
+    return capsys.readouterr().out
+
+
+@pytest.mark.wire
+def test_a_stored_native_form_edited_after_the_rollback_is_a_difference_of_its_held_copy(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A held copy keeps its messages' `native` forms (a runtime's own items no legacy part
+    holds); a stored message's form changed since, the copy untouched, the copy holds a form
+    the store does not: the gate names the difference and the drop waits."""
+    _roll_back_a_live_turn(wire_uri, database, NATIVE_SHAPE)
+    other = {"format": "openai-agents", "set": {"type": "reasoning", "summary": ["«OTHER»"]}}
+    edited = database[MESSAGES].update_one(
+        {"conversation_id": "c-dual", "native": {"$ne": None}}, {"$set": {"native": other}}
+    )
+    assert edited.modified_count == 1
+
+    out = _blocks_the_drop(wire_uri, database, capsys)
+
+    assert "dual-written turn 'live-0'" in out, out
+    kept = json.dumps(list(database[LEGACY_TURNS].find()), default=str, ensure_ascii=False)
+    assert "«NATIVE»" in kept
+
+
+def _rehashed(copy: dict[str, Any]) -> None:
+    """Every digest of itself a copy might carry, computed again from what it holds now, as
+    anyone can: the SHA-256 of its fields as JSON with sorted keys (no key is needed)."""
+    for field, mark in list(copy.items()):
+        if isinstance(mark, dict) and isinstance(mark.get("sha256"), str):
+            skip = {"_id", "conversation_id", "user_id", "name", "created_at", "dual_write"}
+            held = {k: v for k, v in copy.items() if k not in skip | {"turn_id", field}}
+            text = json.dumps(held, sort_keys=True, separators=(",", ":"), default=str)
+            mark["sha256"] = hashlib.sha256(text.encode()).hexdigest()
+
+
+@pytest.mark.wire
+def test_a_held_copy_edited_and_rehashed_after_the_rollback_is_a_difference(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing a copy says of itself vouches for it: a copy the legacy service edited after
+    the rollback (a text its stored messages never said), any digest it carries computed
+    again, is compared as it converts; the drop is refused and the text stays."""
+    turn = [{"role": "user", "content": "pay"}, {"role": "assistant", "content": "done"}]
+    copy = _roll_back_a_live_turn(wire_uri, database, turn)
+    copy["response_parts"].append({"type": "text", "content": "«LEGACY ONLY» refund R-778"})
+    _rehashed(copy)
+    database[CONVERSATIONS].replace_one({"_id": copy["_id"]}, copy)
+
+    out = _blocks_the_drop(wire_uri, database, capsys)
+
+    assert "dual-written turn 'live-0'" in out, out
+    kept = json.dumps(list(database[LEGACY_TURNS].find()), default=str, ensure_ascii=False)
+    assert "«LEGACY ONLY» refund R-778" in kept
+
+
+@pytest.mark.wire
+def test_a_held_copy_whose_date_was_removed_after_the_rollback_is_a_difference(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A held copy is checked as its conversion reads it, problems and all: one whose
+    `created_at` was removed since converts with a `missing_created_at` problem, which its
+    stored messages do not have, so the drop waits."""
+    turn = [{"role": "user", "content": "pay"}, {"role": "assistant", "content": "done"}]
+    copy = _roll_back_a_live_turn(wire_uri, database, turn)
+    database[CONVERSATIONS].update_one({"_id": copy["_id"]}, {"$unset": {"created_at": ""}})
+
+    out = _blocks_the_drop(wire_uri, database, capsys)
+
+    assert "dual-written turn 'live-0'" in out, out
 
 
 OUTSIDE = (

@@ -15,9 +15,7 @@ from agent_store.legacy._convert import (
 )
 from agent_store.legacy._documents import (
     CONVERSATION_COUNTERS,
-    COPY_FIELD,
     CUT_FIELD,
-    EXACT_FIELD,
     LEGACY_TURNS,
     MIGRATION_STATE,
     MIGRATION_STATE_ID,
@@ -56,8 +54,6 @@ from agent_store.legacy._documents import (
 )
 from agent_store.legacy._dual_write import (
     NATIVE_FIELD,
-    copy_digest,
-    exact_digest,
     exact_form,
     legacy_turn_document,
     legacy_turn_documents,
@@ -90,10 +86,8 @@ from agent_store.legacy._source import LegacyTurns, turns_known_as
 __all__ = [
     "AMBIGUOUS_TOOL_RESULT",
     "CONVERSATION_COUNTERS",
-    "COPY_FIELD",
     "CUT_FIELD",
     "DUAL_WRITE_NOT_EXACT",
-    "EXACT_FIELD",
     "GUESSED_PAIRINGS",
     "HIDDEN_RUNTIME_CONTEXT",
     "HISTORY_CONTRADICTS_PAIRING",
@@ -122,13 +116,11 @@ __all__ = [
     "as_text",
     "call_arguments",
     "convert",
-    "copy_digest",
     "dated_turns",
     "derived_conversation_id",
     "derived_user_id",
     "dumps",
     "error_text",
-    "exact_digest",
     "exact_form",
     "flag",
     "group_conversations",

@@ -380,15 +380,9 @@ CUT_FIELD = "dual_write_cut"
 legacy document that no GridFS file keeps whole (their whole texts are in `agent_messages`
 alone): each by its message's `seq`, its path (`content`, `native`, …), its whole length and
 the SHA-256 of its whole text, as a stored message's `truncated` entry records a cut."""
-COPY_FIELD = "dual_write_copy"
-"""The field of a dual-written turn saying it is the dual write's own: the SHA-256 of what
-it holds as written (`copy_digest`) and the `seq`s of the messages it was written from, so
-the migration's gate tells a copy nobody edited since from one the legacy service edited."""
-_DUAL_WRITE_FIELDS = frozenset(
-    {"dual_write", "turn_id", EXACT_FIELD, WHOLE_TEXTS_FIELD, CUT_FIELD, COPY_FIELD}
-)
+_DUAL_WRITE_FIELDS = frozenset({"dual_write", "turn_id", EXACT_FIELD, WHOLE_TEXTS_FIELD, CUT_FIELD})
 """What the dual write adds to a legacy turn: its mark, the turn id it logged, the digest of
-its messages, where its cut texts are kept whole, those no file keeps, and its own mark."""
+its messages, where its cut texts are kept whole, and those no file keeps."""
 _FALSE_WORDS = frozenset({"", "false", "f", "no", "n", "off", "none", "null"})
 _TRUE_WORDS = frozenset({"true", "t", "yes", "y", "on"})
 

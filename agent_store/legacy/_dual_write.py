@@ -6,7 +6,6 @@ import hashlib
 import json
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from itertools import pairwise
 from typing import Any
 
@@ -14,7 +13,6 @@ from bson import Int64
 
 from agent_store.core import MAX_SAFE_INTEGER, AgentMessage, Truncation, Usage
 from agent_store.legacy._documents import (
-    COPY_FIELD,
     CUT_FIELD,
     EXACT_FIELD,
     WHOLE_TEXTS_FIELD,
@@ -375,7 +373,7 @@ def legacy_turn_documents(
     user or system message but its first (`_pieces`): one legacy turn opens with one user's
     message, or is a system turn holding its system text alone, so each converts back to
     its messages in order. With `max_bytes`, each document fits in that much BSON
-    (`_fitted`). Each is marked as the dual write's own (`COPY_FIELD`, `copy_digest`)."""
+    (`_fitted`)."""
     cuts = [i for i, m in enumerate(messages) if i and m.seq in starts]
     documents: list[dict[str, Any]] = []
     for first, end in pairwise([0, *cuts, len(messages)]):
@@ -394,52 +392,8 @@ def legacy_turn_documents(
                     legacy_id=legacy_id,
                 )
 
-            room = None if max_bytes is None else max_bytes - _mark_bytes(piece)
-            documents.append(_marked(_fitted(piece, write(piece), write, room), piece))
+            documents.append(_fitted(piece, write(piece), write, max_bytes))
     return documents
-
-
-_UNCOPIED = frozenset({"_id", "conversation_id", "user_id", "name", "created_at", "dual_write"})
-"""Fields of a dual-written turn its copy digest leaves out (`copy_digest`): where it is
-filed, whose it is, its name and its date, which the migration's gate checks on their own
-(a re-filed, re-owned, renamed or re-dated copy), and its marks."""
-
-
-def copy_digest(document: Mapping[str, Any]) -> str:
-    """The SHA-256, in hex, of what a dual-written turn holds (every field but those of
-    `_UNCOPIED`, the turn id and `COPY_FIELD`), as JSON with sorted keys, a time to the
-    millisecond the database keeps: the same for the document written and read back, another
-    for one the legacy service edited since."""
-    held = {
-        key: value
-        for key, value in document.items()
-        if key not in _UNCOPIED and key not in ("turn_id", COPY_FIELD)
-    }
-    text = json.dumps(held, sort_keys=True, separators=(",", ":"), default=_plain)
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _plain(value: Any) -> str:
-    """A value JSON does not hold as its text: a time in UTC to the millisecond."""
-    if isinstance(value, datetime):
-        at = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
-        return at.astimezone(UTC).isoformat(timespec="milliseconds")
-    return str(value)
-
-
-def _mark(piece: Sequence[AgentMessage], digest: str) -> dict[str, Any]:
-    return {"sha256": digest, "seqs": [m.seq for m in piece]}
-
-
-def _mark_bytes(piece: Sequence[AgentMessage]) -> int:
-    """The room the mark of a document of these messages takes (`_marked`), at most."""
-    return document_size({COPY_FIELD: _mark(piece, "0" * 64)})
-
-
-def _marked(document: dict[str, Any], piece: Sequence[AgentMessage]) -> dict[str, Any]:
-    """The document marked as the dual write's own copy of the messages of `piece`
-    (`COPY_FIELD`): the digest of what it holds, and their `seq`s."""
-    return document | {COPY_FIELD: _mark(piece, copy_digest(document))}
 
 
 def _pieces(run: Sequence[AgentMessage], part: str) -> list[tuple[Sequence[AgentMessage], str]]:
