@@ -928,9 +928,14 @@ async def test_a_turn_costs_the_same_round_trips_however_long_the_thread(
     assert counts[8] == counts[4]
     assert counts[7] == counts[3]
     # Reading the thread (1), the input checkpoint and its writes (2), then per step that adds
-    # messages the logger's reservation and insert and the checkpoint (3), per task's writes (1).
-    assert counts[7].total() == 1 + 2 + 3 + 1 + 3  # a question answered at once
-    assert counts[8].total() == 1 + 2 + 3 + (1 + 3) * 3  # agent, tool, agent
+    # messages the logger's reservation and insert and the checkpoint (3), per task's writes (1);
+    # the read looks the conversation up, each write checks it is still the life it admitted
+    # (one lookup each, `life`).
+    life = 1
+    read, write = 1 + life, 1 + life
+    step = 2 + write
+    assert counts[7].total() == read + 2 * write + step + write + step  # answered at once
+    assert counts[8].total() == read + 2 * write + step + (write + step) * 3  # agent, tool, agent
 
 
 async def test_a_users_write_into_a_checkpoint_naming_no_user_costs_two_round_trips_more(
@@ -947,10 +952,11 @@ async def test_a_users_write_into_a_checkpoint_naming_no_user_costs_two_round_tr
     mine = {"configurable": saved["configurable"] | {"user_id": "user-ada"}}
     wire_backend.commands.clear()
     await saver.aput_writes(mine, [("note", "Ada's")], "task-1")
-    assert wire_backend.commands.names == ["update", "findAndModify", "update"]
+    # The conversation is still the life admitted (find), then the refused upsert, ...
+    assert wire_backend.commands.names == ["find", "update", "findAndModify", "update"]
     wire_backend.commands.clear()
     await saver.aput_writes(mine, [("note", "Ada's again")], "task-2")
-    assert wire_backend.commands.names == ["update"]  # the document names her now
+    assert wire_backend.commands.names == ["find", "update"]  # the document names her now
 
 
 # -- each message once -----------------------------------------------------------------------
@@ -1144,8 +1150,11 @@ async def test_a_graph_of_an_erased_user_cannot_write_into_the_thread_another_us
 
     later = empty_checkpoint()
     later["channel_values"] = {"note": "written by Ada's graph"}
-    await adas_graph.aput(first, later, {"source": "loop", "step": 1}, {})
-    await adas_graph.aput_writes(first, [("note", "Ada's")], "task-1")
+    # Ada's saver admitted the thread's earlier life: its next writes land in none.
+    with pytest.raises(NotFound, match="was not found"):
+        await adas_graph.aput(first, later, {"source": "loop", "step": 1}, {})
+    with pytest.raises(NotFound, match="was not found"):
+        await adas_graph.aput_writes(first, [("note", "Ada's")], "task-1")
     assert await AgentStoreSaver(backend.db).aget_tuple(mallory) == mallorys
     assert [t.checkpoint["id"] async for t in AgentStoreSaver(backend.db).alist(mallory)] == [
         t.checkpoint["id"]
@@ -1216,6 +1225,112 @@ async def test_time_travel_of_a_deleted_conversations_graph_never_writes_into_th
         await adas_graph.ainvoke(_said("a run from Ada's process"), kept)
     assert (await adas_graph.aget_state(grace)).values == graces
     assert await store.transcript(thread_id, user_id="user-grace") == transcript
+
+
+# -- a running graph writes only into the life of the thread it admitted ---------------------
+
+
+class _Plan(TypedDict):
+    plan: str
+
+
+async def test_a_graph_still_running_after_its_thread_was_deleted_never_steers_the_ids_next_graph(
+    backend: Backend,
+) -> None:
+    """Ada's graph is between two steps (a slow tool) when her thread is deleted and a
+    service's graph starts on its id in another process: her next checkpoint is NotFound,
+    nothing written, and the service's graph resumes from its own state."""
+    thread_id = f"thread-{uuid.uuid4().hex[:12]}"
+    store = ConversationStore(backend.db)
+
+    async def slow_tool(state: _Plan) -> dict[str, str]:
+        await store.delete(thread_id, user_id="user-ada")
+        await asyncio.sleep(0.002)  # the id is taken again, a millisecond later at least
+        services = StateGraph(_Plan)
+        services.add_node("n", lambda s: {"plan": "service: pay supplier A"})
+        services.add_edge(START, "n")
+        services.add_edge("n", END)
+        graph = services.compile(checkpointer=AgentStoreSaver(backend.db))
+        await graph.ainvoke({"plan": "start"}, thread(None, thread_id))
+        return {"plan": "ada: pay ada 10k"}
+
+    builder = StateGraph(_Plan)
+    builder.add_node("start", lambda s: {"plan": "ada's start"})
+    builder.add_node("tool", slow_tool)
+    builder.add_node("after", lambda s: {"plan": s["plan"] + " (confirmed)"})
+    builder.add_edge(START, "start")
+    builder.add_edge("start", "tool")
+    builder.add_edge("tool", "after")
+    builder.add_edge("after", END)
+    adas_graph = builder.compile(checkpointer=AgentStoreSaver(backend.db))
+    with pytest.raises(NotFound):  # each checkpoint stored before the next step runs
+        await adas_graph.ainvoke({"plan": "x"}, thread("user-ada", thread_id), durability="sync")
+
+    resumed = await AgentStoreSaver(backend.db).aget_tuple(thread(None, thread_id))
+    assert resumed is not None
+    assert resumed.checkpoint["channel_values"]["plan"] == "service: pay supplier A"
+    owners = await backend.db[CHECKPOINTS].distinct("user_id", {"thread_id": thread_id})
+    assert owners == [None]
+
+
+async def test_a_users_next_checkpoint_after_her_thread_went_to_a_service_is_not_found(
+    backend: Backend,
+) -> None:
+    """A saver admitted Ada on her thread; it is deleted and a service's graph (another
+    process) checkpoints the id: her next checkpoint (no new message) is NotFound, nothing
+    written, and the service reads its own latest checkpoint."""
+    ada, service = thread("user-ada"), {"configurable": {"checkpoint_ns": ""}}
+    thread_id = ada["configurable"]["thread_id"]
+    service["configurable"]["thread_id"] = thread_id
+    saver = AgentStoreSaver(backend.db)
+    first = empty_checkpoint()
+    first["channel_values"] = {"messages": [], "plan": "ada's"}
+    saved = await saver.aput(ada, first, {"source": "input", "step": -1}, {})
+    await ConversationStore(backend.db).delete(thread_id, user_id="user-ada")
+    services = empty_checkpoint()
+    services["channel_values"] = {"messages": [], "plan": "service's: pay supplier A"}
+    await AgentStoreSaver(backend.db).aput(service, services, {"source": "input", "step": -1}, {})
+    before = await backend.db[CHECKPOINTS].count_documents({"thread_id": thread_id})
+
+    following = copy_checkpoint(first)
+    following["id"] = str(uuid6())
+    following["channel_values"] = {"messages": [], "plan": "ada's: pay ada"}
+    with pytest.raises(NotFound):
+        await saver.aput(saved, following, {"source": "loop", "step": 0}, {})
+    assert await backend.db[CHECKPOINTS].count_documents({"thread_id": thread_id}) == before
+    latest = await AgentStoreSaver(backend.db).aget_tuple(service)
+    assert latest is not None
+    assert latest.checkpoint["channel_values"]["plan"] == "service's: pay supplier A"
+
+
+async def test_a_users_checkpoint_and_writes_after_another_user_took_her_thread_are_not_found(
+    backend: Backend,
+) -> None:
+    """A saver admitted Ada on her thread; it is deleted and Grace starts hers under the id:
+    Ada's next checkpoint and her pending writes are NotFound, nothing written into Grace's
+    thread; a service's read of the thread serves none of Ada's earlier life."""
+    ada = thread("user-ada")
+    thread_id = ada["configurable"]["thread_id"]
+    saver = AgentStoreSaver(backend.db)
+    first = empty_checkpoint()
+    first["channel_values"] = {"messages": [], "note": "ada-1"}
+    saved = await saver.aput(ada, first, {"source": "input", "step": -1}, {})
+    await ConversationStore(backend.db).delete(thread_id, user_id="user-ada")
+    said = [{"role": "user", "content": "grace's own plan"}]
+    await AgentMessageLogger(backend.db).log_messages(
+        thread_id, said, turn_id="g1", user_id="user-grace"
+    )
+
+    following = copy_checkpoint(first)
+    following["id"] = str(uuid6())
+    following["channel_values"] = {"messages": [], "note": "ada-2"}
+    with pytest.raises(NotFound):
+        await saver.aput(saved, following, {"source": "loop", "step": 0}, {})
+    with pytest.raises(NotFound):
+        await saver.aput_writes(saved, [("note", "ada's")], "task-1")
+    assert await backend.db[CHECKPOINTS].count_documents({"thread_id": thread_id}) == 0
+    assert await saver.aget_tuple(thread(None, thread_id)) is None
+    assert await saver.aget_tuple(thread("user-grace", thread_id)) is None
 
 
 class _Reviewed(TypedDict):
@@ -1462,8 +1577,9 @@ async def test_a_services_checkpoint_landing_after_its_user_was_erased_is_not_th
     backend: Backend,
 ) -> None:
     """A service's checkpoints name no user, so they follow the thread's owner; each names the
-    conversation it was written for, so one landing after the thread's user was erased is
-    never read by whoever takes the id next."""
+    conversation it was written for: one put after the thread's user was erased is NotFound,
+    nothing written (the life the saver admitted is gone), and whoever takes the id next
+    never reads it."""
     thread_id = "conv-late-service"
     await tool_agent(AgentStoreSaver(backend.db)).ainvoke(
         question(1), thread("user-ada", thread_id)
@@ -1475,7 +1591,9 @@ async def test_a_services_checkpoint_landing_after_its_user_was_erased_is_not_th
     await ConversationStore(backend.db).erase_user("user-ada")
     late = empty_checkpoint()
     late["channel_values"] = {"note": "ADA SECRET: card 4242"}
-    await service.aput(latest.config, late, {"source": "loop", "step": 1}, {})
+    with pytest.raises(NotFound):  # the life the service's saver admitted is gone
+        await service.aput(latest.config, late, {"source": "loop", "step": 1}, {})
+    assert await backend.db[CHECKPOINTS].count_documents({"thread_id": thread_id}) == 0
 
     await asyncio.sleep(0.002)  # the id is taken again, a millisecond later at least
     grace = thread("user-grace", thread_id)
