@@ -38,6 +38,7 @@ from pymongo.database import Database
 
 from agent_store.core import AgentMessage, InvalidInput, Usage, to_utc_millis, utc_now
 from agent_store.legacy import (
+    CUT_FIELD,
     DUAL_WRITE_NOT_EXACT,
     NATIVE_FIELD,
     LegacyConversion,
@@ -180,8 +181,8 @@ def differences(
         if unheld:
             found.setdefault(cid, []).append(
                 f"the dual-written turn {turn_id!r} holds content its stored messages do not "
-                f"({unheld}; the legacy service edited it after a rollback?): restore its "
-                "messages, or remove its `dual_write` mark so `run` migrates it as a legacy turn"
+                f"({unheld}; {_likely_cause(group, messages)}): restore its messages, or "
+                "remove its `dual_write` mark so `run` migrates it as a legacy turn"
             )
     for cid, by_turn in held.items():
         if unnamed := _unnamed(legacy.get(cid, []), by_turn, conversations.get(cid)):
@@ -240,6 +241,19 @@ def _unnamed(
         f"its conversation document {read.get('name')!r} (the legacy service renamed it "
         "after a rollback?): rename it on the new service, or restore the turn's name"
     )
+
+
+def _likely_cause(group: Sequence[Mapping[str, Any]], messages: Sequence[AgentMessage]) -> str:
+    """Why a dual-written copy may not hold what its stored messages do, for a person: texts
+    cut in the copy (to fit a legacy document, `CUT_FIELD`, or by the store, `truncated`),
+    which the store keeps whole, as well as an edit after a rollback."""
+    edited = "the legacy service edited it after a rollback?"
+    if any(CUT_FIELD in document for document in group) or any(m.truncated for m in messages):
+        return (
+            "its copy holds texts cut, which the store keeps whole (check that its stored "
+            f"messages hold the turn, then remove the copy's mark), or {edited}"
+        )
+    return edited
 
 
 def _unheld(
@@ -367,11 +381,13 @@ def _owner(conversion: LegacyConversion, messages: Sequence[AgentMessage]) -> st
 def _dated(group: Sequence[Mapping[str, Any]], messages: Sequence[AgentMessage]) -> str:
     """Whether each document of the turn is dated as the stored message it opens with (the
     dual write dates it so), for a person; "" when it is: a copy re-dated after a rollback
-    would put the turn elsewhere in its conversation than its stored messages are."""
+    would put the turn elsewhere in its conversation than its stored messages are. A date is
+    read as the converter reads it (`LegacyTurn.time`: a datetime, ISO text, epoch seconds or
+    milliseconds, as a number or text); one it cannot read is the conversion's own problem."""
     stored = {to_utc_millis(m.created_at) for m in messages}
-    for document in group:
-        at = document.get("created_at")
-        if isinstance(at, datetime) and to_utc_millis(at) not in stored:
+    for turn in parse_turns(group):
+        at = turn.time()
+        if at is not None and to_utc_millis(at) not in stored:
             return f"it is dated {to_utc_millis(at).isoformat()}, none of its stored messages so"
     return ""
 
