@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 import jwt
 
+from agent_store import AgentMessageLogger, ConversationStore, LegacyTurns
+from agent_store.core import utc_now
 from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import CONVERSATIONS, MESSAGES
 from app.api import create_app
@@ -77,6 +79,24 @@ def auth_headers(*, token: str | None = SERVICE_TOKEN, user: str | None = None) 
     if user is not None:
         headers["X-User-JWT"] = user_token(user)
     return headers
+
+
+async def another_users_legacy_turn(
+    db: Any, conversation_id: str, user_id: str = "user-mallory"
+) -> dict[str, Any]:
+    """A legacy turn of `user_id` under `conversation_id`, not migrated yet; returns the
+    `logger` and `store` a service wires to the legacy turns (MIGRATION.md, Transition
+    flags), as keyword arguments of an integration."""
+    await db[LEGACY_TURNS].insert_one(
+        {"_id": "lt-1", "conversation_id": conversation_id, "user_id": user_id,
+         "user_message": f"{user_id}'s words", "created_at": utc_now(),
+         "response_parts": [{"type": "text", "content": "ok"}]}
+    )  # fmt: skip
+    legacy = LegacyTurns(db)
+    return {
+        "logger": AgentMessageLogger(db, legacy=legacy),
+        "store": ConversationStore(db, legacy=legacy),
+    }
 
 
 def hitl_turn(request_id: str) -> list[dict[str, Any]]:

@@ -39,7 +39,6 @@ from agent_store import (
     Conflict,
     ConversationStore,
     InvalidInput,
-    LegacyTurns,
     NotFound,
     RuntimeContextMarkers,
     StorageUnavailable,
@@ -48,8 +47,8 @@ from agent_store import (
 )
 from agent_store.core import DENIED_RESULT, FAILED_RESULT, INTERRUPTED_RESULT, MAX_PARAMS_DEPTH
 from agent_store.integrations.langchain import ConversationChatHistory, message_from_langchain
-from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import CONVERSATIONS, MESSAGES
+from tests.api_harness import another_users_legacy_turn
 from tests.conftest import COUNTED, Backend, CommandLog
 
 pytestmark = [
@@ -1239,19 +1238,8 @@ async def test_a_history_given_the_legacy_turns_never_takes_another_users_unmigr
     """During a migration the history takes the logger and store the service wires to the
     legacy turns (MIGRATION.md, Transition flags): another user's conversation not migrated
     yet is NotFound to a user's history, as to her token, and nothing is written."""
-    await backend.db[LEGACY_TURNS].insert_one(
-        {"_id": "lt-1", "conversation_id": CID, "user_id": "user-mallory",
-         "user_message": "mallory's words", "response_parts": [{"type": "text", "content": "ok"}],
-         "created_at": datetime.now(UTC)}
-    )  # fmt: skip
-    legacy = LegacyTurns(backend.db)
-    history = ConversationChatHistory(
-        CID,
-        backend.db,
-        user_id="user-ada",
-        logger=AgentMessageLogger(backend.db, legacy=legacy),
-        store=ConversationStore(backend.db, legacy=legacy),
-    )
+    wired = await another_users_legacy_turn(backend.db, CID)
+    history = ConversationChatHistory(CID, backend.db, user_id="user-ada", **wired)
 
     with pytest.raises(NotFound, match=re.escape(f"conversation {CID!r} was not found")):
         await history.aadd_messages([HumanMessage("ada squats")])

@@ -7101,6 +7101,25 @@ def _log_cut_copy(
     roll_back(database, clear_messages=False)
 
 
+def _drop_refused(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> str:
+    """`run` passes; `verify`, `finish`, `finish --accept` and the drop exit 1 for the
+    dual-written turn of `c-dual` (the accept saying it accepts no such difference): what
+    `verify` and `finish` said."""
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+    said = capsys.readouterr().out
+    assert cli(wire_uri, database, "finish", "--accept", "c-dual", "--note", "seen") == 1
+    out = capsys.readouterr().out
+    assert "is accepted" not in out, out
+    assert "accepts no difference of a dual-written turn" in out, out
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    return said
+
+
 @pytest.mark.wire
 @pytest.mark.parametrize("rules", CUT_COPIES.values(), ids=list(CUT_COPIES))
 def test_a_held_copy_holding_cut_texts_blocks_the_drop_until_its_mark_is_removed(
@@ -7118,18 +7137,9 @@ def test_a_held_copy_holding_cut_texts_blocks_the_drop_until_its_mark_is_removed
     legacy turn of a live conversation, which an operator accepts."""
     _log_cut_copy(wire_uri, database, monkeypatch, rules)
 
-    assert cli(wire_uri, database, "run") == 0
-    capsys.readouterr()
-    assert cli(wire_uri, database, "verify") == 1
-    assert cli(wire_uri, database, "finish") == 1
-    said = capsys.readouterr().out
+    said = _drop_refused(wire_uri, database, capsys)
     assert "its copy holds texts cut, which the store keeps whole" in said  # the likely cause
     assert "the legacy service edited it after a rollback?" in said
-    assert cli(wire_uri, database, "finish", "--accept", "c-dual", "--note", "seen") == 1
-    out = capsys.readouterr().out
-    assert "is accepted" not in out, out
-    assert "accepts no difference of a dual-written turn" in out, out
-    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
     assert database[LEGACY_TURNS].count_documents({"dual_write": True}) == 1
 
     database[LEGACY_TURNS].update_one({"dual_write": True}, {"$unset": {"dual_write": ""}})
@@ -7170,16 +7180,8 @@ def test_a_held_copy_holding_cut_texts_edited_after_the_rollback_still_blocks_th
     edit(copy)
     database[CONVERSATIONS].replace_one({"_id": copy["_id"]}, copy)
 
-    assert cli(wire_uri, database, "run") == 0
-    capsys.readouterr()
-    assert cli(wire_uri, database, "verify") == 1
-    assert cli(wire_uri, database, "finish") == 1
-    assert "the legacy service edited it after a rollback?" in capsys.readouterr().out
-    assert cli(wire_uri, database, "finish", "--accept", "c-dual", "--note", "seen") == 1
-    out = capsys.readouterr().out
-    assert "is accepted" not in out, out
-    assert "accepts no difference of a dual-written turn" in out, out
-    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    said = _drop_refused(wire_uri, database, capsys)
+    assert "the legacy service edited it after a rollback?" in said
 
 
 def _roll_back_a_live_turn(

@@ -36,7 +36,6 @@ from agent_store import (
     Conflict,
     ConversationStore,
     InvalidInput,
-    LegacyTurns,
     NotFound,
     StorageUnavailable,
     TurnRules,
@@ -48,7 +47,6 @@ from agent_store.core import (
     MessageError,
     ToolCall,
     UserMessage,
-    utc_now,
 )
 from agent_store.integrations.exports import chat_completions, check_chat_completions
 from agent_store.integrations.openai_agents import (
@@ -56,8 +54,8 @@ from agent_store.integrations.openai_agents import (
     item_from_message,
     message_from_item,
 )
-from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import CONVERSATIONS, MESSAGES
+from tests.api_harness import another_users_legacy_turn
 from tests.conftest import COUNTED, Backend
 
 CID = "conv-agents"
@@ -1039,19 +1037,8 @@ async def test_a_session_given_the_legacy_turns_never_takes_another_users_unmigr
     """During a migration the session takes the logger and store the service wires to the
     legacy turns (MIGRATION.md, Transition flags): another user's conversation not migrated
     yet is NotFound to a user's session, as to her token, and nothing is written."""
-    await backend.db[LEGACY_TURNS].insert_one(
-        {"_id": "lt-1", "conversation_id": CID, "user_id": "user-mallory",
-         "user_message": "mallory's words", "response_parts": [{"type": "text", "content": "ok"}],
-         "created_at": utc_now()}
-    )  # fmt: skip
-    legacy = LegacyTurns(backend.db)
-    session = ConversationSession(
-        CID,
-        backend.db,
-        user_id="user-ada",
-        logger=AgentMessageLogger(backend.db, legacy=legacy),
-        store=ConversationStore(backend.db, legacy=legacy),
-    )
+    wired = await another_users_legacy_turn(backend.db, CID)
+    session = ConversationSession(CID, backend.db, user_id="user-ada", **wired)
 
     with pytest.raises(NotFound, match=re.escape(f"conversation {CID!r} was not found")):
         await session.add_items([{"role": "user", "content": "ada squats"}])
