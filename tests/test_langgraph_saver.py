@@ -1303,6 +1303,34 @@ async def test_a_users_next_checkpoint_after_her_thread_went_to_a_service_is_not
     assert latest.checkpoint["channel_values"]["plan"] == "service's: pay supplier A"
 
 
+async def test_a_copy_of_a_thread_copies_none_of_a_checkpoint_its_earlier_life_left(
+    backend: Backend,
+) -> None:
+    """A write racing the thread's delete (checked just before it, stored just after) lands in
+    the earlier life, read by no one; a copy of the thread the id's next graph makes copies
+    only its own life's checkpoints, so the copy never serves that state as its own."""
+    ada, service = thread("user-ada"), {"configurable": {"checkpoint_ns": ""}}
+    thread_id = ada["configurable"]["thread_id"]
+    service["configurable"]["thread_id"] = thread_id
+    first = empty_checkpoint()
+    first["channel_values"] = {"messages": [], "plan": "ada: pay ada 10k"}
+    await AgentStoreSaver(backend.db).aput(ada, first, {"source": "input", "step": -1}, {})
+    raced = await backend.db[CHECKPOINTS].find({"thread_id": thread_id}).to_list(None)
+    await ConversationStore(backend.db).delete(thread_id, user_id="user-ada")
+    await asyncio.sleep(0.002)  # the id is taken again, a millisecond later at least
+    services = empty_checkpoint()
+    services["channel_values"] = {"messages": [], "plan": "service: pay supplier A"}
+    saver = AgentStoreSaver(backend.db)
+    await saver.aput(service, services, {"source": "input", "step": -1}, {})
+    await backend.db[CHECKPOINTS].insert_many(raced)  # Ada's write, landed after the delete
+
+    copy_id = f"{thread_id}-copy"
+    await saver.acopy_thread(thread_id, copy_id)
+    copied = [t async for t in saver.alist({"configurable": {"thread_id": copy_id}})]
+    plans = [t.checkpoint["channel_values"].get("plan") for t in copied]
+    assert plans == ["service: pay supplier A"]
+
+
 async def test_a_users_checkpoint_and_writes_after_another_user_took_her_thread_are_not_found(
     backend: Backend,
 ) -> None:

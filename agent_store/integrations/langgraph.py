@@ -442,13 +442,15 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         user erased, meanwhile, or its target deleted, it is taken back, checkpoints and
         all, and NotFound (the source gone) or the refusal is raised. A source gone before
         the transcript's copy read it is NotFound, nothing written: the checkpoints read name
-        the conversation they were written for (`TranscriptLink.copy`'s `named`)."""
+        the conversation they were written for (`TranscriptLink.copy`'s `named`), only those
+        of the thread's current life or naming none (`_served`: one lookup)."""
         source, target = _thread_id(source_thread_id), _thread_id(target_thread_id)
         if source == target:
             raise InvalidInput("invalid copy: the source and target threads are the same")
         await self.setup()
+        life = await self._served(source)  # none a write racing an earlier delete left
         with storage_errors("read the thread's checkpoints"):
-            docs = await self._checkpoints.find({"thread_id": source}).to_list(None)
+            docs = await self._checkpoints.find({"thread_id": source, **life}).to_list(None)
         if not docs:
             return
         named = {doc[CONVERSATION] for doc in docs if doc.get(CONVERSATION) is not None}
