@@ -27,9 +27,8 @@ which are the thread's owner's) and the conversation (`conversation_created_ms`)
 a user reads only its own thread's, of the conversation it is now (`_readable`),
 and a user's write touches its own documents, one naming no user only once the
 owner is checked again (`_store`); the thread's owner is admitted once per thread
-in a process, and again on rare paths, and every write lands only in the conversation it
-was admitted to (`_admission`); a service reads only the thread's current conversation
-(`_served`). What the saver caches of a
+in a process, and again on rare paths (`_admission`); every reader, a service's too
+(`_served`), and every copy read only the thread's current conversation. What the saver caches of a
 thread is of one conversation (`TranscriptLink.tie`). Needs the `langgraph`
 extra; see docs/LANGGRAPH.md.
 """
@@ -600,40 +599,17 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         return Owner(user_id) if user_id is not None else owner, anchor.get(CONVERSATION)
 
     async def _admission(self, thread_id: str, owner: Owner, *, again: bool = False) -> Admission:
-        """The owner's admission to write the thread (`_admit`), into the conversation it was
-        admitted to: admitted once per thread, owner and conversation in this process (or
-        again when asked), and each later write checks that the thread is still that life,
-        the owner's (`_in_admitted_life`), else NotFound, the admission dropped."""
-        cached = self._transcripts.thread(thread_id).admitted.get(owner.user_id)
-        if cached is not None and not again:
-            try:
-                return await self._in_admitted_life(thread_id, owner, cached)
-            except NotFound:
-                self._transcripts.thread(thread_id).admitted.pop(owner.user_id, None)
-                raise
-        self._transcripts.thread(thread_id).admitted.pop(owner.user_id, None)
+        """The owner's admission to write the thread (`_admit`): checked once per thread, owner
+        and conversation in this process, or now when asked to check `again`. A graph still
+        running after its thread was deleted writes on into the life it was admitted to: its
+        documents name that conversation, which no reader of the id's next life reads
+        (`_readable`, `_served`) and no copy copies (`acopy_thread`)."""
+        admitted = self._transcripts.thread(thread_id).admitted
+        if not again and owner.user_id in admitted:
+            return admitted[owner.user_id]
+        admitted.pop(owner.user_id, None)
         admission = await self._admit(thread_id, owner)
         self._transcripts.tie(thread_id, admission.conversation).admitted[owner.user_id] = admission
-        return admission
-
-    async def _in_admitted_life(
-        self, thread_id: str, owner: Owner, admission: Admission
-    ) -> Admission:
-        """The admission, once the thread is read to be still the conversation it admitted
-        (its `conversation_mark`) and the owner's: a graph still running after its thread was
-        deleted, and the id taken since by another user or a service (another process), writes
-        nothing into that life, NotFound in the HTTP 404's words. One round trip."""
-        gone = NotFound(f"conversation {thread_id!r} was not found")
-        try:
-            found = await self.store.get_conversation(
-                thread_id, user_id=owner.user_id, fallback=False
-            )
-        except NotFound:
-            raise gone from None
-        if conversation_mark(found.created_at) != admission.conversation or (
-            owner.user_id is not None and found.user_id != owner.user_id
-        ):
-            raise gone
         return admission
 
     async def _admit(self, thread_id: str, owner: Owner) -> Admission:
