@@ -175,9 +175,9 @@ def differences(
         except InvalidInput as exc:
             found.setdefault(cid, []).append(f"dual-written turn {turn_id!r}: {exc.message}")
             continue
-        held.setdefault(cid, {})[turn_id] = parse_turns(group)
+        parsed = held.setdefault(cid, {})[turn_id] = parse_turns(group)
         messages = [m for m in stored.get(cid, []) if m.turn_id == turn_id]
-        unheld = _unheld(group, conversion, messages, conversations.get(cid), rules.markers)
+        unheld = _unheld(parsed, conversion, messages, conversations.get(cid), rules.markers)
         if unheld:
             found.setdefault(cid, []).append(
                 f"the dual-written turn {turn_id!r} holds content its stored messages do not "
@@ -257,7 +257,7 @@ def _likely_cause(group: Sequence[Mapping[str, Any]], messages: Sequence[AgentMe
 
 
 def _unheld(
-    group: Sequence[Mapping[str, Any]],
+    turns: Sequence[LegacyTurn],
     conversion: LegacyConversion,
     messages: Sequence[AgentMessage],
     recorded: Mapping[str, Any] | None = None,
@@ -269,9 +269,9 @@ def _unheld(
     cut texts and is a difference, the gate erring on blocking the drop), its owner, its
     dates, its token usage and latency."""
     if differs := (
-        _content_unheld(group, conversion, messages, recorded, markers)
+        _content_unheld(turns, conversion, messages, recorded, markers)
         or _owner(conversion, messages)
-        or _dated(group, messages)
+        or _dated(turns, messages)
     ):
         return differs
     for what, wanted, found in (
@@ -284,7 +284,7 @@ def _unheld(
 
 
 def _content_unheld(
-    group: Sequence[Mapping[str, Any]],
+    turns: Sequence[LegacyTurn],
     conversion: LegacyConversion,
     messages: Sequence[AgentMessage],
     recorded: Mapping[str, Any] | None,
@@ -308,7 +308,7 @@ def _content_unheld(
     if problems:
         kinds = ", ".join(sorted({p.kind for p in problems}))
         return f"it converts with problems: {kinds}"
-    legacy = from_legacy(parse_turns(group), conversion.unplaced, markers)
+    legacy = from_legacy(turns, conversion.unplaced, markers)
     transcript = from_messages(messages)
     if not contains(transcript, legacy):
         return "; ".join(transcript_differences(legacy, transcript)[:3])
@@ -378,14 +378,14 @@ def _owner(conversion: LegacyConversion, messages: Sequence[AgentMessage]) -> st
     return f"it names user {owner!r}, its stored messages {found or 'none'}"
 
 
-def _dated(group: Sequence[Mapping[str, Any]], messages: Sequence[AgentMessage]) -> str:
+def _dated(turns: Sequence[LegacyTurn], messages: Sequence[AgentMessage]) -> str:
     """Whether each document of the turn is dated as the stored message it opens with (the
     dual write dates it so), for a person; "" when it is: a copy re-dated after a rollback
     would put the turn elsewhere in its conversation than its stored messages are. A date is
     read as the converter reads it (`LegacyTurn.time`: a datetime, ISO text, epoch seconds or
     milliseconds, as a number or text); one it cannot read is the conversion's own problem."""
     stored = {to_utc_millis(m.created_at) for m in messages}
-    for turn in parse_turns(group):
+    for turn in turns:
         at = turn.time()
         if at is not None and to_utc_millis(at) not in stored:
             return f"it is dated {to_utc_millis(at).isoformat()}, none of its stored messages so"

@@ -371,20 +371,11 @@ async def test_a_turn_that_only_resolves_a_prompt_naming_another_user_changes_no
 ) -> None:
     """As a turn naming another user than the owner is a conflict, so is a turn that only
     resolves that owner's prompt (it stores no message, but it clears the prompt)."""
-    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
-    ask = [
-        {"type": "tool_start", "tool_name": "pay", "tool_call_id": "tc-1", "args": {"eur": 9}},
-        {"type": "confirm_required", "request_id": "confirm-1", "action": "pay",
-         "params": {"eur": 9}, "prompt": "Pay 9 EUR?", "tool_call_id": "tc-1"},
-    ]  # fmt: skip
-    await log_streamed_turn(
-        logger=logger, store=store, conversation_id="c-owned", user_id="user-alice",
-        turn=turn_from_metadata(ask, complete=True), turn_id="t1", prompt="Pay the invoice.",
-    )  # fmt: skip
+    logger, store, pending_calls = await _asked(backend)
     approve = turn_from_metadata(
         [{"type": "confirm_resolved", "request_id": "confirm-1", "approved": True}],
         complete=True,
-        pending=await store.pending_calls("c-owned"),
+        pending=pending_calls,
     )
 
     with pytest.raises(NotFound, match="conversation 'c-owned' was not found"):
@@ -596,12 +587,11 @@ async def test_a_turn_only_approving_a_prompt_of_legacy_turns_not_migrated_is_re
     assert await backend.db[CONVERSATIONS].count_documents({}) == 0
 
 
-async def _asked_then_migrating(
+async def _asked(
     backend: Backend,
 ) -> tuple[AgentMessageLogger, ConversationStore, list[PendingCall]]:
-    """`c-owned`, user-alice's, asking `confirm-1` about its call `tc-1` (its pending calls as a
-    client read them), then marked as the migration marks a conversation it is still writing
-    (`MIGRATING`)."""
+    """`c-owned`, user-alice's, asking `confirm-1` about its call `tc-1`, with its pending calls
+    as a client reads them."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     ask = [
         {"type": "tool_start", "tool_name": "pay", "tool_call_id": "tc-1", "args": {"eur": 9}},
@@ -612,9 +602,17 @@ async def _asked_then_migrating(
         logger=logger, store=store, conversation_id="c-owned", user_id="user-alice",
         turn=turn_from_metadata(ask, complete=True), turn_id="t1", prompt="Pay the invoice.",
     )  # fmt: skip
-    pending = await store.pending_calls("c-owned")
+    return logger, store, await store.pending_calls("c-owned")
+
+
+async def _asked_then_migrating(
+    backend: Backend,
+) -> tuple[AgentMessageLogger, ConversationStore, list[PendingCall]]:
+    """`_asked`, then marked as the migration marks a conversation it is still writing
+    (`MIGRATING`)."""
+    asked = await _asked(backend)
     await backend.db[CONVERSATIONS].update_one({"_id": "c-owned"}, {"$set": {MIGRATING: True}})
-    return logger, store, pending
+    return asked
 
 
 async def test_a_turn_only_approving_a_prompt_while_its_conversation_is_migrated_is_refused(
