@@ -46,6 +46,7 @@ from agent_store import (
     Unsupported,
 )
 from agent_store.core import DENIED_RESULT, FAILED_RESULT, INTERRUPTED_RESULT, MAX_PARAMS_DEPTH
+from agent_store.integrations.exports import chat_completions, check_chat_completions
 from agent_store.integrations.langchain import ConversationChatHistory, message_from_langchain
 from agent_store.store import CONVERSATIONS, MESSAGES
 from tests.api_harness import another_users_legacy_turn
@@ -864,6 +865,37 @@ async def test_a_result_answering_no_call_is_left_out(backend: Backend) -> None:
     assert [(type(m).__name__, m.content) for m in read_back] == [
         ("HumanMessage", "Book the 09:04."), ("AIMessage", "Booked."),
     ]  # fmt: skip
+
+
+async def test_a_provider_numbering_calls_per_response_logs_a_result_and_the_next_call_apart(
+    backend: Backend,
+) -> None:
+    """`call_0` in every response: a result placed before a call of its id in one add is
+    refused, nothing written; added apart, the result answers the earlier call, and the
+    replay renames the later `call_0` so each result follows its own call."""
+    history = ConversationChatHistory(CID, backend.db, user_id="u")
+
+    def booking(tool: str) -> AIMessage:
+        return AIMessage("", tool_calls=[{"id": "call_0", "name": tool, "args": {}}])
+
+    await history.aadd_messages([HumanMessage("Train, then hotel."), booking("book_train")])
+    with pytest.raises(InvalidInput, match="before the assistant message that makes it"):
+        await history.aadd_messages(
+            [ToolMessage("booked train", tool_call_id="call_0"), booking("book_hotel")]
+        )
+    await history.aadd_messages([ToolMessage("booked train", tool_call_id="call_0")])
+    await history.aadd_messages([booking("book_hotel")])
+    await history.aadd_messages([ToolMessage("booked hotel", tool_call_id="call_0")])
+
+    replay = chat_completions(await ConversationStore(backend.db).transcript(CID, user_id="u"))
+    assert [(m["role"], m.get("tool_call_id"), m.get("content")) for m in replay] == [
+        ("user", None, "Train, then hotel."),
+        ("assistant", None, None),
+        ("tool", "call_0", "booked train"),
+        ("assistant", None, None),
+        ("tool", "call_0_2", "booked hotel"),
+    ]
+    check_chat_completions(replay)
 
 
 # -- retries of adds, by chains sharing one history ----------------------------------

@@ -855,6 +855,54 @@ async def test_a_resumed_run_retried_after_a_lost_reply_answers_its_call_once(
     check_chat_completions(chat_completions(await ConversationStore(backend.db).transcript(CID)))
 
 
+class DyingModel(ScriptedModel):
+    """A `ScriptedModel` whose process dies (its next model call raises) while `dying`."""
+
+    dying = False
+
+    async def get_response(self, *args: Any, **kwargs: Any) -> ModelResponse:
+        if self.dying:
+            raise ConnectionError("the process died after its tool output was stored")
+        return await super().get_response(*args, **kwargs)
+
+
+async def test_a_run_resumed_again_after_its_output_was_stored_is_refused_and_a_new_run_goes_on(
+    backend: Backend,
+) -> None:
+    """The approval resumes the paused run in one process, which stores the tool's output and
+    dies before its next model call; another process resumes the same saved state: the tool's
+    output again answers an answered call (`AnsweredBefore`, nothing stored twice). A new run
+    on the session, with no new input, goes on from the stored output."""
+    model = DyingModel()
+    model.steps = [[call("book_train", {"train": "09:04"}, "call_b1")], [text("Booked.", "m1")]]
+    agent = Agent(name="assistant", model=model, tools=[book_train])
+    paused = await Runner.run(
+        agent, "Book the 09:04.", session=ConversationSession(CID, backend.db, user_id="u")
+    )
+    saved = paused.to_state().to_string()
+
+    def a_process() -> ConversationSession:
+        return ConversationSession(CID, backend.db, user_id="u")
+
+    for process, refused in ((1, ConnectionError), (2, AnsweredBefore)):
+        state = await RunState.from_string(agent, saved)
+        state.approve(state.get_interruptions()[0])
+        model.dying = process == 1
+        with pytest.raises(refused):
+            await Runner.run(agent, state, session=a_process())
+
+    again = await Runner.run(agent, [], session=a_process())
+    assert again.final_output == "Booked."
+    stored = await ConversationStore(backend.db).transcript(CID, user_id="u")
+    assert [(m.role, m.tool_call_id) for m in stored] == [
+        ("user", None),
+        ("assistant", None),
+        ("tool", "call_b1"),
+        ("assistant", None),
+    ]
+    check_chat_completions(chat_completions(stored))
+
+
 async def test_a_paused_call_answered_in_two_sessions_keeps_its_first_answer(
     backend: Backend,
 ) -> None:
