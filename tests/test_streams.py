@@ -587,6 +587,85 @@ async def test_a_turn_only_approving_a_prompt_of_legacy_turns_not_migrated_is_re
     assert await backend.db[CONVERSATIONS].count_documents({}) == 0
 
 
+async def _legacy_prompt_of(backend: Backend, conversation_id: str, user_id: str) -> None:
+    """A legacy turn of `user_id` under `conversation_id`, its prompt `req-legacy` pending."""
+    await backend.db[LEGACY_TURNS].insert_one(
+        {"_id": f"late-{conversation_id}", "conversation_id": conversation_id, "user_id": user_id,
+         "user_message": "mine", "response_parts": [{"type": "text", "content": "ok"}]}
+    )  # fmt: skip
+    await backend.db[SESSION_HITL].insert_one(
+        {"conversation_id": conversation_id, "request_id": "req-legacy", "action": "pay",
+         "status": "pending", "user_id": user_id}
+    )  # fmt: skip
+
+
+async def _answers_to_an_approval(
+    logger: AgentMessageLogger, store: ConversationStore, conversation_id: str, user_id: str
+) -> tuple[tuple[str, str], tuple[str, str]]:
+    """What a runtime acting for `user_id` is answered for a turn that only approves the prompt
+    `req-legacy` of `conversation_id`, and what the same answer by the user's token is
+    (`resolve_hitl` in the user's conversations only): each error's type and words, the id
+    written `<id>`."""
+    answers = []
+    for answer in (
+        log_streamed_turn(
+            logger=logger, store=store, conversation_id=conversation_id,
+            turn=_approval_of("req-legacy"), turn_id="t-approve", user_id=user_id,
+        ),
+        store.resolve_hitl(conversation_id, "req-legacy", user_id=user_id),
+    ):  # fmt: skip
+        with pytest.raises((Conflict, NotFound)) as refused:
+            await answer
+        answers.append((refused.type.__name__, str(refused.value).replace(conversation_id, "<id>")))
+    return answers[0], answers[1]
+
+
+async def test_an_approval_on_a_users_legacy_turns_is_answered_as_to_her_token_beside_another(
+    backend: Backend,
+) -> None:
+    """A turn that only approves a prompt of its user's legacy turns not migrated yet is
+    refused as her token's answer is (Conflict, not migrated yet), also when another user's
+    conversation stands under the same id: to her that conversation is as if absent, so the
+    answer neither differs nor tells it is there; nothing is written."""
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(backend.db, legacy=legacy)
+    store = ConversationStore(backend.db, legacy=legacy)
+    await logger.log_messages("conv-beside", hitl_turn("req-bob"), user_id="user-bob")
+    for conversation_id in ("conv-alone", "conv-beside"):
+        await _legacy_prompt_of(backend, conversation_id, "user-alice")
+    bobs = await store.get_conversation("conv-beside", user_id="user-bob")
+
+    alone = await _answers_to_an_approval(logger, store, "conv-alone", "user-alice")
+    beside = await _answers_to_an_approval(logger, store, "conv-beside", "user-alice")
+
+    runtime, token = alone
+    assert runtime == token
+    assert runtime[0] == "Conflict"
+    assert "exists as legacy turns not migrated yet" in runtime[1]
+    assert beside == alone
+    assert await store.get_conversation("conv-beside", user_id="user-bob") == bobs
+    assert await backend.db[SESSION_HITL].count_documents({"status": "pending"}) == 2
+
+
+async def test_an_approval_on_another_users_conversation_is_answered_as_on_no_conversation(
+    backend: Backend,
+) -> None:
+    """For a runtime acting for a user, an id holding only another user's conversation is
+    answered as an id holding nothing is, as her token is answered: NotFound, the same words."""
+    store = ConversationStore(backend.db)
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages("conv-theirs", hitl_turn("req-legacy"), user_id="user-bob")
+
+    theirs = await _answers_to_an_approval(logger, store, "conv-theirs", "user-alice")
+    absent = await _answers_to_an_approval(logger, store, "conv-absent", "user-alice")
+
+    assert theirs == absent
+    assert theirs[0] == ("NotFound", "conversation '<id>' was not found")
+    pending = await store.pending_hitl("conv-theirs", user_id="user-bob")
+    assert pending is not None
+    assert pending.request_id == "req-legacy"
+
+
 async def _asked(
     backend: Backend,
 ) -> tuple[AgentMessageLogger, ConversationStore, list[PendingCall]]:

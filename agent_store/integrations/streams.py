@@ -680,9 +680,12 @@ async def _refuse_another_owner(
     store: ConversationStore, conversation_id: str, user_id: str
 ) -> None:
     """What the logger refuses a turn naming `user_id`, refused for a turn that only resolves
-    prompts: it stores no message, so the logger never sees it."""
+    prompts: it stores no message, so the logger never sees it. The conversation is read as
+    `user_id` reads it: another user's under the id is as if absent to them (their own legacy
+    turns beside it answer as they do alone: the answer's own refusal, not migrated yet), and
+    an unowned one is refused (NotFound), as the logger refuses it."""
     try:
-        conversation = await store.get_conversation(conversation_id)
+        conversation = await store.get_conversation(conversation_id, user_id=user_id)
     except NotFound:
         return
     refusal = Actor(user_id, strict_owner=True).refusal(conversation.id, conversation.user_id)
