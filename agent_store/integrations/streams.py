@@ -51,7 +51,6 @@ from agent_store.core import (
     HitlAction,
     InvalidInput,
     MessageError,
-    NotFound,
     PendingCall,
     PromptNotPending,
     TokenUsage,
@@ -116,7 +115,6 @@ __all__ = [
     "turn_from_sse",
 ]
 from agent_store.store import (
-    Actor,
     AgentMessageLogger,
     ConversationStore,
     LoggedTurn,
@@ -676,23 +674,6 @@ class _OpenCalls:
         return tool_call_id
 
 
-async def _refuse_another_owner(
-    store: ConversationStore, conversation_id: str, user_id: str
-) -> None:
-    """What the logger refuses a turn naming `user_id`, refused for a turn that only resolves
-    prompts: it stores no message, so the logger never sees it. The conversation is read as
-    `user_id` reads it: another user's under the id is as if absent to them (their own legacy
-    turns beside it answer as they do alone: the answer's own refusal, not migrated yet), and
-    an unowned one is refused (NotFound), as the logger refuses it."""
-    try:
-        conversation = await store.get_conversation(conversation_id, user_id=user_id)
-    except NotFound:
-        return
-    refusal = Actor(user_id, strict_owner=True).refusal(conversation.id, conversation.user_id)
-    if refusal is not None:
-        raise refusal
-
-
 async def log_streamed_turn(
     *,
     logger: AgentMessageLogger,
@@ -734,13 +715,13 @@ async def log_streamed_turn(
         logger, store, conversation_id, messages, turn, turn_id, user_id
     )
     try:
-        logged = await _logged(logger, store, conversation_id, messages, turn, turn_id, user_id)
+        logged = await _logged(logger, conversation_id, messages, turn, turn_id, user_id)
     except AnsweredBefore as refused:
         without = _without_denials(messages, refused.tool_call_ids)
         if len(without) == len(messages):
             raise
         try:  # the turn as logged when the approval came first (by this call or a retry)
-            logged = await _logged(logger, store, conversation_id, without, turn, turn_id, user_id)
+            logged = await _logged(logger, conversation_id, without, turn, turn_id, user_id)
         except Conflict:
             raise refused from None
     await _resolve_the_rest(store, conversation_id, turn, logged, answered, user_id)
@@ -803,15 +784,13 @@ async def _approvals_answered(
     a call whose tool ran. Returns the request ids it resolved.
 
     A rejected turn writes nothing, so these answers are recorded only for a turn the logger
-    takes: what it refuses before writing (`AgentMessageLogger.check_turn`) and a user it
-    does not let write to the conversation (a Conflict) are refused first, and each answer
-    is given for the turn's user only (`_answering_for`)."""
+    takes: what it refuses before writing (`AgentMessageLogger.check_turn`, another owner's
+    conversation included) is refused first, and each answer is given for the turn's user
+    only (`_answering_for`)."""
     early = _approved_with_results(turn)
     if not early:
         return set()
     await _checked(logger, conversation_id, messages, turn, turn_id, user_id)
-    if user_id is not None:
-        await _refuse_another_owner(store, conversation_id, user_id)
     resolved: set[str] = set()
     for request_id, known in early:
         with contextlib.suppress(PromptNotPending):  # resolved before: its first answer stands
@@ -893,7 +872,6 @@ def _naming(calls: Sequence[tuple[str, str | None]] | None) -> dict[str, Any]:
 
 async def _logged(
     logger: AgentMessageLogger,
-    store: ConversationStore,
     conversation_id: str,
     messages: list[AgentMessage | Mapping[str, Any]],
     turn: StreamedTurn,
@@ -911,8 +889,6 @@ async def _logged(
             answers_to=_calls_named(turn.answered_calls, messages),
             strict_owner=user_id is not None,
         )
-    if user_id is not None:
-        await _refuse_another_owner(store, conversation_id, user_id)
     return LoggedTurn(
         conversation_id=validate_identifier(conversation_id, "conversation_id"),
         turn_id=validate_identifier(turn_id, "turn_id"),
