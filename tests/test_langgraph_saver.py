@@ -46,7 +46,13 @@ from agent_store.integrations.exports import chat_completions
 from agent_store.integrations.langgraph import CHECKPOINTS, REWRITTEN, AgentStoreSaver
 from agent_store.integrations.pydantic_ai import history_from_messages
 from agent_store.legacy import LEGACY_TURNS
-from agent_store.store import CONVERSATIONS, MESSAGES, BeingDeleted, checkpoints_referring_to
+from agent_store.store import (
+    CONVERSATIONS,
+    MESSAGES,
+    MIGRATING,
+    BeingDeleted,
+    checkpoints_referring_to,
+)
 from scripts.langgraph_agent import approval_agent, comparable, question, tool_agent
 from tests.api_harness import SERVICE_TOKEN, auth_headers, serve
 from tests.conftest import COUNTED, Backend
@@ -1325,6 +1331,128 @@ async def test_a_copy_of_a_thread_copies_none_of_a_checkpoint_its_earlier_life_l
     copied = [t async for t in saver.alist({"configurable": {"thread_id": copy_id}})]
     plans = [t.checkpoint["channel_values"].get("plan") for t in copied]
     assert plans == ["service: pay supplier A"]
+
+
+async def _checkpointed(saver: Any, config: dict[str, Any], plan: str, parent: Any = None) -> Any:
+    """A checkpoint holding `plan` (no message), put as the first of the thread or after
+    `parent` (a config a put handed back)."""
+    checkpoint = empty_checkpoint()
+    checkpoint["id"] = str(uuid6())
+    checkpoint["channel_values"] = {"messages": [], "plan": plan}
+    metadata: Any = {"source": "loop", "step": 0}
+    return await saver.aput(parent or config, checkpoint, metadata, {})
+
+
+async def _three_threads_one_recreated_one_deleted(db: Any) -> list[str]:
+    """Thread a (two checkpoints); thread b deleted and started again, a graph admitted to its
+    earlier life writing after that; thread c deleted, its graph writing after the delete. The
+    stale writes are the newest checkpoints of all."""
+    a, b, c = (f"thread-{name}-{uuid.uuid4().hex[:8]}" for name in "abc")
+    earlier = AgentStoreSaver(db)  # the process whose graphs run on through the deletes
+    first_a = await _checkpointed(AgentStoreSaver(db), thread(None, a), "a: first")
+    first_b = await _checkpointed(earlier, thread(None, b), "b: earlier life")
+    first_c = await _checkpointed(earlier, thread(None, c), "c: deleted")
+    store = ConversationStore(db)
+    await store.delete(b)
+    await store.delete(c)
+    await asyncio.sleep(0.002)  # the id is taken again, a millisecond later at least
+    await _checkpointed(AgentStoreSaver(db), thread(None, b), "b: current life")
+    await _checkpointed(AgentStoreSaver(db), thread(None, a), "a: second", first_a)
+    await _checkpointed(earlier, thread(None, b), "b: earlier life, after the delete", first_b)
+    await _checkpointed(earlier, thread(None, c), "c: after the delete", first_c)
+    return [a, b, c]
+
+
+def _plans(listed: list[Any]) -> list[str]:
+    return [t.checkpoint["channel_values"]["plan"] for t in listed]
+
+
+async def test_a_list_across_threads_serves_each_thread_what_a_list_of_that_thread_serves(
+    backend: Backend,
+) -> None:
+    """A service's list across all threads serves, of each thread, only the documents of the
+    conversation the thread is now (or naming none): never a checkpoint a graph wrote into an
+    earlier life of an id deleted and started again, nor into a thread deleted since. It is
+    the union of the per-thread lists, newest first, and `limit` counts what it serves."""
+    threads = await _three_threads_one_recreated_one_deleted(backend.db)
+    saver = AgentStoreSaver(backend.db)
+    per_thread = [t for i in threads async for t in saver.alist(thread(None, i))]
+    union = sorted(per_thread, key=lambda t: t.config["configurable"]["checkpoint_id"])[::-1]
+
+    for across in (None, {"configurable": {}}):
+        listed = [t async for t in AgentStoreSaver(backend.db).alist(across)]
+        assert _plans(listed) == _plans(union) == ["a: second", "b: current life", "a: first"]
+        assert [t.config for t in listed] == [t.config for t in union]
+    for limit in (1, 2):
+        newest = [t async for t in AgentStoreSaver(backend.db).alist(None, limit=limit)]
+        assert _plans(newest) == _plans(union)[:limit]
+
+
+async def test_a_list_across_threads_costs_two_round_trips_a_page(
+    wire_backend: Backend,
+) -> None:
+    """The checkpoints, then the conversations of the threads among them (one query): two
+    round trips, whatever the number of threads; a page that stale documents left short is
+    read on from where it ended, twice as long each time."""
+    assert wire_backend.commands is not None
+    await _three_threads_one_recreated_one_deleted(wire_backend.db)
+    saver = AgentStoreSaver(wire_backend.db)
+    wire_backend.commands.clear()
+    assert len([t async for t in saver.alist(None)]) == 3
+    assert wire_backend.commands.names == ["find", "find"]
+    wire_backend.commands.clear()
+    assert len([t async for t in saver.alist(None, limit=1)]) == 1
+    # the two newest are stale: a page of 1 (c's, stale), then of 2 (b's stale one, then a's
+    # newest, served), each with the conversations of the threads first seen on it
+    assert wire_backend.commands.names == ["find", "find", "find", "find"]
+
+
+@pytest.mark.parametrize("user_id", [None, "user-ada"])
+async def test_a_thread_the_migration_is_writing_again_is_refused_to_its_reader_not_read_empty(
+    backend: Backend, user_id: str | None
+) -> None:
+    """A thread whose conversation a migration run is writing again (legacy turns added since
+    it was migrated: its document marked `migrating` until the run's messages are in) is read
+    as no other conversation and not as empty: every read of its checkpoints (the state, its
+    history, a list across threads, a copy) is refused as its writes are, in the same words
+    (409 over HTTP), to be sent again once the run has migrated it; then it reads as before."""
+    legacy = LegacyTurns(backend.db)
+    logger = AgentMessageLogger(backend.db, legacy=legacy)
+
+    def saver() -> AgentStoreSaver:
+        store = ConversationStore(backend.db, legacy=legacy)
+        return AgentStoreSaver(backend.db, logger=logger, store=store)
+
+    config = thread(user_id)
+    thread_id = config["configurable"]["thread_id"]
+    graph = tool_agent(saver())
+    await run_turns(graph, config, range(1, 3))
+    before = await saver().aget_tuple(config)
+    assert before is not None
+    history = [t.config async for t in saver().alist(config)]
+    marked = {"$set": {MIGRATING: True}}
+    await backend.db[CONVERSATIONS].update_one({"_id": thread_id}, marked)
+
+    refused = "exists as legacy turns not migrated yet"
+    for reader in (saver(), graph.checkpointer):
+        with pytest.raises(Conflict, match=refused):
+            await reader.aget_tuple(config)
+        with pytest.raises(Conflict, match=refused):
+            [t async for t in reader.alist(config)]
+    with pytest.raises(Conflict, match=refused):
+        await graph.ainvoke(question(3), config)
+    if user_id is None:
+        with pytest.raises(Conflict, match=refused):
+            [t async for t in saver().alist(None)]
+        with pytest.raises(Conflict, match=refused):
+            await saver().acopy_thread(thread_id, f"{thread_id}-copy")
+
+    await backend.db[CONVERSATIONS].update_one({"_id": thread_id}, {"$unset": {MIGRATING: 1}})
+    after = await saver().aget_tuple(config)
+    assert after is not None
+    assert after.config == before.config
+    assert after.checkpoint["channel_values"] == before.checkpoint["channel_values"]
+    assert [t.config async for t in saver().alist(config)] == history
 
 
 async def test_a_users_checkpoint_and_writes_after_another_user_took_her_thread_are_read_by_no_one(

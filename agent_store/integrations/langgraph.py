@@ -28,7 +28,8 @@ a user reads only its own thread's, of the conversation it is now (`_readable`),
 and a user's write touches its own documents, one naming no user only once the
 owner is checked again (`_store`); the thread's owner is admitted once per thread
 in a process, and again on rare paths (`_admission`); every reader, a service's too
-(`_served`), and every copy read only the thread's current conversation. What the saver caches of a
+(`_served`), a list across threads (`_across_threads`) and every copy read only the thread's
+current conversation, and refuse one a migration run is writing. What the saver caches of a
 thread is of one conversation (`TranscriptLink.tie`). Needs the `langgraph`
 extra; see docs/LANGGRAPH.md.
 """
@@ -70,7 +71,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
-from agent_store.core import InvalidInput, NotFound, StoreError
+from agent_store.core import Conversation, InvalidInput, NotFound, StoreError
 from agent_store.integrations._langgraph_documents import (
     CHECKPOINTS,
     CONVERSATION,
@@ -94,6 +95,7 @@ from agent_store.store import (
     ConversationStore,
     Database,
     async_database,
+    being_migrated,
     only_duplicates,
     storage_errors,
     validate_identifier,
@@ -214,7 +216,9 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> AsyncIterator[CheckpointTuple]:
-        """Checkpoints matching `config`, a metadata `filter` and `before`, newest first."""
+        """Checkpoints matching `config`, a metadata `filter` and `before`, newest first: of one
+        thread what its reader reads (`_readable`); across threads, a service's only, of each
+        thread what a list of that thread serves (`_across_threads`)."""
         query = {"type": {"$exists": True}} | metadata_filter(filter)
         configurable = (config or {}).get("configurable") or {}
         owner = self._owner(config or {})
@@ -228,18 +232,53 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             query["checkpoint_id"] = _text(configurable["checkpoint_id"], "checkpoint_id")
         if before is not None:
             query["checkpoint_id"] = {"$lt": _text(get_checkpoint_id(before), "before")}
-        if "thread_id" in query:
+        if "thread_id" not in query:
+            docs = await self._across_threads(query, abs(limit) if limit else None)
+        else:
             readable = await self._readable(query["thread_id"], owner)
             if readable is None:
                 return
-            query |= readable
-        cursor = self._checkpoints.find(query).sort("checkpoint_id", -1)
-        if limit is not None:
-            cursor = cursor.limit(limit)
-        with storage_errors("list checkpoints"):
-            docs = await cursor.to_list(None)
+            cursor = self._checkpoints.find(query | readable).sort("checkpoint_id", -1)
+            if limit is not None:
+                cursor = cursor.limit(limit)
+            with storage_errors("list checkpoints"):
+                docs = await cursor.to_list(None)
         for doc in docs:
             yield await self._tuple(doc, owner, as_head=False)
+
+    async def _across_threads(
+        self, query: dict[str, Any], limit: int | None
+    ) -> list[dict[str, Any]]:
+        """The checkpoints `query` finds across threads, newest first, `limit` at most: of each
+        thread only what a list of that thread serves (`_served`), its current life's or naming
+        none, counted before the limit. Read in pages, each with the conversations of the
+        threads first seen on it (`ConversationStore.stored_conversations`): two round trips a
+        page; one page without a limit, or when none of it is stale; else the next page, from
+        where the last ended, twice as long."""
+        lives: dict[str, int | None] = {}
+        served: list[dict[str, Any]] = []
+        paged, page = query, limit
+        while True:
+            cursor = self._checkpoints.find(paged).sort([("checkpoint_id", -1), ("_id", -1)])
+            if page is not None:
+                cursor = cursor.limit(page)
+            with storage_errors("list checkpoints"):
+                docs = await cursor.to_list(None)
+            unknown = {doc["thread_id"] for doc in docs} - lives.keys()
+            if unknown:
+                found = await self.store.stored_conversations(unknown)
+                lives |= {t: self._service_life(t, found.get(t)) for t in unknown}
+            served += [
+                doc for doc in docs if doc.get(CONVERSATION) in (None, lives[doc["thread_id"]])
+            ]
+            if page is None or limit is None or len(docs) < page or len(served) >= limit:
+                return served[:limit]
+            last = docs[-1]
+            after = [
+                {"checkpoint_id": {"$lt": last["checkpoint_id"]}},
+                {"checkpoint_id": last["checkpoint_id"], "_id": {"$lt": last["_id"]}},
+            ]
+            paged, page = {"$and": [query, {"$or": after}]}, page * 2
 
     async def _tuple(
         self, doc: dict[str, Any], owner: Owner, *, as_head: bool, latest: bool = False
@@ -538,14 +577,12 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         conversation the thread is now (`readable_by`; the lookup ties the saver's cache of the
         thread to that conversation and drops what pops since gave back,
         `TranscriptLink.read_as`). A user's right to write a thread it
-        finds is not its own is checked again."""
+        finds is not its own is checked again. Refused while a migration run writes the
+        conversation (`_unless_migrating`)."""
         if owner.user_id is None:
             return await self._served(thread_id)
-        try:
-            found = await self.store.get_conversation(
-                thread_id, user_id=owner.user_id, fallback=False
-            )
-        except NotFound:
+        found = await self._stored(thread_id, owner.user_id)
+        if found is None:
             self._transcripts.thread(thread_id).admitted.pop(owner.user_id, None)
             return None
         self._transcripts.read_as(thread_id, found)  # its pops since drop what they gave back
@@ -556,13 +593,30 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         now, or naming none (stored before documents named it); none of an earlier life under
         the id (a graph still running then may have written some after its delete). One round
         trip; ties the saver's cache of the thread to that conversation."""
-        try:
-            found = await self.store.get_conversation(thread_id, fallback=False)
-        except NotFound:
-            return {CONVERSATION: None}
-        mark = conversation_mark(found.created_at)
+        life = self._service_life(thread_id, await self._stored(thread_id, None))
+        return {CONVERSATION: {"$in": [life, None]}}
+
+    def _service_life(self, thread_id: str, found: Conversation | None) -> int | None:
+        """The conversation a service reads of the thread (`conversation_mark`), the thread
+        being `found` now (None: no conversation; it reads only documents naming none). Ties
+        the saver's cache of the thread to it; refused while a migration run writes it."""
+        if found is None:
+            return None
+        mark = conversation_mark(_unless_migrating(thread_id, found).created_at)
         self._transcripts.tie(thread_id, mark)
-        return {CONVERSATION: {"$in": [mark, None]}}
+        return mark
+
+    async def _stored(self, thread_id: str, user_id: str | None) -> Conversation | None:
+        """The conversation the thread is now, as `user_id` (None: a service) sees it; None
+        when there is none (deleted, being deleted, a fork not made yet, another user's). One
+        round trip. Read with one a migration run is writing among them
+        (`ConversationStore.stored_conversation`), so that one is refused
+        (`_unless_migrating`) rather than taken for none."""
+        try:
+            found = await self.store.stored_conversation(thread_id, user_id=user_id)
+        except NotFound:
+            return None
+        return _unless_migrating(thread_id, found)
 
     async def _rooted(
         self, config: RunnableConfig, owner: Owner, named: str | None
@@ -815,6 +869,17 @@ def _require_life(thread_id: str, life: int | None, admission: Admission) -> Non
             f"thread {thread_id!r}: the checkpoint this write goes on from is of a conversation "
             "deleted since (its user erased): the thread is another conversation now"
         )
+
+
+def _unless_migrating(thread_id: str, found: Conversation) -> Conversation:
+    """The thread's conversation as read, refused (Conflict, as its writes are: 409 over HTTP)
+    while a migration run writes it (legacy turns added since it was migrated, marked
+    `migrating` until the run's messages are in): its checkpoints refer to a transcript the run
+    is rewriting, which no read serves until then, so a read of them now would serve an
+    empty or a half-written history (was: the thread read empty)."""
+    if found.migrating:
+        raise being_migrated(thread_id, "a read of its checkpoints")
+    return found
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -81,6 +81,7 @@ from agent_store.store._reservation import (
     UNSTANDING_READ,
     Actor,
     BeingDeleted,
+    being_migrated,
     refuse_unless_fallback_serves,
     same_conversation,
 )
@@ -227,6 +228,7 @@ __all__ = [
     "TurnSettings",
     "async_database",
     "auto_name",
+    "being_migrated",
     "blob_documents",
     "blob_id",
     "blocking_waits",

@@ -597,6 +597,24 @@ class ConversationStore:
             raise NotFound(f"conversation {conversation_id!r} was not found")
         return Conversation.model_validate(doc)
 
+    async def stored_conversations(
+        self, conversation_ids: Collection[str]
+    ) -> dict[str, Conversation]:
+        """`stored_conversation` of many ids at once, as a service sees them, by id (an id with
+        none stored is absent): one round trip, whatever their number. What tells a caller
+        holding documents of many conversations (the LangGraph checkpointer's list across
+        threads) the life each id is now (`created_at`), and which the migration is still
+        writing (`migrating`); a pop under way is left to the next read of its conversation
+        (it changes neither)."""
+        ids = sorted({validate_identifier(i, "conversation_id") for i in conversation_ids})
+        if not ids:
+            return {}
+        with storage_errors("read the conversations"):
+            docs = await self._conversations.find({"_id": {"$in": ids}} | LISTED, SUMMARY).to_list(
+                None
+            )
+        return {str(doc["_id"]): Conversation.model_validate(doc) for doc in docs}
+
     async def _summary(
         self,
         conversation_id: str,
