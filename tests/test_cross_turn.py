@@ -7367,3 +7367,103 @@ async def test_a_bridge_answer_read_while_its_call_was_unstored_is_judged_once_t
     assert [m.content for m in await store.transcript(CID)][2:] == (
         ["A"] if first_answer == "stored" else []
     )
+
+
+# -- a bridge's answer to a call no message of the conversation makes -------------------
+
+
+async def _logged_by_a_bridge(
+    logger: AgentMessageLogger,
+    answer: list[dict[str, Any]],
+    *,
+    turn_id: str,
+    user_id: str | None = None,
+) -> LoggedTurn:
+    """`answer` logged as a runtime's bridge that read no `pending_calls` logs it (`log_run`,
+    `add_items`, `aadd_messages`): `calls_answered` names the calls it answers, then
+    `log_messages` logs it with them, for a runtime acting for `user_id` (`strict_owner`), or
+    for a service without one."""
+    messages = messages_adapter.validate_python(answer)
+    named = await logger.calls_answered(CID, messages, user_id=user_id)
+    return await logger.log_messages(
+        CID,
+        messages,
+        user_id=user_id,
+        turn_id=turn_id,
+        answers_to=named,
+        strict_owner=user_id is not None,
+    )
+
+
+_LATE_RESULT = [_answer("c0", "booked"), _say("Booked.")]
+"""A paused run's late turn: the approved call's result, and the reply."""
+
+
+async def test_a_bridges_late_answer_never_creates_the_conversation_deleted_meanwhile(
+    backend: Backend,
+) -> None:
+    """LIBRARY.md `calls_answered`: a run paused on c0, the person deleted the conversation,
+    and the runtime logs c0's result and its reply as its bridges do. A turn answering a call
+    of an earlier turn never creates its conversation, as over HTTP with `answers_to`:
+    NotFound to a runtime acting for the user (the 404), a Conflict to a service (the 409),
+    nothing written (was: the conversation created again, holding only the orphan result
+    and the reply)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Book it."), _calls("c0")], turn_id="t0", user_id="u")
+    await store.delete(CID, user_id="u")
+
+    with pytest.raises(NotFound, match="not found"):
+        await _logged_by_a_bridge(logger, _LATE_RESULT, turn_id="t1", user_id="u")
+    with pytest.raises(Conflict, match="does not exist") as refused:
+        await _logged_by_a_bridge(logger, _LATE_RESULT, turn_id="t1")
+
+    assert not isinstance(refused.value, AnsweredBefore)
+    with pytest.raises(NotFound):
+        await store.get_conversation(CID)
+
+
+@pytest.mark.parametrize("again_by", ["u", "grace"], ids=["by the user", "by another user"])
+async def test_a_bridges_late_answer_is_refused_by_the_conversation_started_again_meanwhile(
+    backend: Backend, again_by: str
+) -> None:
+    """The same after the conversation was deleted and a new chat started under its id, by
+    the user or by another (a service's runtime serves both): no message of this conversation
+    makes c0, so the turn is refused InvalidInput naming the call, as over HTTP an
+    `answers_to` naming such a call is (422), by `check_turn` too, nothing written (was: the
+    old run's result and reply appended to the new chat, another user's); to a runtime acting
+    for the user the other user's chat is NotFound, as before."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Book it."), _calls("c0")], turn_id="t0", user_id="u")
+    await store.delete(CID, user_id="u")
+    await logger.log_messages(CID, [_user("A new chat.")], turn_id="new", user_id=again_by)
+    before = await store.transcript(CID)
+
+    unmade = "no message of this conversation makes call 'c0'"
+    with pytest.raises(InvalidInput if again_by == "u" else NotFound):
+        await _logged_by_a_bridge(logger, _LATE_RESULT, turn_id="t1", user_id="u")
+    with pytest.raises(InvalidInput, match=unmade):
+        await _logged_by_a_bridge(logger, _LATE_RESULT, turn_id="t1")
+    stale = messages_adapter.validate_python(_LATE_RESULT)
+    named = await logger.calls_answered(CID, stale)
+    with pytest.raises(InvalidInput, match=unmade):
+        await logger.check_turn(CID, stale, turn_id="t1", answers_to=named)
+
+    assert await store.transcript(CID) == before
+
+
+async def test_a_bridges_logged_answer_retried_once_its_call_left_pending_calls_is_a_replay(
+    backend: Backend,
+) -> None:
+    """A retry of a bridge's turn already logged is its replay, never refused as answering a
+    call no longer pending: its answer took c0 off `pending_calls`, and c0 is named by the
+    message that made it, however many turns came since (past the kept records too)."""
+    logger = AgentMessageLogger(backend.db, rules=PAST_TWO)
+    await logger.log_messages(CID, [_user("Book it."), _calls("c0")], turn_id="t0", user_id="u1")
+    first = await _logged_by_a_bridge(logger, _LATE_RESULT, turn_id="t1", user_id="u1")
+    assert await ConversationStore(backend.db).pending_calls(CID, user_id="u1") == []
+    await _later_turns(logger, CID, PAST_TWO.turns_recorded + 1)
+
+    again = await _logged_by_a_bridge(logger, _LATE_RESULT, turn_id="t1", user_id="u1")
+
+    assert again.replayed
+    assert [m.id for m in again.messages] == [m.id for m in first.messages]

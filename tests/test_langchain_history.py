@@ -841,6 +841,55 @@ async def test_a_call_nothing_follows_is_left_for_the_runtime_to_answer(backend:
     assert reply.content == "Found it."
 
 
+@pytest.mark.parametrize(
+    ("again_by", "runtime"),
+    [
+        pytest.param(None, "u", id="deleted"),
+        pytest.param("u", "u", id="started again"),
+        pytest.param("grace", None, id="started again for another user, a service's history"),
+    ],
+)
+async def test_a_result_added_after_its_conversation_was_deleted_is_refused_nothing_stored(
+    backend: Backend, again_by: str | None, runtime: str | None
+) -> None:
+    """The chain paused on call_b1; the person deleted the conversation (and maybe started a
+    new chat under its id); the runtime adds the approved tool's result and the reply. No
+    message of the conversation makes call_b1 now: the add is refused as an `answers_to`
+    naming such a call is, nothing stored: the conversation missing is never created
+    (NotFound to a history acting for the user), the new chat takes no result for a call it
+    never made (InvalidInput naming the call), also another user's chat a service's history
+    adds to (was: stored, the conversation created again holding only the result and the
+    reply, or both appended to the new chat)."""
+    store = ConversationStore(backend.db)
+    await AgentMessageLogger(backend.db).upsert_conversation(CID, user_id="u")
+    history = ConversationChatHistory(CID, backend.db, user_id=runtime)
+    calls = [{"name": "book_train", "args": {}, "id": "call_b1"}]
+    await history.aadd_messages([HumanMessage("Book the 09:04."), AIMessage("", tool_calls=calls)])
+    await store.delete(CID, user_id="u")
+    if again_by is not None:
+        chat = [{"role": "user", "content": "A new chat."}]
+        await AgentMessageLogger(backend.db).log_messages(
+            CID, chat, user_id=again_by, turn_id="new-1"
+        )
+    before = await store.transcript(CID) if again_by is not None else None
+
+    refused, said = (
+        (NotFound, "was not found")
+        if again_by is None
+        else (InvalidInput, "no message of this conversation makes call 'call_b1'")
+    )
+    with pytest.raises(refused, match=said):
+        await history.aadd_messages(
+            [ToolMessage("booked 09:04", tool_call_id="call_b1"), AIMessage("Booked.")]
+        )
+
+    if before is None:
+        with pytest.raises(NotFound):
+            await store.get_conversation(CID)
+    else:
+        assert await store.transcript(CID) == before
+
+
 async def test_a_result_answering_no_call_is_left_out(backend: Backend) -> None:
     """The runtime popped its paused call, then logged the approved tool's result: no call is
     left for it to answer, and a chat model refuses a tool message answering none."""

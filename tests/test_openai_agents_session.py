@@ -961,12 +961,64 @@ async def test_a_call_answered_in_two_sessions_while_its_turn_is_still_written_k
     assert [o for o in outputs if o is not None] == ["Booked."]
 
 
-async def test_a_result_whose_call_was_popped_is_left_out_of_the_items(
+@pytest.mark.parametrize(
+    ("again_by", "runtime"),
+    [
+        pytest.param(None, "u", id="deleted"),
+        pytest.param("u", "u", id="started again"),
+        pytest.param("grace", None, id="started again for another user, a service's session"),
+    ],
+)
+async def test_an_output_added_after_its_conversation_was_deleted_is_refused_nothing_stored(
+    backend: Backend, again_by: str | None, runtime: str | None
+) -> None:
+    """The run paused on call_b1; the person deleted the conversation (and maybe started a
+    new chat under its id); the runtime resumes, approved, and its session adds the tool's
+    output. No message of the conversation makes call_b1 now: the add is refused as an
+    `answers_to` naming such a call is, nothing stored: the conversation missing is never
+    created (NotFound to a session acting for the user), the new chat takes no output for a
+    call it never made (InvalidInput naming the call), also another user's chat a service's
+    session adds to (was: stored, the conversation created again holding only the output,
+    or the output appended to the new chat)."""
+    store = ConversationStore(backend.db)
+    await AgentMessageLogger(backend.db).upsert_conversation(CID, user_id="u")
+    session = ConversationSession(CID, backend.db, user_id=runtime)
+    booking = {"type": "function_call", "name": "book_train", "arguments": "{}"}
+    await session.add_items(
+        [{"role": "user", "content": "Book the 09:04."}, {**booking, "call_id": "call_b1"}]
+    )
+    await store.delete(CID, user_id="u")
+    if again_by is not None:
+        chat = [{"role": "user", "content": "A new chat."}]
+        await AgentMessageLogger(backend.db).log_messages(
+            CID, chat, user_id=again_by, turn_id="new-1"
+        )
+    before = await store.transcript(CID) if again_by is not None else None
+    booked = {"type": "function_call_output", "call_id": "call_b1", "output": "Booked."}
+
+    refused, said = (
+        (NotFound, "was not found")
+        if again_by is None
+        else (InvalidInput, "no message of this conversation makes call 'call_b1'")
+    )
+    with pytest.raises(refused, match=said):
+        await session.add_items([booked])
+
+    if before is None:
+        with pytest.raises(NotFound):
+            await store.get_conversation(CID)
+    else:
+        assert await store.transcript(CID) == before
+
+
+async def test_a_result_whose_call_was_popped_is_refused_and_left_out_of_the_items(
     backend: Backend,
 ) -> None:
     """The run pauses for approval, the runtime pops the paused call, and the approved run
-    resumes: the SDK saves the tool's result, which answers no call left; the next run's
-    model is not given it (the Responses API refuses an output answering no call)."""
+    resumes: the SDK saves the tool's result, which answers no call left. The add is refused
+    (`InvalidInput` naming the call, nothing stored: no message of the conversation makes
+    it, RUNTIMES.md; it was stored as an orphan), and the next run's model is not given it
+    (the Responses API refuses an output answering no call)."""
     model = ScriptedModel()
     model.steps = [
         [call("book_train", {"train": "09:04"}, "call_b1")],
@@ -979,13 +1031,13 @@ async def test_a_result_whose_call_was_popped_is_left_out_of_the_items(
     await session.pop_item()
     state = paused.to_state()
     state.approve(state.get_interruptions()[0])
-    await Runner.run(agent, state, session=session)
+    with pytest.raises(InvalidInput, match="no message of this conversation makes call 'call_b1'"):
+        await Runner.run(agent, state, session=session)
+    assert not any(m.tool_call_id for m in await session.store.transcript(CID))
 
     await Runner.run(agent, "Thanks.", session=session)
 
-    assert [i.get("type", i.get("role")) for i in model.inputs[-1]] == [
-        "user", "message", "user",
-    ]  # fmt: skip
+    assert [i.get("type", i.get("role")) for i in model.inputs[-1]] == ["user", "user"]
 
 
 async def test_a_pop_of_another_writers_message_of_several_items_removes_nothing(

@@ -60,7 +60,14 @@ from pydantic_ai.output import is_output_tool_part
 from pydantic_ai.ui.vercel_ai import VercelAIAdapter
 from pydantic_ai.usage import RequestUsage, UsageLimits
 
-from agent_store import AgentMessageLogger, AnsweredBefore, ConversationStore, NotFound, TurnRules
+from agent_store import (
+    AgentMessageLogger,
+    AnsweredBefore,
+    ConversationStore,
+    InvalidInput,
+    NotFound,
+    TurnRules,
+)
 from agent_store.core import (
     INTERRUPTED_RESULT,
     AssistantMessage,
@@ -509,6 +516,62 @@ async def test_a_paused_call_answered_in_two_tabs_while_its_run_is_still_written
     answers = [m.content for m in await store.transcript(CID) if m.tool_call_id == "tc-9"]
     assert len(answers) == 1
     assert "Not that one." not in answers
+
+
+STALE_RESUMES = [
+    pytest.param(None, "u", id="deleted"),
+    pytest.param("u", "u", id="started again"),
+    pytest.param("grace", None, id="started again for another user, a service's run"),
+]
+"""What became of the conversation of a run paused for approval (`None`: deleted; else
+deleted and started again by that user), and who logs the runs (a runtime acting for "u", or
+a service, `None`)."""
+
+
+@pytest.mark.parametrize(("again_by", "runtime"), STALE_RESUMES)
+async def test_a_run_resumed_after_its_conversation_was_deleted_is_refused_nothing_stored(
+    backend: Backend, again_by: str | None, runtime: str | None
+) -> None:
+    """The run paused on tc-9; the person deleted the conversation (and maybe started a new
+    chat under its id); the runtime resumes the run, approved, and logs it. No message of the
+    conversation makes tc-9 now: the run is refused as an `answers_to` naming such a call is,
+    nothing stored: the conversation missing is never created (NotFound to a runtime acting
+    for the user), the new chat takes no answer to a call it never made (InvalidInput naming
+    the call), also another user's chat a service logs into (was: stored, the conversation
+    created again holding only the orphan result, or the old run appended to the new chat)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    agent = approval_agent([])
+    first = await agent.run("Book the 09:04 to Lyon; weather there?")
+    await logger.upsert_conversation(CID, user_id="u")
+    await log_run(logger, CID, first.new_messages(), turn_id="run-1", user_id=runtime)
+    await store.delete(CID, user_id="u")
+    if again_by is not None:
+        chat = [{"role": "user", "content": "A new chat."}]
+        await logger.log_messages(CID, chat, user_id=again_by, turn_id="new-1")
+    results = DeferredToolResults(approvals={"tc-9": True})
+    resumed = await agent.run(message_history=first.all_messages(), deferred_tool_results=results)
+    before = await store.transcript(CID) if again_by is not None else None
+
+    refused, said = (
+        (NotFound, "was not found")
+        if again_by is None
+        else (InvalidInput, "no message of this conversation makes call 'tc-9'")
+    )
+    with pytest.raises(refused, match=said):
+        await log_run(
+            logger,
+            CID,
+            resumed.new_messages(),
+            turn_id="run-2",
+            user_id=runtime,
+            deferred_tool_results=results,
+        )
+
+    if before is None:
+        with pytest.raises(NotFound):
+            await store.get_conversation(CID)
+    else:
+        assert await store.transcript(CID) == before
 
 
 async def _lost_insert(*args: object, **kwargs: object) -> None:

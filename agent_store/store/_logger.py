@@ -986,17 +986,21 @@ class AgentMessageLogger:
         """The `answers_to` of a turn of `messages`, as the conversation stands: for each call
         of an earlier turn it answers (a `tool` message, result or denial, naming a call no
         message of the turn makes), the message that made it, the latest pending call of its
-        id, else the latest message making it. Logged with them (a runtime's bridge that read
-        no `pending_calls`), a turn answering a call another turn answered first is
-        `AnsweredBefore`, nothing written, while a retry of a logged turn is still its replay.
-        A call off the list no stored message makes while a turn is still being written,
-        whose answer is stored or may still land, is named by an id no message has
-        (`_made_unstored`), so the turn is judged as one naming it as `pending_calls` served
-        it. Any other call no message makes, in a conversation that does not exist or is
-        another user's, is left out (the turn is logged or refused as without it). None read
-        for a turn answering no earlier call; the conversation, then, for a call not pending,
-        its messages making it (one read more), and for such a call while a block is still
-        being written, the messages answering it (one more)."""
+        id, else the latest message of this life making it. Logged with them (a runtime's
+        bridge that read no `pending_calls`), a turn answering a call another turn answered
+        first is `AnsweredBefore`, nothing written, while a retry of a logged turn is still
+        its replay. A call off the list no stored message makes is named by an id no message
+        has (`_made_unstored`): the turn is judged as one naming it as `pending_calls` served
+        it while a turn still being written may make it and its answer is stored or may still
+        land (`_UNSTORED_CALL`), and refused as one naming a call no message of the
+        conversation makes when no such turn may make it (`_UNMADE_CALL`: InvalidInput), as
+        is every call it answers in a conversation that does not exist (never created: the
+        404 to a user, a Conflict to a service, `_absent`) or is another user's, nothing
+        written. A call a turn still being written may make, no answer to it, is left out
+        (the turn is logged without it: its answer lands after that turn). None read for a
+        turn answering no earlier call; the conversation, then, for a call not pending, its
+        messages making it (one read more), and for a call no stored message makes, the
+        messages answering it (one more)."""
         made = {call.id for message in messages for call in message.tool_calls or ()}
         wanted = {
             m.tool_call_id: ""
@@ -1010,43 +1014,55 @@ class AgentMessageLogger:
             found = await self._conversations.find_one(scope, _PENDING_READ)
         owner = found.get("user_id") if found is not None else None
         if found is None or (user_id is not None and owner not in (None, user_id)):
-            return {}
+            return dict.fromkeys(wanted, _UNMADE_CALL)  # refused as the reservation refuses it
         for call in found.get("pending_calls") or ():  # in the order made: the latest wins
             if isinstance(call, Mapping) and call.get("tool_call_id") in wanted:
                 wanted[call["tool_call_id"]] = call.get("message_id") or ""
-        missing = sorted(c for c, m in wanted.items() if not m)
-        if missing:
-            query = {"conversation_id": scope["_id"], "tool_calls.id": {"$in": missing}}
-            with storage_errors("read the messages making the calls answered"):
-                cursor = self._messages.find(query, {"tool_calls.id": 1, "epoch": 1})
-                making = await cursor.sort("seq", -1).to_list(None)
-            for doc in making:  # the latest first
-                if doc.get("epoch") not in (None, found.get("epoch")):
-                    continue  # an earlier life's of the id, left to sweep
-                for call in doc.get("tool_calls") or ():
-                    call_id = call.get("id") if isinstance(call, Mapping) else None
-                    if isinstance(call_id, str) and wanted.get(call_id) == "":
-                        wanted[call_id] = doc["_id"]
+        if missing := sorted(c for c, m in wanted.items() if not m):
+            wanted.update(await self._made_by_stored(found, missing))
         if unmade := sorted(c for c, m in wanted.items() if not m):
             wanted.update(await self._made_unstored(found, unmade))
         return {c: m for c, m in wanted.items() if isinstance(m, str) and m}
+
+    async def _made_by_stored(
+        self, conversation: Mapping[str, Any], call_ids: Sequence[str]
+    ) -> dict[str, str]:
+        """For `calls_answered`, the latest stored message of this life of `conversation`
+        making each of `call_ids` (off `pending_calls`), never a late insert of an earlier
+        life of the id left to the delete's sweep. One read."""
+        query = {"conversation_id": conversation["_id"], "tool_calls.id": {"$in": call_ids}}
+        with storage_errors("read the messages making the calls answered"):
+            cursor = self._messages.find(query, {"tool_calls.id": 1, "epoch": 1})
+            making = await cursor.sort("seq", -1).to_list(None)
+        makers: dict[str, str] = {}
+        for doc in of_epoch(making, conversation.get("epoch")):  # the latest first
+            for call in doc.get("tool_calls") or ():
+                call_id = call.get("id") if isinstance(call, Mapping) else None
+                if isinstance(call_id, str) and call_id in call_ids:
+                    makers.setdefault(call_id, str(doc["_id"]))
+        return makers
 
     async def _made_unstored(
         self, conversation: Mapping[str, Any], call_ids: Sequence[str]
     ) -> dict[str, str]:
         """For `calls_answered`, those of `call_ids` (off `pending_calls`, made by no stored
-        message) a turn still being written may make (its insert lost or in flight, within
-        `abandon_after`: `_Landed`; or passed, its writer dead) whose answer is stored or may
-        still land: named by `_UNSTORED_CALL`, so the turn is judged as one naming the call as
-        `pending_calls` served it (`_unanswered`: `AnsweredBefore`, or `StorageUnavailable`
-        while the answer is still being written), never stored as a second answer. One read
-        (the messages)."""
+        message) named by an id no message has. A turn still being written may make such a
+        call (its insert lost or in flight, within `abandon_after`: `_Landed`; or passed, its
+        writer dead): one whose answer is stored or may still land is `_UNSTORED_CALL`, so
+        the turn is judged as one naming the call as `pending_calls` served it
+        (`_unanswered`: `AnsweredBefore`, or `StorageUnavailable` while the answer is still
+        being written), never stored as a second answer; one with no answer is left out
+        while a block is still being written (that turn may make it). With none being
+        written, no message of the conversation makes it: `_UNMADE_CALL`, the turn refused
+        as naming a call no message makes (`_misnamed`). One read (the messages)."""
         named = dict.fromkeys(call_ids, _UNSTORED_CALL)
         _, landed, written = await self._answers_landing(
             conversation, named, "read the messages answering the calls"
         )
         states = _answer_states(named, call_ids, landed, written)
-        return {c: _UNSTORED_CALL for c, state in states.items() if state in _TAKEN}
+        unmade = _UNMADE_CALL if landed.made_at.get(_UNSTORED_CALL, -1) < 0 else None
+        told = {c: _UNSTORED_CALL if state in _TAKEN else unmade for c, state in states.items()}
+        return {c: m for c, m in told.items() if m is not None}
 
     async def _answers_landing(
         self, conversation: Mapping[str, Any], named: Mapping[str, str], action: str
@@ -3768,6 +3784,12 @@ _UNSTORED_CALL = "msg-still-being-written"
 """The message `calls_answered` names for a call a turn still being written makes (its id
 not stored anywhere yet, and off `pending_calls` once another turn answered it): no message
 has this id."""
+_UNMADE_CALL = "msg-made-by-none"
+"""The message `calls_answered` names for a call no message of the conversation makes and no
+turn still being written may make (answered in a conversation since deleted, or never
+logged), and for every call a turn answers in a conversation missing or another user's: no
+message has this id, so the turn is refused as one whose `answers_to` names such a call
+(never placed where a turn still being written lands, `_Landed.of`), nothing written."""
 
 
 MAX_FORK_WHOLE_TEXT_CHARS = 64 * 1024 * 1024
@@ -4393,11 +4415,20 @@ def _misnamed(
 ) -> InvalidInput | None:
     """InvalidInput when `answers_to` names for a call (`named`) a message that does not make
     that call in the conversation (`found`, `answers_lookup`: read from another conversation,
-    a fork): nobody answered that call, which may still be pending; None otherwise."""
+    a fork): nobody answered that call, which may still be pending; or names it by
+    `_UNMADE_CALL` (`calls_answered`: no message of the conversation makes it, answered in a
+    conversation since deleted or never logged), said so first; None otherwise."""
     makes = {(c.get("id"), d["_id"]) for d in found for c in d.get("tool_calls") or ()}
     wrong = {c: m for c, m in named.items() if (c, m) not in makes}
     if not wrong:
         return None
+    if unmade := [c for c, m in wrong.items() if m == _UNMADE_CALL]:
+        return InvalidInput(
+            f"invalid turn {plan.turn_id!r} of conversation {plan.conversation_id!r}: it "
+            f"answers a call of an earlier turn, but no message of this conversation makes "
+            f"call {listed(unmade, shown)} (answered in a conversation since deleted, or never "
+            "logged); nothing was stored. Log the turn without that answer"
+        )
     said = "; ".join(f"message {shown(m)} does not make call {shown(c)}" for c, m in wrong.items())
     return InvalidInput(
         f"invalid answers_to of turn {plan.turn_id!r}: in conversation "
@@ -4439,7 +4470,7 @@ class _Landed:
         made_at = {str(d["_id"]): int(d["seq"]) for d in found}
         unstored: dict[str, list[str]] = {}
         for call_id, message in named.items():
-            if message not in made_at:
+            if message not in made_at and message != _UNMADE_CALL:
                 unstored.setdefault(message, []).append(call_id)
         if not unstored:
             return cls(found, made_at)
