@@ -31,7 +31,6 @@ from pymongo import AsyncMongoClient
 
 from agent_store import (
     AgentMessageLogger,
-    AnsweredBefore,
     Conflict,
     ConversationStore,
     InvalidInput,
@@ -44,12 +43,7 @@ from agent_store import (
 from agent_store.core import INTERRUPTED_RESULT, PENDING_RESULT
 from agent_store.integrations._langgraph_documents import check_metadata_keys, metadata_filter
 from agent_store.integrations.exports import chat_completions
-from agent_store.integrations.langgraph import (
-    CHECKPOINTS,
-    REWRITTEN,
-    AgentStoreSaver,
-    AnsweredBeforeTheGraph,
-)
+from agent_store.integrations.langgraph import CHECKPOINTS, REWRITTEN, AgentStoreSaver
 from agent_store.integrations.pydantic_ai import history_from_messages
 from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import (
@@ -370,104 +364,6 @@ async def test_a_paused_call_removed_with_remove_message_is_no_longer_pending(
     assert conversation.last_message_preview == "Answer 3: noted"
     cold = approval_agent(AgentStoreSaver(backend.db))
     assert (await cold.aget_state(config)).values["messages"] == messages
-
-
-PERSONS_ANSWERS = {
-    "denied": {"content": "Not that city.", "error": {"message": "tool call denied"}},
-    "answered": {"content": "City 2: 16 degrees, I looked"},
-}
-
-
-@pytest.mark.parametrize(
-    ("answer", "resumed_by"),
-    [
-        pytest.param("denied", "the-same-process", id="denied-then-resumed"),
-        pytest.param("answered", "a-new-process", id="answered-then-resumed-elsewhere"),
-    ],
-)
-async def test_a_call_the_person_answered_first_is_refused_to_the_resumed_graph_and_stored_once(
-    backend: Backend, answer: str, resumed_by: str
-) -> None:
-    """LANGGRAPH.md "A call the person answered first": the graph pauses on call-2, the user's
-    token answers it over HTTP, and the runtime resumes the pause anyway ("yes", the tool
-    runs). A call's first answer is its answer: the resume is `AnsweredBefore` naming call-2,
-    nothing of it stored (the call is not logged again, its result not stored as a second
-    answer); the error gives the person's answer, from which the runtime goes on."""
-    config = thread("user-ada")
-    thread_id = config["configurable"]["thread_id"]
-    store = ConversationStore(backend.db)
-    graph = approval_agent(AgentStoreSaver(backend.db))
-    await graph.ainvoke(question(2), config)  # pauses on call-2
-    async with serve(backend.db, seeded=False) as api:
-        persons = {"role": "tool", "tool_call_id": "call-2", **PERSONS_ANSWERS[answer]}
-        said = await api.http.post(
-            f"/v1/conversations/{thread_id}/turns",
-            json={"turn_id": "p-1", "messages": [persons]},
-            headers=auth_headers(user="user-ada"),
-        )
-        assert said.status_code == 201, said.text
-    before = await store.transcript(thread_id)
-    if resumed_by == "a-new-process":
-        graph = approval_agent(AgentStoreSaver(backend.db))
-
-    with pytest.raises(AnsweredBeforeTheGraph, match="call-2") as refused:
-        await graph.ainvoke(Command(resume="yes"), config)
-    assert isinstance(refused.value, AnsweredBefore)
-    assert refused.value.tool_call_ids == ("call-2",)
-    assert await store.transcript(thread_id) == before
-    first = refused.value.answers
-    assert [(m.tool_call_id, m.content) for m in first] == [("call-2", persons["content"])]
-    # The runtime goes on from the person's answer, as if the approval node had given it.
-    await graph.aupdate_state(config, {"messages": list(first)}, as_node="approve")
-    await graph.ainvoke(None, config)
-
-    transcript = await store.transcript(thread_id)
-    assert [(m.role, m.content) for m in transcript] == [
-        ("user", "Question 2: how is the weather?"),
-        ("assistant", None),
-        ("tool", persons["content"]),
-        ("assistant", f"Answer 2: {persons['content']}"),
-    ]
-    state = (await graph.aget_state(config)).values["messages"]
-    assert [m.content or None for m in state] == [m.content for m in transcript]
-    cold = approval_agent(AgentStoreSaver(backend.db))
-    assert (await cold.aget_state(config)).values["messages"] == state
-    assert await store.pending_calls(thread_id) == []
-    replay = chat_completions(transcript)
-    made = [c["id"] for m in replay for c in m.get("tool_calls") or ()]
-    assert made == ["call-2"]
-
-
-async def test_a_paused_call_has_no_prompt_to_approve_over_http_and_its_resume_stores_it_once(
-    backend: Backend,
-) -> None:
-    """The mirror case: a graph's pause (`interrupt`) asks no prompt, so the person's approval
-    over HTTP (`hitl/resolve`) finds none (409), nothing written; the runtime's resume with
-    "yes" then stores the call once and its one result."""
-    config = thread("user-ada")
-    thread_id = config["configurable"]["thread_id"]
-    store = ConversationStore(backend.db)
-    graph = approval_agent(AgentStoreSaver(backend.db))
-    await graph.ainvoke(question(2), config)  # pauses on call-2
-    [pending] = await store.pending_calls(thread_id)
-    assert (pending.tool_call_id, pending.request_id) == ("call-2", None)
-    async with serve(backend.db, seeded=False) as api:
-        approved = await api.http.post(
-            f"/v1/conversations/{thread_id}/hitl/resolve",
-            json={"request_id": "call-2", "call_ids": ["call-2"]},
-            headers=auth_headers(user="user-ada"),
-        )
-        assert approved.status_code == 409, approved.text
-    await graph.ainvoke(Command(resume="yes"), config)
-
-    transcript = await store.transcript(thread_id)
-    assert [(m.role, m.content) for m in transcript] == [
-        ("user", "Question 2: how is the weather?"),
-        ("assistant", None),
-        ("tool", APPROVED),
-        ("assistant", f"Answer 2: {APPROVED}"),
-    ]
-    assert await store.pending_calls(thread_id) == []
 
 
 async def _paused_on_call_2(graph: Any, config: dict[str, Any]) -> AIMessage:

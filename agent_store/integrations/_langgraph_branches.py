@@ -21,7 +21,7 @@ pairs with. Pure: the saver's transcript link does the reading and the logging.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from langchain_core.messages import AIMessage, BaseMessage, ToolCall, ToolMessage
 
@@ -92,16 +92,10 @@ def logged_again_from(
     calls: Sequence[OpenCall],
     transcript: Mapping[int, BaseMessage],
     end: int,
-    outside: Collection[int] = (),
 ) -> int | None:
     """The index of the branch's first message to log again: its first call (of `calls`) that
     a stored message further on in the transcript (before `end`), not one of the branch's own,
     answers or makes again (another branch's answer, or its copy of the call); None if none is.
-
-    An answer no graph logged (`outside`: the `seq`s of such messages, a person's over HTTP,
-    another runtime's) is not another branch's: the call's first answer, which the branch
-    does not go around by logging the call again. Its own answer to the call is refused
-    (`AnsweredBefore`), as any later answer to an answered call is.
 
     `places` says where each of the branch's messages lives (`seats`).
     """
@@ -112,15 +106,10 @@ def logged_again_from(
         if seq is not None and any(
             _touches(transcript.get(later), call_id)
             for later in range(seq + 1, end)
-            if later not in own and not _answer_from(outside, later, transcript)
+            if later not in own
         ):
             return index
     return None
-
-
-def _answer_from(outside: Collection[int], seq: int, transcript: Mapping[int, BaseMessage]) -> bool:
-    """Whether the message at `seq` is an answer (a tool message) no graph logged."""
-    return seq in outside and isinstance(transcript.get(seq), ToolMessage)
 
 
 def logged_before_stored(messages: Sequence[BaseMessage], places: Sequence[object]) -> int | None:

@@ -24,16 +24,14 @@ import json
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from bson import Int64
-from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+from langchain_core.messages import AIMessage, BaseMessage
 from pydantic import ValidationError
 
 from agent_store.core import (
     AgentMessage,
-    AnsweredBefore,
     AssistantMessage,
     Conflict,
     Conversation,
@@ -82,26 +80,8 @@ from agent_store.store import (
     Database,
     copied_from,
     copy_mark,
-    is_own_turn_id,
     storage_errors,
 )
-
-
-class AnsweredBeforeTheGraph(AnsweredBefore):
-    """A graph's checkpoint answers tool calls another writer answered first (the user's
-    token over HTTP, another runtime): a call's first answer is its answer, so nothing of the
-    checkpoint was stored (`AnsweredBefore`, naming the calls). `answers` are those first
-    answers as the graph's messages channel holds them (a `ToolMessage` each, its `id` the
-    stored message's): written into the graph's state (`update_state(config, {"messages":
-    answers}, as_node=...)`), the checkpoint refers to them as stored, and the graph goes on
-    from the person's answer (docs/LANGGRAPH.md)."""
-
-    def __init__(
-        self, message: str, *, tool_call_ids: Sequence[str], answers: Sequence[BaseMessage]
-    ) -> None:
-        super().__init__(message, tool_call_ids=tool_call_ids)
-        self.answers = list(answers)
-        """The first answer of each call named, as the transcript holds it."""
 
 
 @dataclass(frozen=True)
@@ -153,9 +133,6 @@ class _Thread:
     since (a pop gave the `seq` back, another writer took it) replaces the cached one."""
     loaded_until: int = 0
     """Every stored message below this `seq` is in `by_seq`."""
-    outside: set[int] = field(default_factory=set)
-    """The cached `seq`s holding a message no graph logged (a person's turn over HTTP, another
-    runtime's): its answer to a call is the call's first, not another branch's."""
     pops: int | None = None
     """The conversation's finished pops (`Conversation.pops`) as a read of it last found them;
     None: not read yet."""
@@ -172,7 +149,6 @@ class _Thread:
         if gone is not None and gone.id is not None and self.seq_by_id.get(gone.id) == seq:
             del self.seq_by_id[gone.id]
         self.by_seq[seq] = message
-        self.outside.discard(seq)
         if stored_id is not None:
             self.stored_ids[seq] = stored_id
         if message.id is not None:
@@ -185,7 +161,6 @@ class _Thread:
             return
         for gone in [s for s in self.by_seq if s >= seq]:
             self.stored_ids.pop(gone, None)
-            self.outside.discard(gone)
             message = self.by_seq.pop(gone)
             if message.id is not None and self.seq_by_id.get(message.id) == gone:
                 del self.seq_by_id[message.id]
@@ -360,66 +335,27 @@ class TranscriptLink:
                 calls = open_calls(messages)
             else:
                 calls = open_calls(messages, start=len(base.messages), before=base.open_calls)
-            step = _Step(thread_id, checkpoint_id, parent_id, owner, messages, base, calls)
-            try:
-                return await self._placed(state, step)
-            except AnsweredBefore as refused:
-                raise await self._answered_first(state, step, refused) from refused
-
-    async def _placed(
-        self, state: _Thread, step: _Step
-    ) -> tuple[list[Segment], list[dict[str, Any]]]:
-        """`place`'s attempts: placed again as a branch while other puts logged messages since
-        it read the transcript (`_PLACE_ATTEMPTS`), held behind a later step (`_held`). A put
-        whose answer to a call is refused (`AnsweredBefore`) is placed again as a branch, the
-        transcript read to its end (another graph's answer, which the branch's check goes
-        around: `logged_again_from`); refused so once the branch's check read all there is,
-        it is refused (a first answer no graph logged)."""
-        moved: int | None = None
-        kept: list[dict[str, Any]] = []
-        head = partial(_Head, step.checkpoint_id, list(step.messages))
-        for attempt in range(_PLACE_ATTEMPTS):
-            try:
-                segments, extras, end = await self._place_once(state, step, moved, attempt)
-            except AnsweredBefore:
-                read = state.loaded_until
-                await self._load(state, step.thread_id, step.owner, start=read, stop=None)
-                checked = moved is not None and state.loaded_until == read
-                if checked or attempt + 1 == _PLACE_ATTEMPTS:
-                    raise
-                moved = state.loaded_until
-                continue
-            except TranscriptMoved as exc:
-                self._refuse_lost(step, exc)
-                if exc.later_step is None:
-                    state.ends_at(exc.next_seq)
-                    moved = exc.next_seq
-                    kept = exc.extras if isinstance(exc, _Replayed) else kept
-                    continue
-                segments, end = await self._held(state, step)
-                state.head = head(segments, step.calls, end, False)
-                return segments, []
-            state.head = head(segments, step.calls, end)
-            return segments, _with_kept(extras, kept, segments)
+            moved: int | None = None
+            kept: list[dict[str, Any]] = []
+            for attempt in range(_PLACE_ATTEMPTS):
+                step = _Step(thread_id, checkpoint_id, parent_id, owner, messages, base, calls)
+                try:
+                    segments, extras, end = await self._place_once(state, step, moved, attempt)
+                except TranscriptMoved as exc:
+                    self._refuse_lost(step, exc)
+                    if exc.later_step is None:
+                        state.ends_at(exc.next_seq)
+                        moved = exc.next_seq
+                        kept = exc.extras if isinstance(exc, _Replayed) else kept
+                        continue
+                    segments, end = await self._held(state, step)
+                    state.head = _Head(checkpoint_id, list(messages), segments, calls, end, False)
+                    return segments, []
+                state.head = _Head(checkpoint_id, list(messages), segments, calls, end)
+                return segments, _with_kept(extras, kept, segments)
         raise StorageUnavailable(
-            f"thread {step.thread_id!r}: other puts kept logging messages while this one was "
-            "placed; retry it"
-        )
-
-    async def _answered_first(
-        self, state: _Thread, step: _Step, refused: AnsweredBefore
-    ) -> AnsweredBeforeTheGraph:
-        """The refusal of a put answering calls another writer answered first (a person over
-        HTTP): `AnsweredBefore` with those first answers as the transcript holds them, read to
-        its end, for the runtime to go on from (`AnsweredBeforeTheGraph.answers`)."""
-        await self._load(state, step.thread_id, step.owner, start=state.loaded_until, stop=None)
-        held = [state.by_seq[seq] for seq in sorted(state.by_seq) if seq < state.loaded_until]
-        answers = [_first_answer(held, call_id) for call_id in refused.tool_call_ids]
-        return AnsweredBeforeTheGraph(
-            f"{str(refused).rstrip('.')}. The graph goes on from the first answers: write "
-            "this error's `answers` into its state (`update_state`) instead of its own.",
-            tool_call_ids=refused.tool_call_ids,
-            answers=[answer for answer in answers if answer is not None],
+            f"thread {thread_id!r}: other puts kept logging messages while this one was placed; "
+            "retry it"
         )
 
     async def _parent(
@@ -481,10 +417,7 @@ class TranscriptLink:
         closing = [] if settled else _closing(state, segments, places)
         new = [p for p in places if isinstance(p, _New)]
         fork_id = step.checkpoint_id if copies else None  # names the copies' turn
-        answers = _calls_answered(state, step.messages, places)
-        extras, replayed = await self._log_branch(
-            state, step, (closing, new), (fork_id, answers), next_seq
-        )
+        extras, replayed = await self._log_branch(state, step, (closing, new), fork_id, next_seq)
         seqs = [int(e["seq"]) for e in extras]
         extras = extras[len(closing) :]  # the checkpoint holds no stand-in
         by_seq = iter(seqs[len(closing) :])
@@ -507,7 +440,7 @@ class TranscriptLink:
         state: _Thread,
         step: _Step,
         logging: tuple[Sequence[_New], Sequence[_New]],
-        named: tuple[str | None, Mapping[str, str]],
+        fork_id: str | None,
         next_seq: int,
     ) -> tuple[list[dict[str, Any]], bool]:
         """Log a put's stand-ins and new messages (`logging`) at `next_seq`, as `_log` does:
@@ -519,20 +452,15 @@ class TranscriptLink:
         The stand-ins' turn is named by the put's checkpoint too: a call's stand-in reads the
         same whatever branch logs it, so two branches from one checkpoint (an edit, then time
         travel to the pause before it) would otherwise name one turn, the second answered the
-        first's (a replay) and its turn after it placed at a taken `seq`.
-
-        `named`: the id naming the copies' turn (`_log`'s `fork_id`), and the calls of earlier
-        turns the new messages answer (`_calls_answered`)."""
+        first's (a replay) and its turn after it placed at a taken `seq`."""
         closing, new = logging
-        fork_id, answers = named
         if not closing or not _remade(closing, new):
             if not closing and not new:
                 return [], False
-            return await self._log(state, step, [*closing, *new], fork_id, next_seq, answers)
+            return await self._log(state, step, [*closing, *new], fork_id, next_seq)
         branch = step.checkpoint_id
         closed, _ = await self._log(state, step, closing, branch, next_seq, claim=False)
-        after = int(closed[-1]["seq"]) + 1
-        extras, replayed = await self._log(state, step, new, fork_id, after, answers)
+        extras, replayed = await self._log(state, step, new, fork_id, int(closed[-1]["seq"]) + 1)
         return closed + extras, replayed
 
     async def _claim(self, step: _Step, until: int, extras: list[dict[str, Any]]) -> None:
@@ -598,16 +526,13 @@ class TranscriptLink:
         new: Sequence[_New],
         fork_id: str | None,
         next_seq: int,
-        answers: Mapping[str, str] | None = None,
         *,
         claim: bool = True,
     ) -> tuple[list[dict[str, Any]], bool]:
         """Log new messages as one turn at `next_seq` (TranscriptMoved when other messages
         took it); answer, per message, what the format lacks, and whether the turn was logged
         before (replayed). `claim`: the turn is the checkpoint's step (`log_messages`'s
-        `step`). `answers`: the calls of earlier turns the messages answer, each with the
-        stored message making it (`log_messages`'s `answers_to`): a call answered first by
-        another writer (a person, over HTTP) is `AnsweredBefore`, nothing written.
+        `step`).
 
         The turn is named by the checkpoint it extends and the new messages' content,
         not by the new checkpoint's id: when LangGraph re-runs a step after a crash
@@ -628,7 +553,6 @@ class TranscriptLink:
             turn_id=_step_turn_id(step.parent_id, stored_new, fork_id),
             next_seq=next_seq,
             step=step.checkpoint_id if claim else None,
-            answers_to=answers,
         )
         extras: list[dict[str, Any]] = []
         for item, stored in zip(new, logged.messages, strict=True):
@@ -708,8 +632,6 @@ class TranscriptLink:
             if message.seq not in state.by_seq or state.stored_ids.get(message.seq) != message.id:
                 loaded = from_stored(message, extras.get(message.id))
                 state.remember(message.seq, loaded, message.id)
-            if message.id not in extras and not is_own_turn_id(message.turn_id, LANGGRAPH_TURN):
-                state.outside.add(message.seq)
         last = stored[-1].seq if stored else None
         end = stop if stop is not None else (last + 1 if last is not None else start)
         state.loaded_until = max(state.loaded_until, end)
@@ -1385,7 +1307,7 @@ def _branch(
     whole: list[int | BaseMessage | _New] = [*places_of(segments), *places]
     end = state.loaded_until
     starts = (
-        logged_again_from(whole, calls, state.by_seq, end, state.outside),
+        logged_again_from(whole, calls, state.by_seq, end),
         logged_before_stored(messages, whole),
     )
     start = min((s for s in starts if s is not None), default=None)
@@ -1416,61 +1338,6 @@ def _closing(
     now = utc_now()
     closed = abandoned_calls(whole, state.by_seq, state.loaded_until)
     return [_stand_in(stand_in_result(call_id, now)) for call_id in closed]
-
-
-def _calls_answered(
-    state: _Thread, messages: Sequence[BaseMessage], places: Sequence[int | BaseMessage | _New]
-) -> dict[str, str]:
-    """The calls of earlier turns the messages to log (`places`: those of the last messages)
-    answer, each with the stored message (`_id`) of the branch that makes it: the latest
-    message before the answer making a call of its id, when stored (referred to by `seq`, or
-    the stored message of an edit held inline). Logged with them (`answers_to`), an answer to
-    a call another writer answered first is refused, as the logger refuses any second answer.
-    A call the same turn makes is not named. Looks back from each answer only."""
-    offset = len(messages) - len(places)
-    answers: dict[str, str] = {}
-    for at, place in enumerate(places, start=offset):
-        message = messages[at]
-        if not isinstance(place, _New) or not isinstance(message, ToolMessage):
-            continue
-        call_id = message.tool_call_id
-        for back in range(at - 1, -1, -1):
-            making = messages[back]
-            if isinstance(making, AIMessage) and any(c["id"] == call_id for c in making.tool_calls):
-                made = places[back - offset] if back >= offset else None
-                seq = _stored_seq(state, making, made)
-                if seq is not None and seq in state.stored_ids:
-                    answers[call_id] = state.stored_ids[seq]
-                break
-    return answers
-
-
-def _stored_seq(
-    state: _Thread, message: BaseMessage, place: int | BaseMessage | _New | None
-) -> int | None:
-    """The `seq` of the stored message whose calls a branch's message makes: its own (`place`),
-    or, for one the parent holds or an edit held inline, the stored one of its id that makes
-    them as they are; None for a message logged in the same turn."""
-    if isinstance(place, int | _New):
-        return place if isinstance(place, int) else None
-    seq = state.seq_by_id.get(message.id) if message.id is not None else None
-    if seq is None or not keeps_calls(state.by_seq[seq], message):
-        return None
-    return seq
-
-
-def _first_answer(transcript: Sequence[BaseMessage], call_id: str) -> BaseMessage | None:
-    """The answer of the latest call of id `call_id`: the first tool message after it naming
-    it (an answer goes to the latest earlier call of its id without one)."""
-    made = [
-        at
-        for at, message in enumerate(transcript)
-        if isinstance(message, AIMessage) and any(c["id"] == call_id for c in message.tool_calls)
-    ]
-    after = transcript[made[-1] + 1 :] if made else transcript
-    return next(
-        (m for m in after if isinstance(m, ToolMessage) and m.tool_call_id == call_id), None
-    )
 
 
 def _remade(closing: Sequence[_New], new: Sequence[_New]) -> bool:

@@ -89,12 +89,7 @@ from agent_store.integrations._langgraph_documents import (
     remap_segments,
     write_entries,
 )
-from agent_store.integrations._langgraph_transcript import (
-    Admission,
-    AnsweredBeforeTheGraph,
-    Owner,
-    TranscriptLink,
-)
+from agent_store.integrations._langgraph_transcript import Admission, Owner, TranscriptLink
 from agent_store.store import (
     AgentMessageLogger,
     ConversationStore,
@@ -106,7 +101,7 @@ from agent_store.store import (
     validate_identifier,
 )
 
-__all__ = ["CHECKPOINTS", "REWRITTEN", "AgentStoreSaver", "AnsweredBeforeTheGraph"]
+__all__ = ["CHECKPOINTS", "REWRITTEN", "AgentStoreSaver"]
 
 T = TypeVar("T")
 
