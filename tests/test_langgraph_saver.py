@@ -1455,6 +1455,26 @@ async def test_a_thread_the_migration_is_writing_again_is_refused_to_its_reader_
     assert [t.config async for t in saver().alist(config)] == history
 
 
+async def test_a_list_across_threads_is_refused_a_migrating_thread_only_as_far_as_it_reaches(
+    backend: Backend,
+) -> None:
+    """A thread whose conversation a migration run is writing refuses a list across threads
+    only when the list reaches one of its checkpoints (as a list of that thread is refused):
+    one whose `limit` is filled before it is served as it would be without that thread,
+    though the page it read on holds the thread's checkpoint."""
+    migrating = f"thread-m-{uuid.uuid4().hex[:8]}"
+    await _checkpointed(AgentStoreSaver(backend.db), thread(None, migrating), "m: the oldest")
+    await _three_threads_one_recreated_one_deleted(backend.db)
+    marked = {"$set": {MIGRATING: True}}
+    await backend.db[CONVERSATIONS].update_one({"_id": migrating}, marked)
+
+    listed = [t async for t in AgentStoreSaver(backend.db).alist(None, limit=3)]
+    assert _plans(listed) == ["a: second", "b: current life", "a: first"]
+    for limit in (None, 4):
+        with pytest.raises(Conflict, match="exists as legacy turns not migrated yet"):
+            [t async for t in AgentStoreSaver(backend.db).alist(None, limit=limit)]
+
+
 async def test_a_users_checkpoint_and_writes_after_another_user_took_her_thread_are_read_by_no_one(
     backend: Backend,
 ) -> None:

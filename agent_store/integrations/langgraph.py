@@ -71,7 +71,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
-from agent_store.core import Conversation, InvalidInput, NotFound, StoreError
+from agent_store.core import Conflict, Conversation, InvalidInput, NotFound, StoreError
 from agent_store.integrations._langgraph_documents import (
     CHECKPOINTS,
     CONVERSATION,
@@ -255,7 +255,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         threads first seen on it (`ConversationStore.stored_conversations`): two round trips a
         page; one page without a limit, or when none of it is stale; else the next page, from
         where the last ended, twice as long."""
-        lives: dict[str, int | None] = {}
+        lives: dict[str, int | Conflict | None] = {}
         served: list[dict[str, Any]] = []
         paged, page = query, limit
         while True:
@@ -267,12 +267,17 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             unknown = {doc["thread_id"] for doc in docs} - lives.keys()
             if unknown:
                 found = await self.store.stored_conversations(unknown)
-                lives |= {t: self._service_life(t, found.get(t)) for t in unknown}
-            served += [
-                doc for doc in docs if doc.get(CONVERSATION) in (None, lives[doc["thread_id"]])
-            ]
+                lives |= {t: self._life_or_refusal(t, found.get(t)) for t in unknown}
+            for doc in docs:
+                if limit is not None and len(served) >= limit:
+                    return served
+                life = lives[doc["thread_id"]]
+                if isinstance(life, Conflict):  # reached: refused as a list of the thread is
+                    raise life
+                if doc.get(CONVERSATION) in (None, life):
+                    served.append(doc)
             if page is None or limit is None or len(docs) < page or len(served) >= limit:
-                return served[:limit]
+                return served
             last = docs[-1]
             after = [
                 {"checkpoint_id": {"$lt": last["checkpoint_id"]}},
@@ -605,6 +610,14 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         mark = conversation_mark(_unless_migrating(thread_id, found).created_at)
         self._transcripts.tie(thread_id, mark)
         return mark
+
+    def _life_or_refusal(self, thread_id: str, found: Conversation | None) -> int | Conflict | None:
+        """`_service_life`, or its refusal (a migration run writing the thread's conversation)
+        for a list across threads to raise only once it reaches one of the thread's checkpoints."""
+        try:
+            return self._service_life(thread_id, found)
+        except Conflict as refused:
+            return refused
 
     async def _stored(self, thread_id: str, user_id: str | None) -> Conversation | None:
         """The conversation the thread is now, as `user_id` (None: a service) sees it; None
