@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from agent_store.core import AgentMessage, PendingHitl, calls_answered
 from agent_store.legacy import flag, normalize_part, part_text
 from agent_store.store import (
     DERIVED_FIELDS,
     HIDDEN_CHARACTERS,
+    PAGE_BYTES,
     SearchHit,
     message_text,
     shorten,
@@ -32,6 +33,12 @@ PRETTY_SLACK = 4_096
 """JSON indented is at most `PRETTY_GROWTH` times its length and `PRETTY_SLACK` characters
 more (a small text may grow more, a large one not): longer, it is shown as stored, so a
 page costs a few times what it shows, never its size times its depth."""
+PAGE_SHOWS = PAGE_BYTES
+"""About how many bytes of HTML a viewer page prints at most of the texts it shows, counted
+as printed (`shown_bytes`: a hidden character as its six-character escape, `<` as `&lt;`,
+JSON as indented, in UTF-8), as an API page holds about `PAGE_BYTES` (`within_page`)."""
+WHOLE_TEXT_CHARS = 256
+"""A text up to this long (a role, an id, a name, a label) is never cut to fit a page."""
 ROLE_LABELS = {
     "system": "System trigger",
     "user": "User",
@@ -40,7 +47,9 @@ ROLE_LABELS = {
 }
 
 
-_HIDDEN = re.compile(f"[{re.escape(HIDDEN_CHARACTERS)}]")
+_HIDDEN_ESCAPES = str.maketrans({c: f"\\u{ord(c):04x}" for c in HIDDEN_CHARACTERS})
+"""Each hidden character's JSON escape: `hidden_shown` writes them all in one pass at C speed
+(a Python call per character took 2.3 s for a text of a million controls)."""
 
 
 def hidden_shown(text: str) -> str:
@@ -51,7 +60,21 @@ def hidden_shown(text: str) -> str:
     stands for the same string, elsewhere it shows what is there instead of obeying it."""
     if text.isascii() and text.isprintable():  # the ASCII ones are all unprintable
         return text
-    return _HIDDEN.sub(lambda hidden: f"\\u{ord(hidden.group()):04x}", text)
+    return text.translate(_HIDDEN_ESCAPES)
+
+
+_PRINTED = str.maketrans(
+    {c: f"\\u{ord(c):04x}" for c in HIDDEN_CHARACTERS}
+    | {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&#34;", "'": "&#39;"}
+)
+"""What a page prints for each character `hidden_shown` and HTML escaping change."""
+
+
+def shown_bytes(text: str) -> int:
+    """How many bytes a page prints of `text`: as `hidden_shown` writes it, escaped for HTML,
+    in UTF-8; counted at C speed."""
+    printed = text.translate(_PRINTED)
+    return len(printed) if printed.isascii() else len(printed.encode("utf-8", "surrogatepass"))
 
 
 _JSON_TOKENS = re.compile(r'"(?:[^"\\]+|\\.)*"|[{}\[\],:]|[^ \t\n\r{}\[\],:"]+')
@@ -186,6 +209,8 @@ class MessageView:
     truncated: list[str] = field(default_factory=list)
     kept_whole: bool = False
     """Some cut field's whole text is kept: the transcript can show it (`?full=true`)."""
+    printed_whole: int | None = None
+    """How many bytes it prints whole, when a page shows it cut to fit (`cut_to_fit`)."""
 
 
 def _cut_fields(message: AgentMessage) -> list[str]:
@@ -257,52 +282,49 @@ def message_views(
     *,
     pending: PendingHitl | None = None,
     before: Sequence[AgentMessage] = (),
-) -> list[MessageView]:
-    """The messages as a person reads them; `pending` the conversation's `pending_hitl`;
-    `before` the messages before them making and answering the calls their results may
-    answer (a page of a transcript names calls made on an earlier page: `calls_made_before`,
+) -> Iterator[MessageView]:
+    """The messages as a person reads them, one at a time (a page takes those it shows,
+    `within_page`); `pending` the conversation's `pending_hitl`; `before` the messages before
+    them making and answering the calls their results may answer (a page of a transcript
+    names calls made on an earlier page: `calls_made_before`,
     `ConversationStore.calls_before`)."""
     answers = _answers(messages, before)
-    views = []
     for index, m in enumerate(messages):
-        content = m.content
-        if m.role == "tool" and content is not None:
-            content = pretty_json(content)
-        views.append(
-            MessageView(
-                seq=m.seq,
-                role=m.role,
-                label=ROLE_LABELS[m.role],
-                created_at=when(m.created_at),
-                turn_id=m.turn_id,
-                content=content,
-                tool_calls=[
-                    ToolCallView(c.id, c.function.name, pretty_json(c.function.arguments))
-                    for c in m.tool_calls or ()
-                ],
-                answers=answers.get(index),
-                hitl=_hitl_view(m, pending),
-                error=m.error.message if m.error else None,
-                upload=(
-                    UploadView(
-                        m.upload.filename,
-                        m.upload.file_type,
-                        human_size(m.upload.size),
-                        m.upload.parsed_text,
-                    )
-                    if m.upload
-                    else None
-                ),
-                usage=usage_text(
-                    m.token_usage.model_dump() if m.token_usage else None, m.latency_ms
-                ),
-                truncated=_cut_fields(m),
-                kept_whole=any(
-                    not isinstance(v, int) and v.blob_id for v in (m.truncated or {}).values()
-                ),
+        yield _message_view(m, answers.get(index), pending)
+
+
+def _message_view(m: AgentMessage, answers: str | None, pending: PendingHitl | None) -> MessageView:
+    content = m.content
+    if m.role == "tool" and content is not None:
+        content = pretty_json(content)
+    return MessageView(
+        seq=m.seq,
+        role=m.role,
+        label=ROLE_LABELS[m.role],
+        created_at=when(m.created_at),
+        turn_id=m.turn_id,
+        content=content,
+        tool_calls=[
+            ToolCallView(c.id, c.function.name, pretty_json(c.function.arguments))
+            for c in m.tool_calls or ()
+        ],
+        answers=answers,
+        hitl=_hitl_view(m, pending),
+        error=m.error.message if m.error else None,
+        upload=(
+            UploadView(
+                m.upload.filename,
+                m.upload.file_type,
+                human_size(m.upload.size),
+                m.upload.parsed_text,
             )
-        )
-    return views
+            if m.upload
+            else None
+        ),
+        usage=usage_text(m.token_usage.model_dump() if m.token_usage else None, m.latency_ms),
+        truncated=_cut_fields(m),
+        kept_whole=any(not isinstance(v, int) and v.blob_id for v in (m.truncated or {}).values()),
+    )
 
 
 @dataclass(frozen=True)
@@ -319,17 +341,28 @@ class TranscriptPages:
 
     @classmethod
     def of(
-        cls, conversation_id: str, messages: Sequence[AgentMessage], from_seq: int, per_page: int
+        cls,
+        messages: Sequence[AgentMessage],
+        shown: int,
+        more: bool,
+        from_seq: int,
+        per_page: int,
     ) -> TranscriptPages:
-        """The pages around `messages`: up to `per_page` shown, one more read to tell if more."""
-        shown = messages[:per_page]
-        more = messages[per_page:]
+        """The pages around the first `shown` of `messages`, those read from `from_seq` on
+        (`more`: and more follow them): a page shows up to `per_page`, fewer when they fill
+        it (`within_page`), and the next starts at the first not shown."""
+        on_page = messages[:shown]
+        next_from = None
+        if shown < len(messages):
+            next_from = messages[shown].seq
+        elif more and on_page and on_page[-1].seq is not None:
+            next_from = on_page[-1].seq + 1
         return cls(
             from_seq=from_seq,
-            first_seq=shown[0].seq if shown else None,
-            last_seq=shown[-1].seq if shown else None,
+            first_seq=on_page[0].seq if on_page else None,
+            last_seq=on_page[-1].seq if on_page else None,
             previous_from=max(0, from_seq - per_page) if from_seq > 0 else None,
-            next_from=more[0].seq if more else None,
+            next_from=next_from,
         )
 
     @property
@@ -380,6 +413,8 @@ class LegacyTurnView:
     usage: str
     other_fields: list[str]
     """Top-level keys the viewer does not render (shown so nothing is hidden)."""
+    printed_whole: int | None = None
+    """How many bytes it prints whole, when a page shows it cut to fit (`cut_to_fit`)."""
 
 
 _KNOWN_TURN_KEYS = {
@@ -458,3 +493,85 @@ def legacy_turn_view(doc: Mapping[str, Any]) -> LegacyTurnView:
         ),
         other_fields=sorted(str(k) for k in doc if k not in _KNOWN_TURN_KEYS),
     )
+
+
+_View = TypeVar("_View")
+
+
+def within_page(views: Iterable[_View], room: int = PAGE_SHOWS) -> tuple[list[_View], bool]:
+    """The views a page shows, taken one at a time: each while what they print together stays
+    within `room` bytes (`view_bytes`), and whether the page ended before one that would pass
+    it (more follow: the page's next link starts there). The first is shown whatever its
+    size, cut to fit when it alone passes `room` (`cut_to_fit`), so a page always shows one
+    and always moves on. What a page costs follows what it shows, never what is stored: no
+    view is built past the first that does not fit."""
+    shown: list[_View] = []
+    left = room
+    for view in views:
+        size = view_bytes(view)
+        if size > left:
+            if shown:
+                return shown, True
+            view = cut_to_fit(view, room, size)
+        shown.append(view)
+        left -= size
+    return shown, False
+
+
+def view_bytes(view: Any) -> int:
+    """How many bytes a page prints of the texts of a view (its fields, the views and lists
+    in them), each as `shown_bytes` counts it."""
+    return sum(shown_bytes(text) for text in _texts(view))
+
+
+def _texts(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for item in value:
+            yield from _texts(item)
+    elif is_dataclass(value) and not isinstance(value, type):
+        for each in fields(value):
+            yield from _texts(getattr(value, each.name))
+
+
+def cut_to_fit(view: _View, room: int, whole: int) -> _View:
+    """A view too large for a page (`whole` bytes printed), its long texts (past
+    `WHOLE_TEXT_CHARS`) cut in the order it prints them so that all it prints fits `room`,
+    and its `printed_whole` saying so: its short ones (a role, an id, a name) stay whole."""
+    short = sum(shown_bytes(t) for t in _texts(view) if len(t) <= WHOLE_TEXT_CHARS)
+    fitted: Any = _fitted(view, [max(0, room - short)])
+    cut: _View = replace(fitted, printed_whole=whole)
+    return cut
+
+
+def _fitted(value: Any, room: list[int]) -> Any:
+    """`value` with each long text cut to what `room[0]` has left, which it takes."""
+    if isinstance(value, str):
+        if len(value) <= WHOLE_TEXT_CHARS:
+            return value
+        kept = _cut_text(value, room[0])
+        room[0] -= shown_bytes(kept)
+        return kept
+    if isinstance(value, list):
+        return [_fitted(item, room) for item in value]
+    if is_dataclass(value) and not isinstance(value, type):
+        changes = {each.name: _fitted(getattr(value, each.name), room) for each in fields(value)}
+        return replace(value, **changes)
+    return value
+
+
+def _cut_text(text: str, room: int) -> str:
+    """The longest start of `text` that prints at most `room` bytes (`shown_bytes`), found by
+    halving (each try at C speed), an ellipsis after it when that is not all of it."""
+    if shown_bytes(text) <= room:
+        return text
+    room = max(0, room - len("…".encode()))
+    fits, over = 0, min(len(text), room + 1)  # text[:fits] fits, text[:over] does not
+    while over - fits > 1:
+        middle = (fits + over) // 2
+        if shown_bytes(text[:middle]) <= room:
+            fits = middle
+        else:
+            over = middle
+    return text[:fits] + "…"

@@ -34,6 +34,8 @@ from agent_store.store import validate_identifier
 from app.auth import Authenticator, audit_record
 from app.http_errors import HttpProblem, note_store_error
 from app.presentation import (
+    PAGE_SHOWS,
+    MessageView,
     TranscriptPages,
     calls_made_before,
     hidden_shown,
@@ -41,6 +43,7 @@ from app.presentation import (
     message_views,
     search_hit_view,
     when,
+    within_page,
 )
 from app.routing import read_body, whole_number
 from app.service import Store
@@ -49,9 +52,11 @@ from app.throttle import SignInLimiter
 
 MAX_FORM_BYTES = 4096
 MAX_LEGACY_TURNS = 2000
+"""The most legacy turns a page of the legacy comparison shows (fewer when they fill it)."""
 CONVERSATIONS_PER_PAGE = 25
 MESSAGES_PER_PAGE = 100
-"""A transcript longer than this is shown in pages, by `seq`."""
+"""The most messages a page of a transcript shows, by `seq` (fewer when they fill it:
+`within_page`, `PAGE_SHOWS`)."""
 SEARCH_HITS = 50
 NO_TEXT_INDEX = (
     "This database cannot search messages: full-text search needs the store's text index, "
@@ -265,11 +270,14 @@ async def search(request: Request, store: Store) -> Response:
     return render("search.html", **context)
 
 
-def _seq(text: str, name: str) -> int:
-    """A seq given as text (`whole_number`); InvalidInput (422) naming `name` for anything else."""
+def _seq(text: str, name: str, kind: str = "a seq") -> int:
+    """A seq (or another `kind` of whole number) given as text (`whole_number`); InvalidInput
+    (422) naming `name` for anything else."""
     seq = whole_number(text)
     if seq is None:
-        raise InvalidInput(f"invalid {name}: it must be a seq, a whole number from 0 in digits 0-9")
+        raise InvalidInput(
+            f"invalid {name}: it must be {kind}, a whole number from 0 in digits 0-9"
+        )
     return seq
 
 
@@ -281,8 +289,10 @@ def _from_seq(request: Request) -> int:
 class _MessagePage:
     conversation: Conversation
     messages: list[AgentMessage]
-    """Up to `MESSAGES_PER_PAGE + 1` messages from `from_seq` on (one more tells of a next
-    page)."""
+    """Up to `MESSAGES_PER_PAGE` messages from `from_seq` on, fewer when they pass
+    `PAGE_BYTES` (one at least: `ConversationStore.seq_page`)."""
+    more: bool
+    """Whether more messages follow them."""
     before: list[AgentMessage]
     """Messages before the page making or answering the calls its results may answer, as
     far back as pairing them needs (`calls_made_before`, `ConversationStore.calls_before`)."""
@@ -344,46 +354,53 @@ async def _message_page_of(store: Store, conversation_id: str, from_seq: int) ->
         converted = await conversations.transcript(conversation_id)
         after = [m for m in converted if m.seq is not None and m.seq >= from_seq]
         earlier = [m for m in converted if m.seq is not None and m.seq < from_seq]
-        page = after[: MESSAGES_PER_PAGE + 1]
+        more = len(after) > MESSAGES_PER_PAGE
         return _MessagePage(
-            conversation, page, earlier, stored=False, being_migrated=being_migrated
+            conversation, after[:MESSAGES_PER_PAGE], more, earlier, False, being_migrated
         )
     try:
-        page = await conversations.messages_by_seq(
-            conversation.id, start=from_seq, limit=MESSAGES_PER_PAGE + 1, life=conversation
+        page = await conversations.seq_page(
+            conversation.id, start=from_seq, limit=MESSAGES_PER_PAGE, life=conversation
         )
         before = await conversations.calls_before(
             conversation.id,
-            calls_made_before(page[:MESSAGES_PER_PAGE]),
+            calls_made_before(page.data),
             before_seq=from_seq,
             life=conversation,
         )
     except NotFound as gone:
         raise _LifeGone(gone) from gone
-    return _MessagePage(conversation, page, before, stored=True)
+    return _MessagePage(conversation, page.data, page.has_more, before, stored=True)
 
 
 async def transcript(request: Request, store: Store) -> Response:
     from_seq = _from_seq(request)
     page = await _message_page(store, request.path_params["conversation_id"], from_seq)
     conversation = page.conversation
-    pages = TranscriptPages.of(conversation.id, page.messages, from_seq, MESSAGES_PER_PAGE)
-    messages = page.messages[:MESSAGES_PER_PAGE]
+    messages = page.messages
+
+    def views(messages: list[AgentMessage]) -> list[MessageView]:
+        # Up to `MESSAGES_PER_PAGE`, as many as fit the page (`within_page`).
+        views = message_views(messages, pending=conversation.pending_hitl, before=page.before)
+        return within_page(views)[0]
+
+    shown = views(messages)
     full = request.query_params.get("full") == "true"
-    if full:
-        messages = await store.conversations.with_full_texts(messages)
+    if full:  # the whole texts of those the page shows cut, which may show fewer
+        shown = views(await store.conversations.with_full_texts(messages[: len(shown)]))
     return render(
         "transcript.html",
         conversation=conversation,
-        messages=message_views(messages, pending=conversation.pending_hitl, before=page.before),
+        messages=shown,
         full=full,
-        pages=pages,
+        pages=TranscriptPages.of(messages, len(shown), page.more, from_seq, MESSAGES_PER_PAGE),
         # The store forks stored conversations only: one not migrated yet offers no fork.
         can_fork=page.stored,
         being_migrated=page.being_migrated,
         fork_id=_fork_id(),
         version=conversation.version,
         has_legacy=bool(await store.legacy.with_turns([conversation.id])),
+        page_shows=PAGE_SHOWS,
     )
 
 
@@ -420,27 +437,39 @@ async def fork(request: Request, store: Store) -> Response:
 
 
 async def legacy(request: Request, store: Store) -> Response:
+    """Legacy turns beside stored messages, each column a page of its own (`from_turn`, a
+    position among the turns oldest first; `from_seq`), bounded as every page is: up to
+    `MAX_LEGACY_TURNS` turns and `MESSAGES_PER_PAGE` messages, fewer once the column's reads
+    pass `PAGE_BYTES` or what it prints half of `PAGE_SHOWS` (`within_page`)."""
     conversation_id = validate_identifier(request.path_params["conversation_id"], "conversation_id")
-    # One turn more than shown tells the page to say that more are stored.
-    turns = await store.legacy.turns(conversation_id, limit=MAX_LEGACY_TURNS + 1)
-    more = len(turns) > MAX_LEGACY_TURNS
-    turns = turns[:MAX_LEGACY_TURNS]
+    from_turn = _seq(request.query_params.get("from_turn", "0"), "from_turn", "a position")
+    from_seq = _from_seq(request)
+    turns, more_turns = await store.legacy.turns_page(
+        conversation_id, skip=from_turn, limit=MAX_LEGACY_TURNS
+    )
     try:  # what is stored, one a migration run is writing (`migrating`) among them
         conversation = await store.conversations.stored_conversation(conversation_id)
-        messages = await store.conversations.stored_transcript(conversation_id)
+        page = await store.conversations.seq_page(
+            conversation_id, start=from_seq, limit=MESSAGES_PER_PAGE, being_migrated=True
+        )
+        messages, more_messages = page.data, page.has_more
     except NotFound:
         if not turns:
             raise
-        conversation, messages = None, []  # not migrated yet: show the legacy side alone
+        conversation, messages, more_messages = None, [], False  # the legacy side alone
+    shown_turns, turns_cut = within_page(map(legacy_turn_view, turns), PAGE_SHOWS // 2)
+    pending = conversation.pending_hitl if conversation else None
+    shown = within_page(message_views(messages, pending=pending), PAGE_SHOWS // 2)[0]
     return render(
         "legacy.html",
         conversation_id=conversation_id,
         conversation=conversation,
-        turns=[legacy_turn_view(t) for t in turns],
-        shown_at_most=MAX_LEGACY_TURNS if more else None,
-        messages=message_views(
-            messages, pending=conversation.pending_hitl if conversation else None
-        ),
+        turns=shown_turns,
+        from_turn=from_turn,
+        next_turn=from_turn + len(shown_turns) if turns_cut or more_turns else None,
+        messages=shown,
+        pages=TranscriptPages.of(messages, len(shown), more_messages, from_seq, MESSAGES_PER_PAGE),
+        page_shows=PAGE_SHOWS // 2,
     )
 
 

@@ -14,10 +14,18 @@ from typing import Any
 import httpx
 import pytest
 
-from agent_store import ConversationStore
+from agent_store import ConversationStore, UserMessage
 from agent_store.store import HIDDEN_CHARACTERS
 from app.auth import Authenticator
-from app.presentation import PRETTY_DEPTH, hidden_shown, legacy_turn_view, pretty_json
+from app.presentation import (
+    PRETTY_DEPTH,
+    hidden_shown,
+    legacy_turn_view,
+    message_views,
+    pretty_json,
+    view_bytes,
+    within_page,
+)
 from app.sessions import SESSION_COOKIE, SESSION_SECONDS, issue_session, session_service
 from app.throttle import SignInLimiter
 from tests.api_harness import (
@@ -799,3 +807,33 @@ def test_each_hidden_character_is_shown_as_its_escape(character: str) -> None:
 def test_text_without_hidden_characters_is_shown_as_it_is() -> None:
     text = "line one\n\ttab, שלום, مرحبا, 😀, \\u202e as written, \x85 \u2028"
     assert hidden_shown(text) == text
+
+
+def test_hidden_characters_are_shown_as_the_escapes_they_were_always_shown_as() -> None:
+    """`hidden_shown` writes every hidden character in one pass: the page reads exactly as when
+    each was escaped one at a time (the rule written out below), for each character alone
+    and for a text mixing them with every other kind of character."""
+
+    def escaped_one_by_one(text: str) -> str:
+        one = re.compile(f"[{re.escape(HIDDEN_CHARACTERS)}]")
+        return one.sub(lambda hidden: f"\\u{ord(hidden.group()):04x}", text)
+
+    mixed = "".join(f"{c}x\n\t\u00e9\U0001f600\\u0001" for c in HIDDEN_CHARACTERS) * 3
+    for text in (*HIDDEN_CHARACTERS, HIDDEN_CHARACTERS, mixed, "\x01" * 1000, ""):
+        assert hidden_shown(text) == escaped_one_by_one(text)
+
+
+def test_a_page_takes_views_while_they_fit_and_cuts_a_first_one_larger_than_it() -> None:
+    """`within_page` counts what the views print (a control as its six-character escape): it
+    stops before the view that would pass the page, and cuts a first view larger than the
+    page alone so that it prints within it, saying how much it prints whole."""
+    messages = [UserMessage(content="\x01" * 1000, seq=n) for n in range(5)]
+    shown, more = within_page(message_views(messages), 13_000)
+    assert ([view.seq for view in shown], more) == ([0, 1], True)
+    assert all(view.printed_whole is None for view in shown)
+    (alone,), more = within_page(message_views(messages[:1]), 3_000)
+    assert not more
+    assert alone.content is not None
+    assert alone.content.endswith("…")
+    assert view_bytes(alone) <= 3_000 < 6_000 < (alone.printed_whole or 0)
+    assert (alone.role, alone.label) == ("user", "User")  # short texts stay whole

@@ -19,7 +19,7 @@ from agent_store.legacy import LEGACY_TURNS, convert
 from agent_store.store import CONVERSATIONS, MESSAGES, storage_errors
 from app import viewer
 from app.demo import OTHER_USER_ID
-from app.viewer import CONVERSATIONS_PER_PAGE, MESSAGES_PER_PAGE, NO_TEXT_INDEX
+from app.viewer import CONVERSATIONS_PER_PAGE, MESSAGES_PER_PAGE, NO_TEXT_INDEX, PAGE_SHOWS
 from tests.api_harness import (
     OWNER,
     OWNER_CONVERSATION,
@@ -123,6 +123,73 @@ async def test_a_long_transcript_is_paged_by_seq(api: Served) -> None:
     bad = await api.http.get("/viewer/conversations/conv-long?from_seq=-1")
     assert bad.status_code == 422
     assert "from_seq" in bad.text
+
+
+async def log_megabytes(api: Served, conversation_id: str, text: str, count: int) -> None:
+    """`count` messages of `text` (about 1 MB, within the default `max_message_bytes`), as a
+    user's turns of ten messages may log them."""
+    for first in range(0, count, 10):
+        turn = [{"role": "user", "content": text}] * min(10, count - first)
+        await api.store.logger.log_messages(
+            conversation_id, turn, user_id=OWNER, turn_id=f"t-{first}"
+        )
+
+
+async def test_a_transcript_page_of_messages_larger_than_a_page_shows_one_cut_and_moves_on() -> (
+    None
+):
+    """A page shows what fits in about `PAGE_SHOWS` characters as it prints them (a control
+    as its six-character escape), one message at least: a page of messages of 1 MB of
+    controls each is one message, cut to fit with a note saying where it is served whole, and
+    a link to the next; it is a few MiB whatever the conversation holds (it was 100 messages,
+    572 MiB)."""
+    async with serve(mongomock_db(), seeded=False) as api:
+        await signed_in(api)
+        await log_megabytes(api, "conv-hidden", "\x01" * 1_000_000, MESSAGES_PER_PAGE)
+        page = await api.http.get("/viewer/conversations/conv-hidden")
+        assert page.status_code == 200
+        assert len(page.content) <= PAGE_SHOWS + 64 * 1024
+        assert seqs(page.text) == [0]
+        whole = re.search(r"Shown cut to fit the page: it prints ([\d,]+) bytes whole", page.text)
+        assert whole
+        assert int(whole.group(1).replace(",", "")) >= 6_000_000
+        assert "<code>GET /v1/conversations/conv-hidden/transcript</code>" in page.text
+        later = re.search(r'rel="next" href="([^"]+)"', page.text)
+        assert later
+        assert later.group(1) == "/viewer/conversations/conv-hidden?from_seq=1"
+        second = await api.http.get(later.group(1))
+        assert seqs(second.text) == [1]
+
+
+@pytest.mark.parametrize("character", ["<", "&", "\u00e9", "\U0001f600"])
+async def test_a_transcript_page_is_bounded_by_the_bytes_it_prints(character: str) -> None:
+    """What a page prints is counted as served: markup escaped (`&lt;`), in UTF-8 (two to
+    four bytes a character), so no text makes a page more than about `PAGE_SHOWS` bytes."""
+    async with serve(mongomock_db(), seeded=False) as api:
+        await signed_in(api)
+        await log_megabytes(api, "conv-wide", character * 250_000, 10)
+        page = await api.http.get("/viewer/conversations/conv-wide")
+        assert page.status_code == 200
+        assert len(page.content) <= PAGE_SHOWS + 64 * 1024
+        assert 'rel="next"' in page.text
+
+
+async def test_a_transcript_page_ends_where_its_messages_fill_it_and_the_next_starts_there() -> (
+    None
+):
+    """Messages of 1 MB of plain text: four fill a page (about 4 MiB), the next page starts at
+    the fifth, and no message is cut or left out between the pages."""
+    async with serve(mongomock_db(), seeded=False) as api:
+        await signed_in(api)
+        await log_megabytes(api, "conv-large", "a" * 1_000_000, 10)
+        first = await api.http.get("/viewer/conversations/conv-large")
+        assert seqs(first.text) == [0, 1, 2, 3]
+        assert "Shown cut" not in first.text
+        later = re.search(r'rel="next" href="([^"]+)"', first.text)
+        assert later
+        second = await api.http.get(later.group(1))
+        assert seqs(second.text) == [4, 5, 6, 7]
+        assert len(second.content) <= PAGE_SHOWS + 64 * 1024
 
 
 async def test_a_short_transcript_has_no_pages(api: Served) -> None:
@@ -576,6 +643,48 @@ async def test_the_legacy_comparison_says_so_when_it_shows_only_the_first_turns(
     )
     assert three.text.count("data-legacy-turn=") == 3
     assert "Only the first" not in three.text
+
+
+async def test_the_legacy_comparison_shows_in_each_column_what_fits_and_pages_on() -> None:
+    """Dual write on, each turn of two messages of 1 MB of controls is a legacy turn too. Each
+    column of the legacy page shows what fits in about half of `PAGE_SHOWS` as it prints,
+    one at least, cut to fit with a note: a few MiB in all (five such turns were 114 MiB),
+    with links to the later turns and messages, which reach every one of them."""
+    hidden = "\x01" * 1_000_000
+    async with serve(mongomock_db(), api_settings(legacy_dual_write=True), seeded=False) as api:
+        await signed_in(api)
+        for n in range(5):
+            turn = [{"role": "user", "content": hidden}, {"role": "assistant", "content": hidden}]
+            await api.store.logger.log_messages("conv-dual", turn, user_id=OWNER, turn_id=f"t-{n}")
+        assert await api.db[LEGACY_TURNS].count_documents({}) == 5
+        pages = {
+            "Later legacy turns": await legacy_pages(api, "conv-dual", "Later legacy turns"),
+            "Later messages": await legacy_pages(api, "conv-dual", "Later messages"),
+        }
+    for walk in pages.values():
+        for page in walk:
+            assert len(page.encode()) <= PAGE_SHOWS + 64 * 1024
+            assert page.count('class="note cut"') == 2  # a turn and a message, each cut
+    turns = [
+        re.findall(r'data-legacy-turn="([^"]+)"', page) for page in pages["Later legacy turns"]
+    ]
+    assert [len(shown) for shown in turns] == [1] * 5
+    assert len({turn for shown in turns for turn in shown}) == 5
+    assert [seqs(page) for page in pages["Later messages"]] == [[n] for n in range(10)]
+
+
+async def legacy_pages(api: Served, conversation_id: str, following: str) -> list[str]:
+    """The legacy pages of a conversation, from its first on, by the links `following`."""
+    url = f"/viewer/conversations/{conversation_id}/legacy"
+    pages = []
+    while url:
+        page = await api.http.get(url)
+        assert page.status_code == 200
+        pages.append(page.text)
+        later = re.search(f'href="([^"]+)">{following} →</a>', page.text)
+        url = later.group(1).replace("&amp;", "&") if later else ""
+        assert len(pages) < 20
+    return pages
 
 
 async def test_the_legacy_comparison_of_a_conversation_whose_delete_failed_part_way_is_404(

@@ -71,6 +71,7 @@ from agent_store.store import (
     LegacyHolder,
     LoggedTurn,
     TurnRules,
+    bounded_read,
     fork_turn_id,
     refuse_unless_fallback_serves,
     same_conversation,
@@ -197,6 +198,33 @@ class LegacyTurns:
             )
         refuse_unless_fallback_serves(conversation_id, conversation)
         return turns
+
+    async def turns_page(
+        self, conversation_id: str, *, skip: int = 0, limit: int
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """The legacy turn documents of `turns`, from the `skip`-th on (0 the oldest), bounded
+        by bytes as every page is: the first `limit`, fewer when they pass `PAGE_BYTES` (one
+        at least, `bounded_read`), and whether more follow (read on from `skip` plus those
+        given). Read in batches sized by the largest turn read so far, so no read holds much
+        more than a page whatever a turn holds. NotFound as `turns` answers it."""
+        if skip < 0 or limit < 1:
+            raise InvalidInput(f"invalid page of legacy turns from {skip}, limit {limit}")
+        with storage_errors("read the legacy turns"):
+            query, _ = await self._turns_of(conversation_id)
+
+            async def read(size: int, kept: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                found = self._turns.find(query).sort([("created_at", 1), ("_id", 1)])
+                batch: list[dict[str, Any]] = (
+                    await found.skip(skip + len(kept)).limit(size).to_list(None)
+                )
+                return batch
+
+            turns, more = await bounded_read(read, limit)
+            conversation = await self._conversations.find_one(
+                {"_id": conversation_id}, UNSTANDING_READ
+            )
+        refuse_unless_fallback_serves(conversation_id, conversation)
+        return turns, more
 
     async def holder(
         self, conversation_id: str, *, user_id: str | None = None

@@ -66,6 +66,7 @@ from agent_store.store._reads import (
     EXPORT_WAIT,
     MAX_PAGE_SIZE,
     MAX_SEARCH_QUERY_CHARS,
+    PAGE_BYTES,
     Claimed,
     ConversationExport,
     ConversationStore,
@@ -74,6 +75,7 @@ from agent_store.store._reads import (
     SearchHit,
     SearchPage,
     SortOrder,
+    bounded_read,
 )
 from agent_store.store._reservation import (
     CONVERSATION_DOCUMENT,
@@ -188,6 +190,7 @@ __all__ = [
     "MIGRATING",
     "MONGODB_MAX_DOCUMENT_BYTES",
     "NAMED_WINDOW",
+    "PAGE_BYTES",
     "PENDING_CALLS_KEPT",
     "SHARD_KEYS",
     "TEXT_INDEX",
@@ -234,6 +237,7 @@ __all__ = [
     "blocking_waits",
     "bound",
     "bound_message",
+    "bounded_read",
     "checkpoints_referring_to",
     "clean_name",
     "collapse_whitespace",

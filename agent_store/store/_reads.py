@@ -92,6 +92,7 @@ from agent_store.store._reservation import (
     CallKey,
     answered_before,
     concerned_calls,
+    is_listed,
     is_standing,
     life_named,
     of_epoch,
@@ -1341,6 +1342,53 @@ class ConversationStore:
         )
         return messages_adapter.validate_python(docs or [])
 
+    async def seq_page(
+        self,
+        conversation_id: str,
+        *,
+        start: int = 0,
+        limit: int,
+        user_id: str | None = None,
+        life: Conversation | None = None,
+        being_migrated: bool = False,
+    ) -> MessagePage:
+        """A page of the stored messages from `seq` `start` on, by `seq`, bounded by bytes as
+        every page is: the first `limit`, fewer when they pass `PAGE_BYTES` (one at least),
+        `has_more` when more follow (read on from the last `seq` served plus one). What a
+        viewer page of a transcript reads: `messages_by_seq` as to the conversation (`life`,
+        `user_id`, no legacy fallback; with `being_migrated`, one a migration run is writing
+        serves the messages stored so far, as `stored_transcript`), read in batches
+        (`_bounded_page`) so that no read holds much more than a page whatever each message
+        holds."""
+        if start < 0 or limit < 1:
+            raise InvalidInput(
+                f"invalid page from seq {start}, limit {limit}: need 0 and 1 at least"
+            )
+        query: dict[str, Any] = {
+            "conversation_id": validate_identifier(conversation_id, "conversation_id"),
+            "seq": {"$gte": start},
+        }
+        if user_id is not None:
+            query["user_id"] = validate_identifier(user_id, "user_id")
+        more = False
+
+        async def read() -> list[dict[str, Any]]:
+            nonlocal more
+            docs, more = await _bounded_page(self._messages, query, None, *_by_seq("asc"), limit)
+            return docs
+
+        docs = await self._of_standing(
+            conversation_id, user_id, read, "read messages", absent_is_empty=True, life=life,
+            being_migrated=being_migrated,
+        )  # fmt: skip
+        messages = messages_adapter.validate_python(docs or [])
+        return MessagePage(
+            data=messages,
+            has_more=more and bool(messages),
+            first_id=messages[0].id if messages else None,
+            last_id=messages[-1].id if messages else None,
+        )
+
     async def calls_before(
         self,
         conversation_id: str,
@@ -1537,6 +1585,7 @@ class ConversationStore:
         absent_is_empty: bool = False,
         life: Conversation | None = None,
         again: Callable[[Mapping[str, Any]], Awaitable[list[dict[str, Any]]]] | None = None,
+        being_migrated: bool = False,
     ) -> list[dict[str, Any]] | None:
         """The messages `read` reads, read at once with the conversation document in the
         caller's scope (two commands, one wait), as that document serves them
@@ -1546,7 +1595,9 @@ class ConversationStore:
         is that conversation still (`_another_life`), so no read pairs one conversation's
         summary with the messages of another started under its id since. With `again` (the
         same read of a window, its query narrowed by a filter), a window another life's late
-        insert thinned is read again with the conversation's life in its query (`_of_life`)."""
+        insert thinned is read again with the conversation's life in its query (`_of_life`).
+        With `being_migrated`, one a migration run is writing serves the messages it stored so
+        far (`_its_messages`)."""
         with storage_errors(step):
             docs, found = await _at_once(read, partial(self._in_scope, conversation_id))
         found = _scoped(found, user_id)
@@ -1556,9 +1607,10 @@ class ConversationStore:
             or _another_life(found, life.epoch, life.created_at)
         ):
             raise NotFound(f"conversation {conversation_id!r} was not found")
-        if absent_is_empty and (found is None or not is_standing(found)):
+        serves = is_listed if being_migrated else is_standing
+        if absent_is_empty and (found is None or not serves(found)):
             return []
-        kept = _its_messages(conversation_id, found, docs)
+        kept = _its_messages(conversation_id, found, docs, being_migrated=being_migrated)
         if again is None or kept is None or found is None or len(kept) == len(docs):
             return kept
         with storage_errors(step):
@@ -1942,7 +1994,7 @@ class ConversationStore:
             return docs
 
         with storage_errors("search messages"):
-            docs, has_more = await _bounded_read(read, limit)
+            docs, has_more = await bounded_read(read, limit)
         served = await self._served_by_search(docs, query["user_id"])
         hits = [
             SearchHit(message=message_adapter.validate_python(d), rank=rank)
@@ -2938,7 +2990,7 @@ async def _bounded_page(
     limit: int,
 ) -> tuple[list[dict[str, Any]], bool]:
     """The first `limit` documents of `query` in `sort` order, fewer when they pass
-    `PAGE_BYTES` (one at least), and whether more follow (`_bounded_read`), each batch read
+    `PAGE_BYTES` (one at least), and whether more follow (`bounded_read`), each batch read
     from where the last ended (`after` the last document read)."""
 
     async def read(size: int, kept: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -2948,10 +3000,10 @@ async def _bounded_page(
         )
         return found
 
-    return await _bounded_read(read, limit)
+    return await bounded_read(read, limit)
 
 
-async def _bounded_read(
+async def bounded_read(
     read: Callable[[int, list[dict[str, Any]]], Awaitable[list[dict[str, Any]]]], limit: int
 ) -> tuple[list[dict[str, Any]], bool]:
     """The first `limit` documents `read` gives, fewer when they pass `PAGE_BYTES` (one at
