@@ -210,6 +210,127 @@ async def test_an_edited_message_is_held_by_the_checkpoint_and_the_conversation_
     assert sum("data" in segment for segment in latest["messages"]["segments"]) == 1
 
 
+def _retried_tool(checkpointer: Any) -> Any:
+    """The model calls a tool; the tool node answers "error: timeout"; a retry node then
+    replaces that result under its id (`add_messages` replaces a message by id)."""
+
+    def model(state: MessagesState) -> dict[str, list[Any]]:
+        call = {"name": "fetch", "args": {}, "id": "call-1"}
+        return {"messages": [AIMessage("", id="ai-1", tool_calls=[call])]}
+
+    def tool(state: MessagesState) -> dict[str, list[Any]]:
+        failed = ToolMessage("error: timeout", tool_call_id="call-1", id="tool-1", status="error")
+        return {"messages": [failed]}
+
+    def retry(state: MessagesState) -> dict[str, list[Any]]:
+        return {"messages": [ToolMessage("ok after retry", tool_call_id="call-1", id="tool-1")]}
+
+    builder = StateGraph(MessagesState)
+    for name, node in (("model", model), ("tool", tool), ("retry", retry)):
+        builder.add_node(name, node)
+    builder.add_edge(START, "model")
+    builder.add_edge("model", "tool")
+    builder.add_edge("tool", "retry")
+    builder.add_edge("retry", END)
+    return builder.compile(checkpointer=checkpointer)
+
+
+def _paired_results(replay: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Each tool result of an export, with the id of the call it answers, checked to be made
+    by the assistant message just before the run of results it belongs to."""
+    paired: list[tuple[str, str]] = []
+    made: set[str] = set()
+    for message in replay:
+        if message["role"] == "tool":
+            assert message["tool_call_id"] in made, message
+            paired.append((message["tool_call_id"], message["content"]))
+        else:
+            made = {call["id"] for call in message.get("tool_calls") or ()}
+    return paired
+
+
+async def test_a_tool_result_the_graph_replaces_under_its_id_is_logged_and_answers_its_call(
+    backend: Backend,
+) -> None:
+    """A result edited under its id is a new answer to its call: the call is logged again and the
+    new result with it, so the conversation ends as the graph's state, no call is left pending,
+    and every export pairs each result with its call."""
+    config = thread("user-ada")
+    thread_id = config["configurable"]["thread_id"]
+    ours, theirs = _retried_tool(AgentStoreSaver(backend.db)), _retried_tool(InMemorySaver())
+    for graph in (ours, theirs):
+        await graph.ainvoke(_said("fetch it"), config)
+
+    mine = (await ours.aget_state(config)).values["messages"]
+    assert mine == (await theirs.aget_state(config)).values["messages"]
+    assert [m.content for m in mine] == ["fetch it", "", "ok after retry"]
+    cold = _retried_tool(AgentStoreSaver(backend.db))
+    assert (await cold.aget_state(config)).values["messages"] == mine
+    store = ConversationStore(backend.db)
+    assert await store.pending_calls(thread_id, user_id="user-ada") == []
+    transcript = await store.transcript(thread_id, user_id="user-ada")
+    assert [m.content for m in transcript][-2:] == [None, "ok after retry"]
+    replay = chat_completions(transcript)
+    assert [said for _, said in _paired_results(replay)] == ["error: timeout", "ok after retry"]
+
+
+async def test_a_replaced_tool_result_put_again_by_a_new_process_logs_nothing_again(
+    backend: Backend,
+) -> None:
+    """The retry step re-run after a crash between its copies and its checkpoint (a new
+    checkpoint id): it refers to the call's copy and the result logged with it."""
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    graph = _retried_tool(AgentStoreSaver(backend.db))
+    await graph.ainvoke(_said("fetch it"), config)
+    latest = await graph.checkpointer.aget_tuple(config)
+    store = ConversationStore(backend.db)
+    transcript = await store.transcript(thread_id)
+
+    again = AgentStoreSaver(backend.db)
+    assert latest.parent_config is not None
+    await again.aget_tuple(latest.parent_config)
+    rerun = copy_checkpoint(latest.checkpoint)
+    rerun["id"] = str(uuid6())
+    saved = await again.aput(latest.parent_config, rerun, latest.metadata, {})
+    assert await store.transcript(thread_id) == transcript
+    assert await store.pending_calls(thread_id) == []
+    reread = await AgentStoreSaver(backend.db).aget_tuple(saved)
+    assert reread is not None
+    assert reread.checkpoint["channel_values"] == latest.checkpoint["channel_values"]
+
+
+async def test_an_edit_of_a_tool_result_is_what_the_conversation_replays_with_no_call_pending(
+    backend: Backend,
+) -> None:
+    """`update_state` writing a tool result again under its id, other content: its call is
+    logged again with the edited result answering it, and the thread goes on from there."""
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    ours, theirs = await both(config, backend.db)
+    for graph in (ours, theirs):
+        [result] = [
+            m for m in (await graph.aget_state(config)).values["messages"] if m.type == "tool"
+        ]
+        edit = result.model_copy(update={"content": "City 2: snow (corrected)"})
+        await graph.aupdate_state(config, {"messages": [edit]})
+        await run_turns(graph, config, range(4, 5))
+
+    mine = (await ours.aget_state(config)).values["messages"]
+    assert comparable(mine) == comparable((await theirs.aget_state(config)).values["messages"])
+    cold = (await tool_agent(AgentStoreSaver(backend.db)).aget_state(config)).values["messages"]
+    assert cold == mine
+    store = ConversationStore(backend.db)
+    assert await store.pending_calls(thread_id) == []
+    replay = chat_completions(await store.transcript(thread_id))
+    assert [said for _, said in _paired_results(replay)] == [
+        "City 2: 18 degrees, light wind",  # the original, answering the call as it ran first
+        "City 2: snow (corrected)",  # the edit, answering the call's copy
+        "City 4: 18 degrees, light wind",
+    ]
+    assert PENDING_RESULT not in [m["content"] for m in replay]
+
+
 async def test_a_calls_args_holding_nan_are_in_the_conversation_as_langchain_history_keeps_them(
     backend: Backend,
 ) -> None:

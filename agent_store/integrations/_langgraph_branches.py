@@ -159,13 +159,15 @@ def already_at_tail(
     messages: Sequence[BaseMessage],
     places: Sequence[object],
     start: int,
+    copies: Sequence[object],
     transcript: Mapping[int, BaseMessage],
     end: int,
 ) -> list[int] | None:
-    """The `seq`s of `messages[start:]` (those not held by the checkpoint) when they are the
-    transcript's last messages, after the place they were copied from: a put retried after
-    its copies were logged refers to them. None otherwise."""
-    logged = [i for i in range(start, len(messages)) if not isinstance(places[i], BaseMessage)]
+    """The `seq`s of `messages[start:]` logged again (`copies`: the places they get, those
+    the checkpoint holds left out) when they are the transcript's last messages, after the
+    place they were copied from (`places[start]`): a put retried after its copies were logged
+    refers to them. None otherwise."""
+    logged = [start + i for i, copy in enumerate(copies) if not isinstance(copy, BaseMessage)]
     seqs = list(range(end - len(logged), end))
     origin = places[start]
     if not seqs or (isinstance(origin, int) and seqs[0] <= origin):

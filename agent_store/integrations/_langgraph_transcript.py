@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bson import Int64
-from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from pydantic import ValidationError
 
 from agent_store.core import (
@@ -1313,17 +1313,39 @@ def _branch(
     start = min((s for s in starts if s is not None), default=None)
     if start is None:
         return segments, places, False
-    held = already_at_tail(messages, whole, start, state.by_seq, end)
+    copies = _copies(state, messages, whole, start)
+    held = already_at_tail(messages, whole, start, copies, state.by_seq, end)
     if held is not None:
         seqs = iter(held)
-        kept = [p if isinstance(p, BaseMessage) else next(seqs) for p in whole[start:]]
+        kept = [p if isinstance(p, BaseMessage) else next(seqs) for p in copies]
         return [], [*whole[:start], *kept], False
-    copies = [
-        _copy(messages[i]) if isinstance(p, int) else _unheld(state, p)
-        for i, p in enumerate(whole)
-        if i >= start
-    ]
     return [], [*whole[:start], *copies], True
+
+
+def _copies(
+    state: _Thread,
+    messages: Sequence[BaseMessage],
+    whole: Sequence[int | BaseMessage | _New],
+    start: int,
+) -> list[BaseMessage | _New]:
+    """The places of a branch's messages from `start` on, logged again: each stored message
+    as a copy, each one its checkpoint holds as `_unheld` says, given the calls logged before
+    it in the same turn (a result it holds answering one of them is logged after it)."""
+    logged_calls = {
+        call.id for p in whole[:start] if isinstance(p, _New) for call in p.stored.tool_calls or ()
+    }
+    copies: list[BaseMessage | _New] = []
+    for index in range(start, len(whole)):
+        place = whole[index]
+        copied = (
+            _copy(messages[index])
+            if isinstance(place, int)
+            else _unheld(state, place, logged_calls)
+        )
+        if isinstance(copied, _New):
+            logged_calls.update(call.id for call in copied.stored.tool_calls or ())
+        copies.append(copied)
+    return copies
 
 
 def _closing(
@@ -1350,11 +1372,18 @@ def _stand_in(stored: AgentMessage) -> _New:
     return _New(from_stored(stored), stored)
 
 
-def _unheld(state: _Thread, place: BaseMessage | _New) -> BaseMessage | _New:
+def _unheld(
+    state: _Thread, place: BaseMessage | _New, logged_calls: Collection[str]
+) -> BaseMessage | _New:
     """A message of a branch logged again that its checkpoint holds: logged too when the
     transcript has no message of its id (a put behind a later step held it back, `_held`),
-    or when it is an edit that makes calls (they go before the copies answering them); any
+    when it is an edit that makes calls (they go before the copies answering them), or when
+    it answers a call logged before it in the same turn (`logged_calls`: an edit of a stored
+    result, say a graph replacing its own tool result under its id, answers the copy of its
+    call; held, it would leave the copy pending and be nowhere in the conversation); any
     other edit of a stored message, or one without an id to match it by, stays held."""
+    if isinstance(place, ToolMessage) and place.tool_call_id in logged_calls:
+        return _to_log(place)
     if isinstance(place, _New) or place.id is None:
         return place
     if place.id not in state.seq_by_id:
