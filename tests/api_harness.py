@@ -18,9 +18,10 @@ from typing import Any
 
 import httpx
 import jwt
+import pytest
 
 from agent_store import AgentMessageLogger, ConversationStore, LegacyTurns
-from agent_store.core import utc_now
+from agent_store.core import InvalidInput, NotFound, utc_now
 from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import CONVERSATIONS, MESSAGES
 from app.api import create_app
@@ -97,6 +98,55 @@ async def another_users_legacy_turn(
         "logger": AgentMessageLogger(db, legacy=legacy),
         "store": ConversationStore(db, legacy=legacy),
     }
+
+
+STALE_RESUMES = [
+    pytest.param(None, "u", id="deleted"),
+    pytest.param("u", "u", id="started again"),
+    pytest.param("grace", None, id="started again for another user, a service's runtime"),
+]
+"""What became of the conversation of a run paused for approval (`None`: deleted; else
+deleted and started again by that user), and who logs the run's answer (a runtime acting for
+"u", or a service, `None`): `@pytest.mark.parametrize(("again_by", "runtime"), STALE_RESUMES)`."""
+
+
+@dataclass(frozen=True)
+class StaleResume:
+    """A paused run's conversation deleted, maybe started again, as `STALE_RESUMES` says: how
+    the runtime's late answer to `call_id` is refused, and the conversation it must leave."""
+
+    refused: type[Exception]
+    said: str
+    before: list[Any] | None
+    """The new chat's transcript before the answer; None: the conversation is gone."""
+
+    async def left_as_it_was(self, store: ConversationStore, conversation_id: str) -> None:
+        """Nothing the refused answer wrote: no conversation created again, the new chat as
+        it was."""
+        if self.before is None:
+            with pytest.raises(NotFound):
+                await store.get_conversation(conversation_id)
+        else:
+            assert await store.transcript(conversation_id) == self.before
+
+
+async def deleted_while_paused(
+    db: Any, conversation_id: str, again_by: str | None, call_id: str
+) -> StaleResume:
+    """The person ("u") deletes the conversation of a run paused on `call_id`; `again_by`
+    given, that user starts a new chat under its id. No message of it makes the call then:
+    an answer is refused as an `answers_to` naming such a call is (the conversation missing:
+    never created, NotFound to a runtime acting for the user; present: InvalidInput)."""
+    store = ConversationStore(db)
+    await store.delete(conversation_id, user_id="u")
+    if again_by is None:
+        return StaleResume(NotFound, "was not found", None)
+    chat = [{"role": "user", "content": "A new chat."}]
+    await AgentMessageLogger(db).log_messages(
+        conversation_id, chat, user_id=again_by, turn_id="new-1"
+    )
+    said = f"no message of this conversation makes call {call_id!r}"
+    return StaleResume(InvalidInput, said, await store.transcript(conversation_id))
 
 
 def hitl_turn(request_id: str) -> list[dict[str, Any]]:

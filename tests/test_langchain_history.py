@@ -49,7 +49,7 @@ from agent_store.core import DENIED_RESULT, FAILED_RESULT, INTERRUPTED_RESULT, M
 from agent_store.integrations.exports import chat_completions, check_chat_completions
 from agent_store.integrations.langchain import ConversationChatHistory, message_from_langchain
 from agent_store.store import CONVERSATIONS, MESSAGES
-from tests.api_harness import another_users_legacy_turn
+from tests.api_harness import STALE_RESUMES, another_users_legacy_turn, deleted_while_paused
 from tests.conftest import COUNTED, Backend, CommandLog
 
 pytestmark = [
@@ -841,14 +841,7 @@ async def test_a_call_nothing_follows_is_left_for_the_runtime_to_answer(backend:
     assert reply.content == "Found it."
 
 
-@pytest.mark.parametrize(
-    ("again_by", "runtime"),
-    [
-        pytest.param(None, "u", id="deleted"),
-        pytest.param("u", "u", id="started again"),
-        pytest.param("grace", None, id="started again for another user, a service's history"),
-    ],
-)
+@pytest.mark.parametrize(("again_by", "runtime"), STALE_RESUMES)
 async def test_a_result_added_after_its_conversation_was_deleted_is_refused_nothing_stored(
     backend: Backend, again_by: str | None, runtime: str | None
 ) -> None:
@@ -865,29 +858,14 @@ async def test_a_result_added_after_its_conversation_was_deleted_is_refused_noth
     history = ConversationChatHistory(CID, backend.db, user_id=runtime)
     calls = [{"name": "book_train", "args": {}, "id": "call_b1"}]
     await history.aadd_messages([HumanMessage("Book the 09:04."), AIMessage("", tool_calls=calls)])
-    await store.delete(CID, user_id="u")
-    if again_by is not None:
-        chat = [{"role": "user", "content": "A new chat."}]
-        await AgentMessageLogger(backend.db).log_messages(
-            CID, chat, user_id=again_by, turn_id="new-1"
-        )
-    before = await store.transcript(CID) if again_by is not None else None
+    stale = await deleted_while_paused(backend.db, CID, again_by, "call_b1")
 
-    refused, said = (
-        (NotFound, "was not found")
-        if again_by is None
-        else (InvalidInput, "no message of this conversation makes call 'call_b1'")
-    )
-    with pytest.raises(refused, match=said):
+    with pytest.raises(stale.refused, match=stale.said):
         await history.aadd_messages(
             [ToolMessage("booked 09:04", tool_call_id="call_b1"), AIMessage("Booked.")]
         )
 
-    if before is None:
-        with pytest.raises(NotFound):
-            await store.get_conversation(CID)
-    else:
-        assert await store.transcript(CID) == before
+    await stale.left_as_it_was(store, CID)
 
 
 async def test_a_result_answering_no_call_is_left_out(backend: Backend) -> None:

@@ -55,7 +55,7 @@ from agent_store.integrations.openai_agents import (
     message_from_item,
 )
 from agent_store.store import CONVERSATIONS, MESSAGES
-from tests.api_harness import another_users_legacy_turn
+from tests.api_harness import STALE_RESUMES, another_users_legacy_turn, deleted_while_paused
 from tests.conftest import COUNTED, Backend
 
 CID = "conv-agents"
@@ -961,14 +961,7 @@ async def test_a_call_answered_in_two_sessions_while_its_turn_is_still_written_k
     assert [o for o in outputs if o is not None] == ["Booked."]
 
 
-@pytest.mark.parametrize(
-    ("again_by", "runtime"),
-    [
-        pytest.param(None, "u", id="deleted"),
-        pytest.param("u", "u", id="started again"),
-        pytest.param("grace", None, id="started again for another user, a service's session"),
-    ],
-)
+@pytest.mark.parametrize(("again_by", "runtime"), STALE_RESUMES)
 async def test_an_output_added_after_its_conversation_was_deleted_is_refused_nothing_stored(
     backend: Backend, again_by: str | None, runtime: str | None
 ) -> None:
@@ -987,28 +980,13 @@ async def test_an_output_added_after_its_conversation_was_deleted_is_refused_not
     await session.add_items(
         [{"role": "user", "content": "Book the 09:04."}, {**booking, "call_id": "call_b1"}]
     )
-    await store.delete(CID, user_id="u")
-    if again_by is not None:
-        chat = [{"role": "user", "content": "A new chat."}]
-        await AgentMessageLogger(backend.db).log_messages(
-            CID, chat, user_id=again_by, turn_id="new-1"
-        )
-    before = await store.transcript(CID) if again_by is not None else None
+    stale = await deleted_while_paused(backend.db, CID, again_by, "call_b1")
     booked = {"type": "function_call_output", "call_id": "call_b1", "output": "Booked."}
 
-    refused, said = (
-        (NotFound, "was not found")
-        if again_by is None
-        else (InvalidInput, "no message of this conversation makes call 'call_b1'")
-    )
-    with pytest.raises(refused, match=said):
+    with pytest.raises(stale.refused, match=stale.said):
         await session.add_items([booked])
 
-    if before is None:
-        with pytest.raises(NotFound):
-            await store.get_conversation(CID)
-    else:
-        assert await store.transcript(CID) == before
+    await stale.left_as_it_was(store, CID)
 
 
 async def test_a_result_whose_call_was_popped_is_refused_and_left_out_of_the_items(

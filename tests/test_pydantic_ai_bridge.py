@@ -64,7 +64,6 @@ from agent_store import (
     AgentMessageLogger,
     AnsweredBefore,
     ConversationStore,
-    InvalidInput,
     NotFound,
     TurnRules,
 )
@@ -81,6 +80,7 @@ from agent_store.integrations.exports import chat_completions, chat_completions_
 from agent_store.integrations.pydantic_ai import history_from_messages, log_run, messages_from_run
 from agent_store.integrations.streams import log_streamed_turn, turn_from_metadata
 from agent_store.store import RuntimeContextMarkers
+from tests.api_harness import STALE_RESUMES, deleted_while_paused
 from tests.conftest import Backend
 
 CID = "conv-pai"
@@ -518,16 +518,6 @@ async def test_a_paused_call_answered_in_two_tabs_while_its_run_is_still_written
     assert "Not that one." not in answers
 
 
-STALE_RESUMES = [
-    pytest.param(None, "u", id="deleted"),
-    pytest.param("u", "u", id="started again"),
-    pytest.param("grace", None, id="started again for another user, a service's run"),
-]
-"""What became of the conversation of a run paused for approval (`None`: deleted; else
-deleted and started again by that user), and who logs the runs (a runtime acting for "u", or
-a service, `None`)."""
-
-
 @pytest.mark.parametrize(("again_by", "runtime"), STALE_RESUMES)
 async def test_a_run_resumed_after_its_conversation_was_deleted_is_refused_nothing_stored(
     backend: Backend, again_by: str | None, runtime: str | None
@@ -544,20 +534,11 @@ async def test_a_run_resumed_after_its_conversation_was_deleted_is_refused_nothi
     first = await agent.run("Book the 09:04 to Lyon; weather there?")
     await logger.upsert_conversation(CID, user_id="u")
     await log_run(logger, CID, first.new_messages(), turn_id="run-1", user_id=runtime)
-    await store.delete(CID, user_id="u")
-    if again_by is not None:
-        chat = [{"role": "user", "content": "A new chat."}]
-        await logger.log_messages(CID, chat, user_id=again_by, turn_id="new-1")
+    stale = await deleted_while_paused(backend.db, CID, again_by, "tc-9")
     results = DeferredToolResults(approvals={"tc-9": True})
     resumed = await agent.run(message_history=first.all_messages(), deferred_tool_results=results)
-    before = await store.transcript(CID) if again_by is not None else None
 
-    refused, said = (
-        (NotFound, "was not found")
-        if again_by is None
-        else (InvalidInput, "no message of this conversation makes call 'tc-9'")
-    )
-    with pytest.raises(refused, match=said):
+    with pytest.raises(stale.refused, match=stale.said):
         await log_run(
             logger,
             CID,
@@ -567,11 +548,7 @@ async def test_a_run_resumed_after_its_conversation_was_deleted_is_refused_nothi
             deferred_tool_results=results,
         )
 
-    if before is None:
-        with pytest.raises(NotFound):
-            await store.get_conversation(CID)
-    else:
-        assert await store.transcript(CID) == before
+    await stale.left_as_it_was(store, CID)
 
 
 async def _lost_insert(*args: object, **kwargs: object) -> None:
