@@ -518,6 +518,22 @@ def within_page(views: Iterable[_View], room: int = PAGE_SHOWS) -> tuple[list[_V
     return shown, False
 
 
+def whole_within(messages: Sequence[AgentMessage], room: int = PAGE_SHOWS) -> list[AgentMessage]:
+    """The first of `messages` whose whole texts, the fields the store cut put back from
+    GridFS, stay within `room` characters together (the first whatever its size): what a
+    page showing whole texts reads back, bounded as what it shows is (`within_page`)."""
+    taken: list[AgentMessage] = []
+    left = room
+    for message in messages:
+        kept = (message.truncated or {}).values()
+        size = sum(cut.length for cut in kept if not isinstance(cut, int) and cut.blob_id)
+        if taken and size > left:
+            break
+        taken.append(message)
+        left -= size
+    return taken
+
+
 def view_bytes(view: Any) -> int:
     """How many bytes a page prints of the texts of a view (its fields, the views and lists
     in them), each as `shown_bytes` counts it."""

@@ -43,6 +43,7 @@ from app.presentation import (
     message_views,
     search_hit_view,
     when,
+    whole_within,
     within_page,
 )
 from app.routing import read_body, whole_number
@@ -386,8 +387,9 @@ async def transcript(request: Request, store: Store) -> Response:
 
     shown = views(messages)
     full = request.query_params.get("full") == "true"
-    if full:  # the whole texts of those the page shows cut, which may show fewer
-        shown = views(await store.conversations.with_full_texts(messages[: len(shown)]))
+    if full:  # the whole texts of those the page can show (fewer, their texts larger)
+        whole = whole_within(messages[: len(shown)])
+        shown = views(await store.conversations.with_full_texts(whole))
     return render(
         "transcript.html",
         conversation=conversation,

@@ -14,7 +14,7 @@ from bson import ObjectId
 from markupsafe import escape
 from pymongo.errors import AutoReconnect, OperationFailure
 
-from agent_store.core import StorageUnavailable, Unsupported
+from agent_store.core import AgentMessage, StorageUnavailable, Unsupported
 from agent_store.legacy import LEGACY_TURNS, convert
 from agent_store.store import CONVERSATIONS, MESSAGES, storage_errors
 from app import viewer
@@ -174,6 +174,50 @@ async def test_a_transcript_page_is_bounded_by_the_bytes_it_prints(character: st
         assert 'rel="next"' in page.text
 
 
+async def test_the_whole_texts_a_full_page_reads_are_bounded_by_what_it_can_show(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Messages stored cut (`max_message_bytes` 16 KiB) whose whole texts are 1 MB each: a
+    page shows all twenty cut, and `?full=true` reads back from GridFS the whole texts of only
+    as many as about `PAGE_SHOWS` characters hold (the first whatever its size), never every
+    message the page listed (it read 20 MB to show 4 MiB)."""
+    async with serve(mongomock_db(), api_settings(max_message_bytes=16_384), seeded=False) as api:
+        await signed_in(api)
+        await log_megabytes(api, "conv-kept", "w" * 1_000_000, 20)
+        read: list[int] = []
+        restore = api.store.conversations.with_full_texts
+
+        async def counted(messages: list[AgentMessage]) -> list[AgentMessage]:
+            restored = await restore(messages)
+            read.extend(len(m.content or "") for m in restored)
+            return restored
+
+        monkeypatch.setattr(api.store.conversations, "with_full_texts", counted)
+        assert seqs((await api.http.get("/viewer/conversations/conv-kept")).text) == [*range(20)]
+        full = await api.http.get("/viewer/conversations/conv-kept?full=true")
+
+        assert full.status_code == 200
+        assert seqs(full.text) == [0, 1, 2, 3]
+        assert sum(read) <= PAGE_SHOWS + 1_000_000
+
+
+async def test_show_the_full_text_opens_a_page_holding_the_message_it_is_under() -> None:
+    """A message's "show the full text" link opens the full page at that message (its page
+    may show fewer messages, their whole texts larger), never at the first of the page it is
+    on, which may end before it."""
+    async with serve(mongomock_db(), api_settings(max_message_bytes=16_384), seeded=False) as api:
+        await signed_in(api)
+        await log_megabytes(api, "conv-kept", "w" * 2_000_000, 10)
+        page = await api.http.get("/viewer/conversations/conv-kept")
+        links = re.findall(r'href="([^"]+)">show the full text', page.text)
+        assert len(links) == 10
+
+        full = await api.http.get(links[7].replace("&amp;", "&"))
+
+        assert seqs(full.text)[0] == 7
+        assert "w" * 2_000_000 in full.text
+
+
 async def test_a_transcript_page_ends_where_its_messages_fill_it_and_the_next_starts_there() -> (
     None
 ):
@@ -205,7 +249,7 @@ async def test_a_truncated_field_offers_its_full_text_where_the_store_kept_it(ap
     )
     cut = await api.http.get("/viewer/conversations/conv-cut")
     assert "Truncated: content" in cut.text
-    link = re.search(r'href="([^"]+full=true)">show the full text', cut.text)
+    link = re.search(r'href="([^"]+full=true[^"]*)">show the full text', cut.text)
     assert link, cut.text
     full = await api.http.get(link.group(1).replace("&amp;", "&"))
     assert whole.strip() in full.text
