@@ -156,18 +156,6 @@ def messy_corpus() -> list[dict[str, Any]]:
         {"_id": "undated-1", "conversation_id": "mess-undated", "user_id": "user-m",
          "created_at": "yesterday", "user_message": f"when? {mark(next(m))}",
          "response_parts": [{"type": "text", "content": f"no idea {mark(next(m))}"}]},
-        # 8. Results naming ids of their own that name no call, each paired with its call by
-        # its tool: one whose call names no id, one whose call names another.
-        {"_id": ObjectId(f"{0xF1:024x}"), "conversation_id": "mess-result-ids",
-         "user_id": "user-m", "created_at": t(9), "user_message": f"fetch {mark(next(m))}",
-         "response_parts": [
-             {"type": "tool_call", "tool_name": "fetch", "args": {"url": "https://y"}},
-             {"type": "tool_result", "tool_name": "fetch",
-              "tool_call_id": f"toolu_{mark(next(m))}", "result": f"fetched {mark(next(m))}"},
-             {"type": "tool_call", "tool_name": "lookup", "args": {"q": "z"},
-              "tool_call_id": "call_1"},
-             {"type": "tool_result", "tool_name": "lookup",
-              "tool_call_id": f"toolu_{mark(next(m))}", "result": f"found {mark(next(m))}"}]},
     ]  # fmt: skip
     hitl = next(d for d in docs if d["conversation_id"] == "mess-hitl")
     hitl["response_text"] = hitl["response_parts"][1]["prompt"]

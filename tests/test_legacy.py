@@ -453,9 +453,7 @@ def test_a_repeated_result_is_a_duplicate_never_the_answer_to_another_call() -> 
 
 def test_a_result_naming_no_call_takes_only_the_call_no_result_names() -> None:
     """Results naming their call are paired first: a result whose id names no call, though
-    it comes first, takes the call left unanswered, never the one another result names; that
-    call's id `b` is not the result's own `zzz`, so which call it answered is a guess kept in
-    a `mismatched_tool_call_id` problem, not placed."""
+    it comes first, takes the call left unanswered, never the one another result names."""
     parts = [
         tool_call("weather", "a", city="A"),
         tool_call("weather", "b", city="B"),
@@ -465,9 +463,7 @@ def test_a_result_naming_no_call_takes_only_the_call_no_result_names() -> None:
     conversion = convert([turn(1, parts)])
 
     assert answers(conversion.messages) == {"a": "A: sun", "b": "B: rain"}
-    assert [(p.kind, p.placed, p.part_index) for p in conversion.problems] == [
-        ("mismatched_tool_call_id", False, 2)
-    ]
+    assert conversion.problems == []
     assert conversion.conversation is not None
     assert conversion.conversation.pending_calls == []
     legacy = from_legacy(parse_turns([turn(1, parts)]), conversion.unplaced)
@@ -745,91 +741,6 @@ def test_verify_names_a_result_by_the_tool_it_names_when_its_id_calls_that_tool(
     legacy = from_legacy(parse_turns(turns), conversion.unplaced)
     assert legacy.results == (f"get_balance -> {BALANCE}", f"transfer_funds -> {TRANSFER}")
     assert differences(legacy, from_messages(tampered)) != []
-
-
-REAL_ID = "toolu_01RealProviderId"
-
-
-def fetch_turns(call_id: str | None, *more: Any) -> list[dict[str, Any]]:
-    """A turn calling `fetch` (under `call_id`, or none) whose result names `REAL_ID`, an id
-    naming no call; `more` turns after it."""
-    call = {"type": "tool_call", "tool_name": "fetch", "args": {"q": 1}}
-    if call_id is not None:
-        call["tool_call_id"] = call_id
-    return [turn(1, [call, tool_result("fetch", REAL_ID, "ok")]), *more]
-
-
-def test_a_result_naming_an_id_its_call_lacks_gives_the_pair_that_id() -> None:
-    """A call naming no id and the result its tool pairs with it naming `REAL_ID` (an id no
-    call names): the result's own id is the pair's only real id, so the call and its result
-    are stored under it, never under a generated one while the real id is dropped; a later
-    result naming it names that call, answered already: a repeat."""
-    turns = fetch_turns(None, turn(2, [tool_result("fetch", REAL_ID, "again")]))
-    conversion = convert(turns)
-
-    assert call_ids(conversion.messages) == [REAL_ID]
-    assert answers(conversion.messages) == {REAL_ID: "ok"}
-    assert [(p.kind, p.placed, p.part_index) for p in conversion.problems] == [
-        ("duplicate_tool_result", False, 0)
-    ]
-    legacy = from_legacy(parse_turns(turns), conversion.unplaced)
-    assert differences(legacy, from_messages(conversion.messages)) == []
-
-
-def test_a_result_naming_an_id_another_call_took_already_keeps_it_in_a_problem() -> None:
-    """Two calls of `fetch` naming no id, and two results naming the same id no call names:
-    the first pair takes it; the second cannot (an id names one call of a conversation), so
-    its call gets a generated id, as for any reused id, and a placed `duplicate_tool_call_id`
-    keeps the id the result named."""
-    call = {"type": "tool_call", "tool_name": "fetch", "args": {"q": 1}}
-    turns = [turn(1, [call, dict(call), tool_result("fetch", REAL_ID, "one"),
-                      tool_result("fetch", REAL_ID, "two")])]  # fmt: skip
-    conversion = convert(turns)
-
-    first, second = call_ids(conversion.messages)
-    assert first == REAL_ID
-    assert second.startswith("call_legacy_")
-    assert answers(conversion.messages) == {REAL_ID: "one", second: "two"}
-    assert [(p.kind, p.placed, p.part_index, p.content) for p in conversion.problems] == [
-        ("duplicate_tool_call_id", True, 3, REAL_ID)
-    ]
-    legacy = from_legacy(parse_turns(turns), conversion.unplaced)
-    assert differences(legacy, from_messages(conversion.messages)) == []
-
-
-def test_a_result_naming_another_id_than_its_call_is_a_guess_that_holds_the_drop() -> None:
-    """A call `call_1` of `fetch`, and a result of `fetch` naming `REAL_ID`, which names no
-    call: its tool pairs it with `call_1`, whose id contradicts its own, so which call it
-    answered is a guess: the message answers `call_1`, and a `mismatched_tool_call_id`
-    problem, not placed, keeps the result and its own id, so the drop waits for an operator;
-    verify names the result by its call's tool on both sides."""
-    turns = fetch_turns("call_1")
-    conversion = convert(turns)
-
-    assert answers(conversion.messages) == {"call_1": "ok"}
-    found = [(p.kind, p.placed, p.field, p.part_index) for p in conversion.problems]
-    assert found == [("mismatched_tool_call_id", False, "response_parts", 1)]
-    content = conversion.problems[0].content
-    assert content["result"]["tool_call_id"] == REAL_ID
-    assert (content["answers"], content["result_id"]) == ("call_1", REAL_ID)
-    legacy = from_legacy(parse_turns(turns), conversion.unplaced)
-    assert differences(legacy, from_messages(conversion.messages)) == []
-
-
-def test_a_result_naming_another_id_than_its_history_gives_its_call_is_a_guess() -> None:
-    """The call names no id, its turn's history gives it `call_h`, and its result names
-    `REAL_ID`: two real ids for one pair; the call keeps the history's, and the contradiction
-    is a `mismatched_tool_call_id` problem holding the drop."""
-    history = [
-        {"kind": "response", "parts": [{"part_kind": "tool-call", "tool_name": "fetch",
-                                        "args": {"q": 1}, "tool_call_id": "call_h"}]},
-    ]  # fmt: skip
-    turns = fetch_turns(None)
-    turns[0]["message_history_json"] = json.dumps(history)
-    conversion = convert(turns)
-
-    assert answers(conversion.messages) == {"call_h": "ok"}
-    assert [(p.kind, p.placed) for p in conversion.problems] == [("mismatched_tool_call_id", False)]
 
 
 def test_each_upload_part_is_a_message_even_when_two_are_identical() -> None:

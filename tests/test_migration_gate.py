@@ -3244,50 +3244,6 @@ def test_a_result_naming_no_tool_its_reused_id_calls_holds_the_drop_until_accept
     assert "«REFUNDED»" in kept_text(database)
 
 
-def fetch_answered_under(cid: str, call_id: str | None) -> dict[str, Any]:
-    """A legacy turn calling `fetch` (under `call_id`, or none) whose result names an id of its
-    own, `toolu_01RealProviderId`, which names no call."""
-    call: dict[str, Any] = {"type": "tool_call", "tool_name": "fetch", "args": {"q": 1}}
-    if call_id is not None:
-        call["tool_call_id"] = call_id
-    result = {"type": "tool_result", "tool_name": "fetch", "result": "ok",
-              "tool_call_id": "toolu_01RealProviderId"}  # fmt: skip
-    return {"_id": f"{cid}-t1", "conversation_id": cid, "user_id": "u1",
-            "created_at": datetime(2024, 1, 1, tzinfo=UTC), "user_message": "hi",
-            "response_parts": [call, result]}  # fmt: skip
-
-
-@pytest.mark.wire
-def test_a_results_own_id_is_never_dropped_silently(
-    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A result naming an id no call names: when its call names none, the pair is stored
-    under the result's id; when its call names another, the contradiction is kept in a
-    `mismatched_tool_call_id` problem that holds the drop until an operator accepts it, and
-    verify sees the same pairing on both sides. Either way the id outlives the drop."""
-    database[CONVERSATIONS].insert_many(
-        [fetch_answered_under("c-none", None), fetch_answered_under("c-other", "call_1")]
-    )
-    assert cli(wire_uri, database, "run") == 0
-    stored = database[MESSAGES].find_one({"conversation_id": "c-none", "role": "tool"})
-    assert stored is not None
-    assert stored["tool_call_id"] == "toolu_01RealProviderId"
-    assert cli(wire_uri, database, "verify") == 0
-    capsys.readouterr()
-    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
-    out = capsys.readouterr().out
-    assert "mismatched_tool_call_id" in out
-    assert "c-other" in out
-    assert "c-none" not in out
-    assert cli(wire_uri, database, "finish", "--accept", "c-other", "--note", "read") == 0
-    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
-    kept = kept_text(database)
-    assert kept.count("toolu_01RealProviderId") >= 2
-    problem = database[PROBLEMS].find_one({"conversation_id": "c-other"})
-    assert problem is not None
-    assert "toolu_01RealProviderId" in json.dumps(problem, default=str)
-
-
 # -- dual-written turns: skipped only while the stored messages hold them -----------------
 
 

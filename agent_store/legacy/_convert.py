@@ -141,16 +141,7 @@ service edited since. Its messages are stored as it converts (not placed: an ope
 them and accepts, `finish --accept`); its content names the live turn and the GridFS files
 keeping its cut texts whole."""
 
-MISMATCHED_TOOL_CALL_ID = "mismatched_tool_call_id"
-"""A result whose own id names no call, paired by its tool (and its turn's history) with a
-call stored under another real id, its part's or its history's: two ids for one pair, so which
-call it answered is a guess (not placed: an operator accepts the pairing, `finish --accept`).
-The message answers that call; the content holds the result, the call it answers and the
-result's own id."""
-
-GUESSED_PAIRINGS = frozenset(
-    {HISTORY_CONTRADICTS_PAIRING, AMBIGUOUS_TOOL_RESULT, MISMATCHED_TOOL_CALL_ID}
-)
+GUESSED_PAIRINGS = frozenset({HISTORY_CONTRADICTS_PAIRING, AMBIGUOUS_TOOL_RESULT})
 """Problems not placed whose result a message holds nonetheless, answering the call guessed:
 what they concern is converted, so a transcript of what was placed keeps it."""
 
@@ -853,15 +844,10 @@ class _Converter:
         pending = state.pending_results
         state.history.returns = self._returns_here(state)
         told = self._told(state)
-        named = [self.pairing.names_a_call(real) for _, _, real in pending]
         answered = self.pairing.answer(
             [(part.tool_name, real) for _, part, real in pending],
             [by[0] if by else None for by in told],
         )
-        for n, key in self.pairing.adopted:
-            answered[n] = self._take_result_id(state, pending[n], key)
-        for n, key in self.pairing.contradicted:
-            self._contradicted_result(state, pending[n], key)
         used = {by[1] for by in told if by}
         guessed = dict(self.pairing.guessed)
         for n, ((index, part, real), by, call_id) in enumerate(
@@ -873,63 +859,8 @@ class _Converter:
             if n in guessed:
                 self._ambiguous_result(state, (index, part, call_id), guessed[n])
             self._place_result(state, index, part, call_id, checked=n not in guessed)
-            if by is None and not named[n]:
+            if by is None and not self.pairing.names_a_call(real):
                 self._check_history_return(state, (index, part, call_id), used)
-
-    def _take_result_id(
-        self, state: _TurnState, pending: tuple[int, LegacyPart, str | None], call_id: str
-    ) -> str:
-        """The id the call stored under `call_id` (a generated one: its part and its history
-        name none) and the result answering it (`pending`: its index, part and own id, naming
-        no call) go by: the result's, the pair's one real id (`CallPairing.adopted`), unless
-        a message cannot hold it (`replaced_id`) or a call of the conversation took it
-        already (`duplicate_tool_call_id`, placed, keeping it), as for a call's own id."""
-        index, _, own = pending
-        found = self._reference(state.turn, index, own, "tool call id")
-        if found is None:
-            return call_id
-        if found in self.used_call_ids:
-            self.problem(
-                state.turn,
-                "duplicate_tool_call_id",
-                f"tool call id {found!r}, which a result names for a call naming none, was "
-                "already used in this conversation; the call keeps a generated one",
-                field="response_parts",
-                part_index=index,
-                content=found,
-                unplaced=False,
-            )
-            return call_id
-        group = self.groups.pop(call_id)
-        self.groups[found] = group
-        group.calls = [(found if cid == call_id else cid, name) for cid, name in group.calls]
-        for call in group.message["tool_calls"]:
-            if call["id"] == call_id:
-                call["id"] = found
-        self.used_call_ids.discard(call_id)
-        self.used_call_ids.add(found)
-        self.pairing.rename(call_id, found)
-        return found
-
-    def _contradicted_result(
-        self, state: _TurnState, pending: tuple[int, LegacyPart, str | None], call_id: str
-    ) -> None:
-        """A result (`pending`: its index, part and own id, naming no call) its tool pairs
-        with the call stored under `call_id`, another real id (`CallPairing.contradicted`):
-        which call it answered is a guess, so a problem not placed keeps the result and its
-        id, and the drop waits on an operator."""
-        index, part, own = pending
-        self.problem(
-            state.turn,
-            MISMATCHED_TOOL_CALL_ID,
-            f"a result of {part.tool_name!r} naming id {own!r}, which names no call, answers "
-            f"call {call_id!r} of that tool by the order of the parts: two ids for one pair, "
-            "so which call it answered is not known. The message answers that call; this "
-            "problem keeps the result and its own id",
-            field="response_parts",
-            part_index=index,
-            content={"result": part.raw, "answers": call_id, "result_id": own},
-        )
 
     def _returns_here(self, state: _TurnState) -> list[_Returned]:
         """The history's returns as this turn's results may be told by, each naming the call

@@ -15,10 +15,6 @@ names its call by the latest call of that id in the turn's own part of the histo
 Of the calls an id names, the tool a result names decides before position, across turns as
 within one and whatever the order of the results; an id alone reaching past its tool's calls
 is a guess (`CallPairing.guessed`).
-A result whose own id names no call, paired with a call by its tool, gives that call its id
-when the call names none (`CallPairing.adopted`: the pair's one real id, so a later result
-naming it names that call); when the call names another, its id contradicts the pairing
-(`CallPairing.contradicted`): which call it answered is a guess.
 """
 
 from __future__ import annotations
@@ -38,20 +34,12 @@ class CallPairing(Generic[K]):
         """Each call by the id its legacy part names, in the order they were made."""
         self._tools: dict[K, Any] = {}
         """Each call's tool name, by key."""
-        self._ids: dict[K, str | None] = {}
-        """The id each call goes by, by key: its legacy part's, else one a result gave it."""
         self._answered: set[K] = set()
         self._turn: list[tuple[K, Any]] = []
         """This turn's calls, (key, tool name), in the order they were made."""
         self.guessed: list[tuple[int, list[K]]] = []
         """The results of the last `answer` whose call is a guess, each by its index with the
         unanswered calls its id names, none of the tool it names (`_by_name`)."""
-        self.adopted: list[tuple[int, K]] = []
-        """The results of the last `answer` whose own id, naming no call, their call (naming
-        none) now goes by, each by its index with that call."""
-        self.contradicted: list[tuple[int, K]] = []
-        """The results of the last `answer` whose own id, naming no call, is not the id of
-        the call they answer, each by its index with that call."""
 
     def start_turn(self) -> None:
         """The calls made from now on are the next turn's."""
@@ -60,20 +48,8 @@ class CallPairing(Generic[K]):
     def add_call(self, key: K, tool_name: Any, call_id: str | None) -> None:
         self._turn.append((key, tool_name))
         self._tools[key] = tool_name
-        self._ids[key] = call_id
         if call_id is not None:
             self._by_id[call_id].append(key)
-
-    def rename(self, key: K, new_key: K) -> None:
-        """The call known by `key` is known by `new_key` from now on."""
-        self._tools[new_key] = self._tools.pop(key)
-        self._ids[new_key] = self._ids.pop(key)
-        if key in self._answered:
-            self._answered.discard(key)
-            self._answered.add(new_key)
-        self._turn = [(new_key if k == key else k, name) for k, name in self._turn]
-        for keys in self._by_id.values():
-            keys[:] = [new_key if k == key else k for k in keys]
 
     def names_a_call(self, call_id: str | None) -> bool:
         """Whether an id names a call of the conversation so far."""
@@ -95,9 +71,7 @@ class CallPairing(Generic[K]):
         its turn's history tells the call of (`told`, by key: `told_calls`) takes that call
         while it is unanswered; only then does each result whose id names none take, in
         order, the first unanswered call of its tool in this turn: a result naming no call
-        never takes one another names. A result so paired whose own id names no call gives it
-        to its call when that names none (`adopted`), and contradicts it when that names
-        another (`contradicted`)."""
+        never takes one another names."""
         told = list(told) or [None] * len(results)
         named = {i for i, (_, call_id) in enumerate(results) if self.names_a_call(call_id)}
         of_its_tool = [i for i in sorted(named) if not self._names_another_tool(*results[i])]
@@ -105,7 +79,7 @@ class CallPairing(Generic[K]):
         said = [i for i, key in enumerate(told) if key is not None and i not in named]
         unnamed = [i for i in range(len(results)) if i not in named and i not in said]
         answers: list[K | None] = [None] * len(results)
-        self.guessed, self.adopted, self.contradicted = [], [], []
+        self.guessed = []
         for index in [*of_its_tool, *by_id, *said, *unnamed]:
             tool_name, call_id = results[index]
             key = told[index]
@@ -119,20 +93,8 @@ class CallPairing(Generic[K]):
                 found = self._of(tool_name)
             if found is not None:
                 self._answered.add(found)
-                if index not in named and call_id is not None:
-                    self._own_id(index, found, call_id)
             answers[index] = found
         return answers
-
-    def _own_id(self, index: int, key: K, call_id: str) -> None:
-        """A result (by its index) naming `call_id`, an id naming no call, answers the call
-        `key`: the call goes by that id if it names none, else the two contradict."""
-        if self._ids[key] is None:
-            self._ids[key] = call_id
-            self._by_id[call_id].append(key)
-            self.adopted.append((index, key))
-        else:
-            self.contradicted.append((index, key))
 
     def _names_another_tool(self, tool_name: Any, call_id: str | None) -> bool:
         """Whether a result names a tool no call its id names is of (compared exactly:
