@@ -463,11 +463,54 @@ def test_a_result_naming_no_call_takes_only_the_call_no_result_names() -> None:
     conversion = convert([turn(1, parts)])
 
     assert answers(conversion.messages) == {"a": "A: sun", "b": "B: rain"}
-    assert conversion.problems == []
+    assert [(p.kind, p.placed, p.content) for p in conversion.problems] == [
+        ("replaced_id", True, "zzz")
+    ]
     assert conversion.conversation is not None
     assert conversion.conversation.pending_calls == []
     legacy = from_legacy(parse_turns([turn(1, parts)]), conversion.unplaced)
     assert differences(legacy, from_messages(conversion.messages)) == []
+
+
+@pytest.mark.parametrize("call_id", [None, "call_1"])
+def test_a_results_own_id_its_call_does_not_name_is_kept_in_a_placed_problem(
+    call_id: str | None,
+) -> None:
+    """A result naming an id of its own (a provider's `toolu_…`) that names no call is paired
+    with its tool's call and stored under that call's id: its own id is kept in a placed
+    `replaced_id` problem, never dropped silently with the legacy turns."""
+    call = {"type": "tool_call", "tool_name": "fetch", "args": {"q": 1}}
+    if call_id is not None:
+        call["tool_call_id"] = call_id
+    result = {"type": "tool_result", "tool_name": "fetch", "result": "ok",
+              "tool_call_id": "toolu_01RealProviderId"}  # fmt: skip
+    conversion = convert([turn(1, [call, result])])
+
+    stored = call_ids(conversion.messages)
+    assert len(stored) == 1
+    assert call_id is None or stored == [call_id]
+    assert [m.tool_call_id for m in conversion.messages if m.role == "tool"] == stored
+    assert [(p.kind, p.placed, p.content) for p in conversion.problems] == [
+        ("replaced_id", True, "toolu_01RealProviderId")
+    ]
+
+
+def test_a_result_id_reused_in_every_turn_answers_its_own_turns_call() -> None:
+    """Results naming `call_0` in every turn, beside calls naming no id: each answers its own
+    turn's call, as the order gives, none left pending or cut out of the transcript."""
+    turns = [
+        turn(n, [{"type": "tool_call", "tool_name": "weather", "args": {"city": city}},
+                 tool_result("weather", "call_0", f"{city}: {n}C")])
+        for n, city in ((1, "Oslo"), (2, "Rome"), (3, "Cairo"))
+    ]  # fmt: skip
+    conversion = convert(turns)
+
+    assert [m.content for m in conversion.messages if m.role == "tool"] == [
+        "Oslo: 1C", "Rome: 2C", "Cairo: 3C",
+    ]  # fmt: skip
+    assert conversion.conversation is not None
+    assert conversion.conversation.pending_calls == []
+    assert all(p.placed for p in conversion.problems)
 
 
 def test_a_result_answers_the_call_of_its_id_in_its_own_turn_before_an_earlier_one() -> None:

@@ -859,8 +859,25 @@ class _Converter:
             if n in guessed:
                 self._ambiguous_result(state, (index, part, call_id), guessed[n])
             self._place_result(state, index, part, call_id, checked=n not in guessed)
+            if real and real != call_id and not self.pairing.names_a_call(real):
+                self._replaced_result_id(state, index, real, call_id)
             if by is None and not self.pairing.names_a_call(real):
                 self._check_history_return(state, (index, part, call_id), used)
+
+    def _replaced_result_id(self, state: _TurnState, index: int, real: str, call_id: str) -> None:
+        """A result naming an id of its own that names no call, paired with a call by its tool
+        or its history: stored under that call's id, its own kept in a placed `replaced_id`
+        problem, never dropped silently (the pairing is as without it)."""
+        self.problem(
+            state.turn,
+            "replaced_id",
+            f"a result's tool call id {shorten(real, 40)!r} names no call; it answers call "
+            f"{call_id!r} (paired by its tool or its history) and is stored under that id",
+            field="response_parts",
+            part_index=index,
+            content=real,
+            unplaced=False,
+        )
 
     def _returns_here(self, state: _TurnState) -> list[_Returned]:
         """The history's returns as this turn's results may be told by, each naming the call
