@@ -495,6 +495,21 @@ def test_a_results_own_id_its_call_does_not_name_is_kept_in_a_placed_problem(
     ]
 
 
+def test_an_id_the_converter_generates_is_never_one_a_call_of_the_conversation_named() -> None:
+    """A call naming no id gets a generated `call_legacy_…` id; an earlier call naming that
+    very id (forged, or two conversations' ids mixed) keeps it, and the generated one is
+    another: no two calls of a conversation share an id."""
+    unnamed = {"type": "tool_call", "tool_name": "fetch", "args": {"q": 2}}
+    generated = call_ids(convert([turn(1), turn(2, [unnamed])]).messages)[0]
+
+    conversion = convert([turn(1, [tool_call("fetch", generated, q=1)]), turn(2, [unnamed])])
+
+    first, second = call_ids(conversion.messages)
+    assert first == generated
+    assert second != generated
+    assert second.startswith("call_legacy_")
+
+
 def test_a_result_id_reused_in_every_turn_answers_its_own_turns_call() -> None:
     """Results naming `call_0` in every turn, beside calls naming no id: each answers its own
     turn's call, as the order gives, none left pending or cut out of the transcript."""

@@ -302,9 +302,11 @@ class _Histories:
         return found
 
 
-def _generated_call_id(legacy_key: str, part_index: int) -> str:
-    digest = hashlib.sha256(f"{legacy_key}\0{part_index}".encode()).hexdigest()
-    return "call_legacy_" + digest[:24]
+def _generated_call_id(legacy_key: str, part_index: int, again: int = 0) -> str:
+    """The id of a call naming none: a digest of its turn and part, drawn `again` when an
+    earlier one was taken (`_Converter._call_id`)."""
+    drawn = f"{legacy_key}\0{part_index}" + (f"\0{again}" if again else "")
+    return "call_legacy_" + hashlib.sha256(drawn.encode()).hexdigest()[:24]
 
 
 # -- one turn ----------------------------------------------------------------------------
@@ -831,8 +833,10 @@ class _Converter:
                 unplaced=False,
             )
             call_id = None
-        if call_id is None:
-            call_id = _generated_call_id(self.names[id(turn)].key, index)
+        again = 0
+        while call_id is None or call_id in self.used_call_ids:  # never a call's id before
+            call_id = _generated_call_id(self.names[id(turn)].key, index, again)
+            again += 1
         self.used_call_ids.add(call_id)
         return call_id
 
