@@ -1100,6 +1100,30 @@ async def test_a_turn_moved_many_times_never_pushes_another_turns_record_out(
     assert len(conversation["turns"]) <= 2 * 4
 
 
+async def test_turn_records_kept_before_they_carried_their_order_still_pass_out_of_the_window(
+    backend: Backend,
+) -> None:
+    """Records kept before records said their order and whether they name a turn (no `o`,
+    no `m`) count as turns' own and as the oldest: later turns push them out as before, the
+    window then `turns_recorded` (4) records long again."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(turns_recorded=4))
+    for n in range(4):
+        await logger.log_messages(CID, turn(f"old {n}"), turn_id=f"old-{n}")
+    found = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert found is not None
+    unmarked = [{k: v for k, v in r.items() if k not in ("o", "m")} for r in found["turns"]]
+    await backend.db[CONVERSATIONS].update_one({"_id": CID}, {"$set": {"turns": unmarked}})
+
+    for n in range(5):
+        await logger.log_messages(CID, turn(f"new {n}"), turn_id=f"new-{n}")
+
+    conversation = await check_conversation(backend.db)
+    assert [r["f"] for r in conversation["turns"]] == [10, 12, 14, 16]
+    assert conversation["turns_dropped"] == 5
+    replayed = await logger.log_messages(CID, turn("old 0"), turn_id="old-0")
+    assert replayed.replayed
+
+
 async def test_past_the_kept_records_a_fork_or_delivery_refused_by_its_condition_says_why(
     backend: Backend,
 ) -> None:
