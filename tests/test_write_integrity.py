@@ -1072,6 +1072,58 @@ async def test_a_first_attempt_that_stored_nothing_is_counted_again_from_turns_r
         assert await backend.db[MESSAGES].count_documents({"seq": {"$lt": 2}}) == 0
 
 
+async def test_a_turn_moved_many_times_never_pushes_another_turns_record_out(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §2, `turns` holds one record per logged turn: the records a turn leaves by
+    moving to a new block (its insert lost, retried past `abandon_after`) never push another
+    turn's record out of the `turns_recorded` (4) kept. With one later turn moved six times,
+    an earlier turn that reserved and stored nothing is still recorded: its retry is stored
+    once and counted once. The document stays bounded: at most `turns_recorded` records of
+    turns and as many of the blocks left."""
+    logger = AgentMessageLogger(
+        backend.db, rules=TurnRules(turns_recorded=4, abandon_after=timedelta(0))
+    )
+    await logger.log_messages(CID, turn("a"), turn_id="t-a")
+    await logger.log_messages(CID, turn("lost"), turn_id="t-lost")
+    await backend.db[MESSAGES].delete_many({"turn_id": "t-lost"})  # as if never inserted
+    await logger.log_messages(CID, turn("moved"), turn_id="t-moved")
+    for _ in range(6):
+        await backend.db[MESSAGES].delete_many({"turn_id": "t-moved"})  # its insert lost again
+        await logger.log_messages(CID, turn("moved"), turn_id="t-moved")  # moves to the end
+
+    retried = await logger.log_messages(CID, turn("lost"), turn_id="t-lost")
+
+    assert [m.content for m in retried.messages] == ["lost?", "lost!"]
+    conversation = await check_conversation(backend.db, gaps=True)
+    assert (conversation["turn_count"], conversation["usage"]["input_tokens"]) == (3, 3)
+    assert len(conversation["turns"]) <= 2 * 4
+
+
+async def test_turn_records_kept_before_they_carried_their_order_still_pass_out_of_the_window(
+    backend: Backend,
+) -> None:
+    """Records kept before records said their order and whether they name a turn (no `o`,
+    no `m`) count as turns' own and as the oldest: later turns push them out as before, the
+    window then `turns_recorded` (4) records long again."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(turns_recorded=4))
+    for n in range(4):
+        await logger.log_messages(CID, turn(f"old {n}"), turn_id=f"old-{n}")
+    found = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert found is not None
+    unmarked = [{k: v for k, v in r.items() if k not in ("o", "m")} for r in found["turns"]]
+    await backend.db[CONVERSATIONS].update_one({"_id": CID}, {"$set": {"turns": unmarked}})
+
+    for n in range(5):
+        await logger.log_messages(CID, turn(f"new {n}"), turn_id=f"new-{n}")
+
+    conversation = await check_conversation(backend.db)
+    assert [r["f"] for r in conversation["turns"]] == [10, 12, 14, 16]
+    assert conversation["turns_dropped"] == 5
+    replayed = await logger.log_messages(CID, turn("old 0"), turn_id="old-0")
+    assert replayed.replayed
+
+
 async def test_past_the_kept_records_a_fork_or_delivery_refused_by_its_condition_says_why(
     backend: Backend,
 ) -> None:

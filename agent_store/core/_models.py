@@ -1101,6 +1101,15 @@ class TurnRecord(_Model):
     given_up: bool = Field(default=False, alias="g")
     """A retry gave the turn up for good, none of its messages stored: what its reservation
     counted (its turns, its tokens) was taken back then, once."""
+    order: int | None = Field(default=None, alias="o")
+    """How many records the conversation appended before this one (those dropped since
+    included): the records' order, by which the kept ones are chosen (`TurnRules.
+    turns_recorded`). None on a record kept before records said so."""
+    moved: bool = Field(default=False, alias="m")
+    """The record names the turn no more (its key `moved_key`): it only marks a block the turn
+    left by moving to a new one, or gave back. Such records are kept apart from the turns'
+    own: they never push a turn's record out of the `TurnRules.turns_recorded` kept (False
+    on a record kept before records said so, which counts as a turn's)."""
     by_person: bool = Field(default=False, alias="u")
     """A user token logged the turn (a person's, `owner_only`): no runtime opens a steering
     inbox under its id (`SteeringInbox.open_turn`). False for a service's turn, and for one

@@ -1251,7 +1251,7 @@ def _records(
 ) -> dict[str, Any]:
     """`turns` (the records as they stand, by default) with the record of a block reserved
     now appended (`person`: a user token logs the turn; `counted`: what its reservation
-    counted), the oldest dropped past `turns_recorded` and counted."""
+    counted), the oldest dropped past the window (`_window`) and counted."""
     turns = _TURNS if turns is None else turns
     record = {
         "k": literal(Int64(key)),
@@ -1261,6 +1261,9 @@ def _records(
         "p": literal(False),
         "g": literal(False),
         "u": literal(person),
+        "m": literal(False),
+        # One more than every record appended before (kept or dropped): the records' order.
+        "o": int64({"$add": [_kept("turns_dropped", 0), {"$size": turns}]}),
         "c": literal(_packed(counted)),
         # A runtime name set: what it replaced (`_named_record`); null for a turn setting none.
         "n": literal(None) if named is None else named,
@@ -1268,11 +1271,10 @@ def _records(
     # A one-element array built by `$map`: some MongoDB-compatible servers (mongomock) keep an
     # array literal's elements unevaluated.
     appended = {"$concatArrays": [turns, {"$map": {"input": [0], "in": record}}]}
+    kept, dropped = _window(rules.turns_recorded)
     return {
-        "turns": {"$slice": [appended, -rules.turns_recorded]},
-        "turns_dropped": _dropped(rules.turns_recorded)
-        if turns is _TURNS or turns == _TURNS
-        else _dropped_from(turns, rules.turns_recorded),
+        "turns": {"$let": {"vars": {"all": appended}, "in": kept}},
+        "turns_dropped": {"$let": {"vars": {"all": appended}, "in": dropped}},
     }
 
 
@@ -1281,17 +1283,35 @@ _TURNS = _kept("turns", [])
 
 
 @cache
-def _dropped(turns_recorded: int) -> dict[str, Any]:
-    """`turns_dropped` after a record is appended to the records as they stand: built once per
-    `turns_recorded`, never changed in place."""
-    return _dropped_from(_TURNS, turns_recorded)
+def _window(turns_recorded: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The records kept of `$$all` (every record, the newest last) and `turns_dropped` once
+    the others are dropped, as expressions: the newest `turns_recorded` records, and before
+    them the turns' own records (not `TurnRecord.moved`) up to `turns_recorded` of those in
+    all, in their order (`TurnRecord.order`; a record kept before records said so counts as
+    the oldest). A record marking a block a turn left (by a move, or given back) is so kept
+    as long as when every record counted, and never pushes a turn's record out: a turn
+    moved many times leaves the others' records in place. At most twice `turns_recorded`
+    records (and those kept before records said so); built once per `turns_recorded`,
+    never changed in place."""
+    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+    own = {"$eq": [{"$ifNull": ["$$record.m", False]}, False]}
+    owns = {"$filter": {"input": "$$all", "as": "record", "cond": own}}
 
+    def oldest_of(records: Any) -> dict[str, Any]:
+        first = {"$arrayElemAt": [{"$slice": [records, -turns_recorded]}, 0]}
+        return {"$let": {"vars": {"first": first}, "in": {"$ifNull": ["$$first.o", -1]}}}
 
-def _dropped_from(turns: Any, turns_recorded: int) -> dict[str, Any]:
-    """`turns_dropped` after a record is appended to `turns` and the oldest past
-    `turns_recorded` dropped."""
-    overflow = {"$subtract": [{"$add": [{"$size": turns}, 1]}, turns_recorded]}
-    return int64({"$add": [_kept("turns_dropped", 0), {"$max": [0, overflow]}]})
+    order = {"$ifNull": ["$$record.o", -1]}
+    newest = {"$gte": [order, "$$newest"]}
+    newest_own = {"$and": [own, {"$gte": [order, "$$newest_own"]}]}
+    cuts = {"newest": oldest_of("$$all"), "newest_own": oldest_of(owns)}
+    kept_ones = {
+        "$filter": {"input": "$$all", "as": "record", "cond": {"$or": [newest, newest_own]}}
+    }
+    kept = {"$let": {"vars": cuts, "in": kept_ones}}
+    left = {"$subtract": [{"$size": "$$all"}, {"$size": kept}]}
+    dropped = int64({"$add": [_kept("turns_dropped", 0), left]})
+    return kept, dropped
 
 
 _NAME_MESSAGE_KEPT = absent_stays("name_message_id", "$name_message_id")
@@ -1878,7 +1898,7 @@ def relocation(
         **NOT_BEING_DELETED,
     }
     old = {"$and": [{"$eq": ["$$record.k", key]}, {"$eq": ["$$record.f", first]}]}
-    turns = records_changed(old, {"k": literal(Int64(moved_key(plan.key)))})
+    turns = records_changed(old, {"k": literal(Int64(moved_key(plan.key))), "m": literal(True)})
     stage = {
         "message_count": _plus("message_count", plan.count),
         "popped_seqs": _left_behind(block.first_seq, plan.count),
@@ -2232,7 +2252,8 @@ def _given_back_after_given_up(
     }
     own = {"$and": [{"$eq": ["$$record.k", literal(key)]}, {"$eq": ["$$record.f", literal(first)]}]}
     moved = Int64(moved_key(turn_key))
-    return query, [{"$set": {"turns": records_changed(own, {"k": literal(moved)})}}]
+    marked = {"k": literal(moved), "m": literal(True)}
+    return query, [{"$set": {"turns": records_changed(own, marked)}}]
 
 
 def counted(plan: TurnPlan) -> tuple[int, int, int]:
@@ -2263,7 +2284,9 @@ def _given_back(
         "turn_count": less("turn_count", starts),
         **usage_less(input_tokens, output_tokens),
         "popped_seqs": _left_behind(first_seq, count),
-        "turns": records_changed(own, {"k": literal(moved), "g": literal(True)}),
+        "turns": records_changed(
+            own, {"k": literal(moved), "g": literal(True), "m": literal(True)}
+        ),
         **name_restored(own),
     }
     return query, [{"$set": stage}]
