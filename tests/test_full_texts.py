@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from datetime import timedelta
@@ -236,8 +237,12 @@ async def test_the_viewer_links_a_cut_message_to_its_full_text(api: Served) -> N
     )
     page = await api.http.get(f"/viewer/conversations/{CID}")
     assert page.status_code == 200
-    assert f'href="/viewer/conversations/{CID}?full=true"' in page.text
-    full = await api.http.get(f"/viewer/conversations/{CID}?full=true")
+    link = re.search(
+        rf'href="(/viewer/conversations/{CID}\?full=true&amp;from_seq=(\d+)#seq-(\d+))"', page.text
+    )
+    assert link, page.text
+    assert link.group(2) == link.group(3)  # the full page at the message, its anchor
+    full = await api.http.get(link.group(1).replace("&amp;", "&"))
     assert full.status_code == 200
     assert HUGE[:1000] in full.text
     assert "[truncated]" not in full.text
