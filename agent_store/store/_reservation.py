@@ -1263,7 +1263,7 @@ def _records(
         "u": literal(person),
         "m": literal(False),
         # One more than every record appended before (kept or dropped): the records' order.
-        "o": int64({"$add": [_kept("turns_dropped", 0), {"$size": turns}]}),
+        "o": int64({"$add": [_kept("turns_dropped", 0), {"$size": _TURNS}]}),
         "c": literal(_packed(counted)),
         # A runtime name set: what it replaced (`_named_record`); null for a turn setting none.
         "n": literal(None) if named is None else named,
@@ -1271,11 +1271,7 @@ def _records(
     # A one-element array built by `$map`: some MongoDB-compatible servers (mongomock) keep an
     # array literal's elements unevaluated.
     appended = {"$concatArrays": [turns, {"$map": {"input": [0], "in": record}}]}
-    kept, dropped = _window(rules.turns_recorded)
-    return {
-        "turns": {"$let": {"vars": {"all": appended}, "in": kept}},
-        "turns_dropped": {"$let": {"vars": {"all": appended}, "in": dropped}},
-    }
+    return {"turns": {"$let": {"vars": {"all": appended}, "in": _window(rules.turns_recorded)}}}
 
 
 _TURNS = _kept("turns", [])
@@ -1283,16 +1279,16 @@ _TURNS = _kept("turns", [])
 
 
 @cache
-def _window(turns_recorded: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The records kept of `$$all` (every record, the newest last) and `turns_dropped` once
-    the others are dropped, as expressions: the newest `turns_recorded` records, and before
-    them the turns' own records (not `TurnRecord.moved`) up to `turns_recorded` of those in
-    all, in their order (`TurnRecord.order`; a record kept before records said so counts as
-    the oldest). A record marking a block a turn left (by a move, or given back) is so kept
-    as long as when every record counted, and never pushes a turn's record out: a turn
-    moved many times leaves the others' records in place. At most twice `turns_recorded`
-    records (and those kept before records said so); built once per `turns_recorded`,
-    never changed in place."""
+def _window(turns_recorded: int) -> dict[str, Any]:
+    """The records kept of `$$all` (every record, the newest last), as an expression: the
+    newest `turns_recorded` records, and before them the turns' own records (not
+    `TurnRecord.moved`) up to `turns_recorded` of those in all, in their order
+    (`TurnRecord.order`; a record kept before records said so counts as the oldest). A
+    record marking a block a turn left (by a move, or given back) is so kept as long as when
+    every record counted, and never pushes a turn's record out: a turn moved many times
+    leaves the others' records in place. At most twice `turns_recorded` records (and those
+    kept before records said so); built once per `turns_recorded`, never changed in place.
+    What it drops is counted by the stage after (`RECORDS_DROPPED`)."""
     # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
     own = {"$eq": [{"$ifNull": ["$$record.m", False]}, False]}
     owns = {"$filter": {"input": "$$all", "as": "record", "cond": own}}
@@ -1308,10 +1304,18 @@ def _window(turns_recorded: int) -> tuple[dict[str, Any], dict[str, Any]]:
     kept_ones = {
         "$filter": {"input": "$$all", "as": "record", "cond": {"$or": [newest, newest_own]}}
     }
-    kept = {"$let": {"vars": cuts, "in": kept_ones}}
-    left = {"$subtract": [{"$size": "$$all"}, {"$size": kept}]}
-    dropped = int64({"$add": [_kept("turns_dropped", 0), left]})
-    return kept, dropped
+    return {"$let": {"vars": cuts, "in": kept_ones}}
+
+
+_LAST_RECORD = {"$let": {"vars": {"last": {"$arrayElemAt": ["$turns", -1]}}, "in": "$$last.o"}}
+RECORDS_DROPPED = {
+    "$set": {
+        "turns_dropped": int64({"$subtract": [{"$add": [_LAST_RECORD, 1]}, {"$size": "$turns"}]})
+    }
+}
+"""The stage after one that appended a record (`_records`): `turns_dropped`, every record
+ever appended (the last one's `TurnRecord.order` and one) less those kept. Its own stage,
+so the window is evaluated once. Never changed in place."""
 
 
 _NAME_MESSAGE_KEPT = absent_stays("name_message_id", "$name_message_id")
@@ -1426,7 +1430,8 @@ def reservation(
         **_asked_again(plan),
     }
     superseded = _superseded(plan)
-    return [{"$set": stage}, {"$set": superseded}] if superseded else [{"$set": stage}]
+    after = [RECORDS_DROPPED, {"$set": superseded}] if superseded else [RECORDS_DROPPED]
+    return [{"$set": stage}, *after]
 
 
 _KEPT_OR_NULL: dict[str, Any] = {
@@ -1921,7 +1926,7 @@ def relocation(
         stage["pending_hitl"] = {"$cond": [resolved, kept, stage["pending_hitl"]]}
     if assigned:
         stage["owned_from"] = int64({"$ifNull": ["$message_count", 0]})
-    return query, [{"$set": stage}]
+    return query, [{"$set": stage}, RECORDS_DROPPED]
 
 
 def _moved_reach(plan: TurnPlan, first: int, asked: Mapping[str, int]) -> dict[str, Any]:
