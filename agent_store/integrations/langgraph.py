@@ -603,11 +603,12 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
 
     def _service_life(self, thread_id: str, found: Conversation | None) -> int | None:
         """The conversation a service reads of the thread (`conversation_mark`), the thread
-        being `found` now (None: no conversation; it reads only documents naming none). Ties
-        the saver's cache of the thread to it; refused while a migration run writes it."""
+        being `found` now (None: no conversation; it reads only documents naming none; one a
+        migration run writes was refused by whoever read it, `_unless_migrating`). Ties the
+        saver's cache of the thread to it."""
         if found is None:
             return None
-        mark = conversation_mark(_unless_migrating(thread_id, found).created_at)
+        mark = conversation_mark(found.created_at)
         self._transcripts.tie(thread_id, mark)
         return mark
 
@@ -615,9 +616,10 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         """`_service_life`, or its refusal (a migration run writing the thread's conversation)
         for a list across threads to raise only once it reaches one of the thread's checkpoints."""
         try:
-            return self._service_life(thread_id, found)
+            checked = None if found is None else _unless_migrating(thread_id, found)
         except Conflict as refused:
             return refused
+        return self._service_life(thread_id, checked)
 
     async def _stored(self, thread_id: str, user_id: str | None) -> Conversation | None:
         """The conversation the thread is now, as `user_id` (None: a service) sees it; None
