@@ -35,7 +35,6 @@ from app.auth import Authenticator, audit_record
 from app.http_errors import HttpProblem, note_store_error
 from app.presentation import (
     PAGE_SHOWS,
-    MessageView,
     TranscriptPages,
     calls_made_before,
     hidden_shown,
@@ -380,22 +379,18 @@ async def transcript(request: Request, store: Store) -> Response:
     conversation = page.conversation
     messages = page.messages
 
-    def views(messages: list[AgentMessage]) -> list[MessageView]:
-        # Up to `MESSAGES_PER_PAGE`, as many as fit the page (`within_page`).
-        views = message_views(messages, pending=conversation.pending_hitl, before=page.before)
-        return within_page(views)[0]
-
-    shown = views(messages)
     full = request.query_params.get("full") == "true"
-    if full:  # the whole texts of those the page can show (fewer, their texts larger)
-        whole = whole_within(messages[: len(shown)])
-        shown = views(await store.conversations.with_full_texts(whole))
+    if full:  # the whole texts of as many as the page can show (fewer, their texts larger)
+        messages = await store.conversations.with_full_texts(whole_within(messages))
+    # Up to `MESSAGES_PER_PAGE`, as many as fit the page (`within_page`).
+    views = message_views(messages, pending=conversation.pending_hitl, before=page.before)
+    shown = within_page(views)[0]
     return render(
         "transcript.html",
         conversation=conversation,
         messages=shown,
         full=full,
-        pages=TranscriptPages.of(messages, len(shown), page.more, from_seq, MESSAGES_PER_PAGE),
+        pages=TranscriptPages.of(page.messages, len(shown), page.more, from_seq, MESSAGES_PER_PAGE),
         # The store forks stored conversations only: one not migrated yet offers no fork.
         can_fork=page.stored,
         being_migrated=page.being_migrated,
