@@ -863,9 +863,11 @@ class _Converter:
             if n in guessed:
                 self._ambiguous_result(state, (index, part, call_id), guessed[n])
             self._place_result(state, index, part, call_id, checked=n not in guessed)
-            if real and real != call_id and not self.pairing.names_a_call(real):
+            if self.pairing.names_a_call(real):
+                continue
+            if real and real != call_id:
                 self._replaced_result_id(state, index, real, call_id)
-            if by is None and not self.pairing.names_a_call(real):
+            if by is None:
                 self._check_history_return(state, (index, part, call_id), used)
 
     def _replaced_result_id(self, state: _TurnState, index: int, real: str, call_id: str) -> None:

@@ -1322,15 +1322,7 @@ class ConversationStore:
         """
         if start < 0 or (stop is not None and stop < start):
             raise InvalidInput(f"invalid seq range {start}..{stop}: need 0 <= start <= stop")
-        seq: dict[str, int] = {"$gte": start}
-        if stop is not None:
-            seq["$lt"] = stop
-        query: dict[str, Any] = {
-            "conversation_id": validate_identifier(conversation_id, "conversation_id"),
-            "seq": seq,
-        }
-        if user_id is not None:
-            query["user_id"] = validate_identifier(user_id, "user_id")
+        query = _seq_range(conversation_id, start, stop, user_id)
         if limit is not None and limit < 1:
             raise InvalidInput(f"invalid limit {limit}: it must be at least 1")
         found = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
@@ -1364,12 +1356,7 @@ class ConversationStore:
             raise InvalidInput(
                 f"invalid page from seq {start}, limit {limit}: need 0 and 1 at least"
             )
-        query: dict[str, Any] = {
-            "conversation_id": validate_identifier(conversation_id, "conversation_id"),
-            "seq": {"$gte": start},
-        }
-        if user_id is not None:
-            query["user_id"] = validate_identifier(user_id, "user_id")
+        query = _seq_range(conversation_id, start, None, user_id)
         more = False
 
         async def read() -> list[dict[str, Any]]:
@@ -3073,3 +3060,20 @@ def _reached(messages: Sequence[AgentMessage], needed: Mapping[str, int]) -> dic
         for call_id, count in needed.items()
         if len(seqs := open_calls.get(call_id, [])) >= count
     }
+
+
+def _seq_range(
+    conversation_id: str, start: int, stop: int | None, user_id: str | None
+) -> dict[str, Any]:
+    """The query of a conversation's messages with `start <= seq < stop` (to the end without
+    `stop`), of `user_id`'s when given: a range of the `{conversation_id, seq}` index."""
+    seq: dict[str, int] = {"$gte": start}
+    if stop is not None:
+        seq["$lt"] = stop
+    query: dict[str, Any] = {
+        "conversation_id": validate_identifier(conversation_id, "conversation_id"),
+        "seq": seq,
+    }
+    if user_id is not None:
+        query["user_id"] = validate_identifier(user_id, "user_id")
+    return query
