@@ -855,6 +855,39 @@ async def test_a_resumed_run_retried_after_a_lost_reply_answers_its_call_once(
     check_chat_completions(chat_completions(await ConversationStore(backend.db).transcript(CID)))
 
 
+async def test_a_call_the_person_rejects_in_the_sdk_is_stored_as_the_sdks_output_text(
+    backend: Backend,
+) -> None:
+    """`RunState.reject` answers the call with the SDK's rejection text, an ordinary
+    `function_call_output`: the session cannot tell it from a tool's output, so it is stored
+    as one (no denial marker) and replayed as that text; the call is answered, not pending."""
+    model = ScriptedModel()
+    model.steps = [[call("book_train", {"train": "09:04"}, "call_r1")], [text("Not booked.", "m1")]]
+    agent = Agent(name="assistant", model=model, tools=[book_train])
+    paused = await Runner.run(
+        agent, "Book the 09:04.", session=ConversationSession(CID, backend.db)
+    )
+    state = paused.to_state()
+    state.reject(state.get_interruptions()[0])
+    await Runner.run(agent, state, session=ConversationSession(CID, backend.db))
+
+    store = ConversationStore(backend.db)
+    stored = await store.transcript(CID)
+    result = next(m for m in stored if m.role == "tool")
+    assert (result.tool_call_id, result.content, result.error) == (
+        "call_r1",
+        "Tool execution was not approved.",
+        None,
+    )
+    assert await store.pending_calls(CID) == []
+    replayed = chat_completions(stored)
+    assert {
+        "role": "tool",
+        "tool_call_id": "call_r1",
+        "content": "Tool execution was not approved.",
+    } in replayed
+
+
 class DyingModel(ScriptedModel):
     """A `ScriptedModel` whose process dies (its next model call raises) while `dying`."""
 
