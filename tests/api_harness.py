@@ -11,8 +11,8 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,34 +119,74 @@ class StaleResume:
     said: str
     before: list[Any] | None
     """The new chat's transcript before the answer; None: the conversation is gone."""
+    lands: Callable[[], Awaitable[Any]] | None = None
+    """The new chat's first turn retried, its first insert lost (`first_insert_lost`); None
+    when it was stored at once."""
 
     async def left_as_it_was(self, store: ConversationStore, conversation_id: str) -> None:
         """Nothing the refused answer wrote: no conversation created again, the new chat as
-        it was."""
+        it was (once its first turn's retry lands, when its first insert was lost)."""
         if self.before is None:
             with pytest.raises(NotFound):
                 await store.get_conversation(conversation_id)
+        elif self.lands is not None:
+            await self.lands()
+            said = [(m.role, m.content) for m in await store.transcript(conversation_id)]
+            assert said == [("user", "A new chat.")]
         else:
             assert await store.transcript(conversation_id) == self.before
 
 
+async def _insert_lost(*args: Any, **kwargs: Any) -> None:
+    raise ConnectionError("reserved, its insert lost (the client sees a 503 and retries)")
+
+
+async def reserved_insert_lost(
+    logger: AgentMessageLogger, log: Callable[[], Awaitable[Any]]
+) -> None:
+    """`log()`, a turn `logger` logs, reserves its block and loses its insert (still being
+    written, within `abandon_after`: its writer retries)."""
+    messages = logger._messages
+    messages.insert_many = _insert_lost
+    try:
+        with suppress(ConnectionError):
+            await log()
+    finally:
+        del messages.insert_many
+
+
 async def deleted_while_paused(
-    db: Any, conversation_id: str, again_by: str | None, call_id: str
+    db: Any,
+    conversation_id: str,
+    again_by: str | None,
+    call_id: str,
+    *,
+    first_insert_lost: bool = False,
 ) -> StaleResume:
     """The person ("u") deletes the conversation of a run paused on `call_id`; `again_by`
     given, that user starts a new chat under its id. No message of it makes the call then:
     an answer is refused as an `answers_to` naming such a call is (the conversation missing:
-    never created, NotFound to a runtime acting for the user; present: InvalidInput)."""
+    never created, NotFound to a runtime acting for the user; present: InvalidInput). With
+    `first_insert_lost`, the new chat's first turn reserved its block but its insert was lost
+    (still being written, within `abandon_after`): the answer is refused all the same."""
     store = ConversationStore(db)
     await store.delete(conversation_id, user_id="u")
     if again_by is None:
         return StaleResume(NotFound, "was not found", None)
     chat = [{"role": "user", "content": "A new chat."}]
-    await AgentMessageLogger(db).log_messages(
-        conversation_id, chat, user_id=again_by, turn_id="new-1"
-    )
+    new_chat = AgentMessageLogger(db)
+
+    async def first_turn() -> Any:
+        return await new_chat.log_messages(conversation_id, chat, user_id=again_by, turn_id="new-1")
+
+    lands = None
+    if first_insert_lost:
+        await reserved_insert_lost(new_chat, first_turn)
+        lands = first_turn
+    else:
+        await first_turn()
     said = f"no message of this conversation makes call {call_id!r}"
-    return StaleResume(InvalidInput, said, await store.transcript(conversation_id))
+    return StaleResume(InvalidInput, said, await store.transcript(conversation_id), lands)
 
 
 def hitl_turn(request_id: str) -> list[dict[str, Any]]:

@@ -53,7 +53,7 @@ from agent_store.store import PENDING_CALLS_KEPT
 from agent_store.store._logger import Corrected, OtherContent
 from agent_store.store._reservation import DELETING, BeingDeleted
 from agent_store.store._turns import answered_in, message_id, pending_after
-from tests.api_harness import auth_headers, digest, serve
+from tests.api_harness import auth_headers, digest, reserved_insert_lost, serve
 from tests.conftest import COUNTED, Backend
 
 STREAMS = Path(__file__).parent / "streams"
@@ -7449,6 +7449,62 @@ async def test_a_bridges_late_answer_is_refused_by_the_conversation_started_agai
         await logger.check_turn(CID, stale, turn_id="t1", answers_to=named)
 
     assert await store.transcript(CID) == before
+
+
+def _mongomock_db(name: str) -> Any:
+    from mongomock_motor import AsyncMongoMockClient
+
+    return AsyncMongoMockClient(tz_aware=True)[name]
+
+
+async def test_a_bridges_answer_to_a_call_the_turn_in_flight_answers_itself_is_refused() -> None:
+    """LIBRARY.md `calls_answered`: t0 makes c0 and answers it itself, its insert still to land
+    (lost, its writer retries): c0 never joined `pending_calls`, and a bridge's answer to it is
+    refused InvalidInput as answering a call no message of the conversation makes, nothing
+    stored; once t0 lands, the same answer is `AnsweredBefore` (was: left out of
+    `answers_to` while t0 was in flight, stored as a second answer to c0)."""
+    db = _mongomock_db("answered_in_flight")
+    logger, store = AgentMessageLogger(db), ConversationStore(db)
+    t0 = partial(
+        logger.log_messages,
+        CID,
+        [_user("Look it up."), _calls("c0"), _answer("c0", "A")],
+        turn_id="t0",
+    )
+    await reserved_insert_lost(logger, t0)
+
+    with pytest.raises(InvalidInput, match="no message of this conversation makes call 'c0'"):
+        await _logged_by_a_bridge(logger, _LATE_RESULT, turn_id="t1")
+
+    await t0()
+    with pytest.raises(AnsweredBefore, match="'c0'"):
+        await _logged_by_a_bridge(logger, _LATE_RESULT, turn_id="t1")
+    assert [m.content for m in await store.transcript(CID) if m.role == "tool"] == ["A"]
+
+
+@pytest.mark.parametrize("pushers", ["pending", "one answered", "popped"])
+async def test_a_bridges_answer_to_a_call_the_list_may_have_pushed_off_is_left_out(
+    pushers: str,
+) -> None:
+    """The one case `calls_answered` cannot decide: t0 makes c0 and leaves it open, its insert
+    still to land, and a later turn's `PENDING_CALLS_KEPT` calls push c0 off `pending_calls`
+    (the list full, or some answered since, or the message making them popped since). c0 may
+    be t0's, unanswered: the answer is left
+    out of `answers_to` (logged without it, its answer landing after t0), as before."""
+    db = _mongomock_db("pushed_off_in_flight")
+    logger, store = AgentMessageLogger(db), ConversationStore(db)
+    t0 = partial(logger.log_messages, CID, [_user("Look it up."), _calls("c0")], turn_id="t0")
+    await reserved_insert_lost(logger, t0)
+    many = [f"p{n}" for n in range(PENDING_CALLS_KEPT)]
+    await logger.log_messages(CID, [_user("And these?"), _calls(*many)], turn_id="t1")
+    if pushers == "one answered":
+        await logger.log_messages(CID, [_answer("p0")], turn_id="t2", answers_to={})
+    elif pushers == "popped":
+        await store.pop_last_message(CID)
+    assert "c0" not in {c.tool_call_id for c in await store.pending_calls(CID)}
+    stale = messages_adapter.validate_python(_LATE_RESULT)
+
+    assert await logger.calls_answered(CID, stale) == {}
 
 
 async def test_a_bridges_logged_answer_retried_once_its_call_left_pending_calls_is_a_replay(

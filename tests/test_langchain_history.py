@@ -868,6 +868,28 @@ async def test_a_result_added_after_its_conversation_was_deleted_is_refused_noth
     await stale.left_as_it_was(store, CID)
 
 
+async def test_a_result_added_after_a_delete_while_the_new_chats_first_turn_is_in_flight() -> None:
+    """The chain paused on call_b1; the person deleted the conversation and started a new chat
+    under its id, whose first insert is still to land (lost, the client retries). The
+    history's later result and reply are refused InvalidInput naming the call, as without
+    that turn in flight, nothing stored: the new chat holds its own message only (was: the
+    call left out of the turn's `answers_to`, the old run's result and reply stored in the
+    new chat)."""
+    db = AsyncMongoMockClient(tz_aware=True)["deleted_in_flight"]
+    await AgentMessageLogger(db).upsert_conversation(CID, user_id="u")
+    history = ConversationChatHistory(CID, db, user_id="u")
+    calls = [{"name": "book_train", "args": {}, "id": "call_b1"}]
+    await history.aadd_messages([HumanMessage("Book the 09:04."), AIMessage("", tool_calls=calls)])
+    stale = await deleted_while_paused(db, CID, "u", "call_b1", first_insert_lost=True)
+
+    with pytest.raises(InvalidInput, match=stale.said):
+        await history.aadd_messages(
+            [ToolMessage("booked 09:04", tool_call_id="call_b1"), AIMessage("Booked.")]
+        )
+
+    await stale.left_as_it_was(ConversationStore(db), CID)
+
+
 async def test_a_result_answering_no_call_is_left_out(backend: Backend) -> None:
     """The runtime popped its paused call, then logged the approved tool's result: no call is
     left for it to answer, and a chat model refuses a tool message answering none."""

@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from agents.items import ModelResponse, TResponseInputItem
 from agents.memory import Session
 from agents.models.interface import Model
 from agents.run_state import RunState
+from mongomock_motor import AsyncMongoMockClient
 from openai.types.responses import (
     ResponseFunctionToolCall,
     ResponseFunctionWebSearch,
@@ -55,7 +57,12 @@ from agent_store.integrations.openai_agents import (
     message_from_item,
 )
 from agent_store.store import CONVERSATIONS, MESSAGES
-from tests.api_harness import STALE_RESUMES, another_users_legacy_turn, deleted_while_paused
+from tests.api_harness import (
+    STALE_RESUMES,
+    another_users_legacy_turn,
+    deleted_while_paused,
+    reserved_insert_lost,
+)
 from tests.conftest import COUNTED, Backend
 
 CID = "conv-agents"
@@ -1020,6 +1027,41 @@ async def test_an_output_added_after_its_conversation_was_deleted_is_refused_not
         await session.add_items([booked])
 
     await stale.left_as_it_was(store, CID)
+
+
+async def test_an_output_whose_call_was_popped_is_refused_while_the_next_turn_is_in_flight() -> (
+    None
+):
+    """The runtime popped its paused call_b1, and the person's next message is still being
+    written (its insert lost, the client retries): the session's later output of call_b1 is
+    refused InvalidInput naming the call, as once that message lands, nothing stored (was:
+    left out of the turn's `answers_to` while any turn was in flight, stored as an orphan
+    output before the person's message)."""
+    db = AsyncMongoMockClient(tz_aware=True)["popped_in_flight"]
+    await AgentMessageLogger(db).upsert_conversation(CID, user_id="u")
+    session = ConversationSession(CID, db, user_id="u")
+    booking = {"type": "function_call", "name": "book_train", "arguments": "{}"}
+    await session.add_items(
+        [{"role": "user", "content": "Book the 09:04."}, {**booking, "call_id": "call_b1"}]
+    )
+    await session.pop_item()
+    person = AgentMessageLogger(db)
+    hello = partial(
+        person.log_messages,
+        CID,
+        [{"role": "user", "content": "Hello?"}],
+        user_id="u",
+        turn_id="p-1",
+    )
+    await reserved_insert_lost(person, hello)
+    booked = {"type": "function_call_output", "call_id": "call_b1", "output": "Booked."}
+
+    with pytest.raises(InvalidInput, match="no message of this conversation makes call 'call_b1'"):
+        await session.add_items([booked])
+
+    await hello()
+    said = [m.content for m in await ConversationStore(db).transcript(CID, user_id="u")]
+    assert said == ["Book the 09:04.", "Hello?"]
 
 
 async def test_a_result_whose_call_was_popped_is_refused_and_left_out_of_the_items(

@@ -64,6 +64,7 @@ from agent_store import (
     AgentMessageLogger,
     AnsweredBefore,
     ConversationStore,
+    InvalidInput,
     NotFound,
     TurnRules,
 )
@@ -546,6 +547,33 @@ async def test_a_run_resumed_after_its_conversation_was_deleted_is_refused_nothi
             turn_id="run-2",
             user_id=runtime,
             deferred_tool_results=results,
+        )
+
+    await stale.left_as_it_was(store, CID)
+
+
+async def test_a_service_run_resumed_into_another_users_new_chat_still_being_written_is_refused(
+    backend: Backend,
+) -> None:
+    """The service's run paused on tc-9 in u's conversation; u deleted it, and grace started a
+    new chat under its id whose first insert is still to land (lost, her client retries). The
+    service resumes the run, approved, and logs it: no message of grace's chat makes tc-9 and
+    her turn still being written leaves no call open, so the run is refused InvalidInput
+    naming the call, as without her turn in flight, nothing stored: grace reads only her own
+    words (was: the call left out of the run's `answers_to`, u's booking and the reply
+    stored in grace's chat)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    agent = approval_agent([])
+    first = await agent.run("Book the 09:04 to Lyon; weather there?")
+    await logger.upsert_conversation(CID, user_id="u")
+    await log_run(logger, CID, first.new_messages(), turn_id="run-1")
+    stale = await deleted_while_paused(backend.db, CID, "grace", "tc-9", first_insert_lost=True)
+    results = DeferredToolResults(approvals={"tc-9": True})
+    resumed = await agent.run(message_history=first.all_messages(), deferred_tool_results=results)
+
+    with pytest.raises(InvalidInput, match=stale.said):
+        await log_run(
+            logger, CID, resumed.new_messages(), turn_id="run-2", deferred_tool_results=results
         )
 
     await stale.left_as_it_was(store, CID)

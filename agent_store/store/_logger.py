@@ -996,8 +996,10 @@ class AgentMessageLogger:
         conversation makes when no such turn may make it (`_UNMADE_CALL`: InvalidInput), as
         is every call it answers in a conversation that does not exist (never created: the
         404 to a user, a Conflict to a service, `_absent`) or is another user's, nothing
-        written. A call a turn still being written may make, no answer to it, is left out
-        (the turn is logged without it: its answer lands after that turn). None read for a
+        written. A call no answer takes that a turn still being written may make and leave
+        open though `pending_calls` lost it (its bound pushed it off, `_pushed_off_maybe`) is
+        left out (the turn is logged without it: its answer lands after that turn); any other
+        such call is `_UNMADE_CALL`, a turn in flight or not. None read for a
         turn answering no earlier call; the conversation, then, for a call not pending, its
         messages making it (one read more), and for a call no stored message makes, the
         messages answering it (one more)."""
@@ -1051,16 +1053,22 @@ class AgentMessageLogger:
         writer dead): one whose answer is stored or may still land is `_UNSTORED_CALL`, so
         the turn is judged as one naming the call as `pending_calls` served it
         (`_unanswered`: `AnsweredBefore`, or `StorageUnavailable` while the answer is still
-        being written), never stored as a second answer; one with no answer is left out
-        while a block is still being written (that turn may make it). With none being
-        written, no message of the conversation makes it: `_UNMADE_CALL`, the turn refused
-        as naming a call no message makes (`_misnamed`). One read (the messages)."""
+        being written), never stored as a second answer. One with no answer is another
+        turn's only where `pending_calls` may have lost it (`_pushed_off_maybe`): a turn's
+        reservation lists the calls it leaves open, so a turn still being written makes a
+        call off the list, unanswered, only by answering it itself (an answer now would be a
+        second one) or when the list's bound pushed it off; left out then (the turn is logged
+        without it: its answer lands after that turn). Else no message of the conversation
+        makes it, whatever is being written: `_UNMADE_CALL`, the turn refused as naming a
+        call no message makes (`_misnamed`). One read (the messages)."""
         named = dict.fromkeys(call_ids, _UNSTORED_CALL)
-        _, landed, written = await self._answers_landing(
+        found, landed, written = await self._answers_landing(
             conversation, named, "read the messages answering the calls"
         )
         states = _answer_states(named, call_ids, landed, written)
-        unmade = _UNMADE_CALL if landed.made_at.get(_UNSTORED_CALL, -1) < 0 else None
+        first = landed.written_from
+        lost = first >= 0 and _pushed_off_maybe(conversation, found, first)
+        unmade = None if lost else _UNMADE_CALL
         told = {c: _UNSTORED_CALL if state in _TAKEN else unmade for c, state in states.items()}
         return {c: m for c, m in told.items() if m is not None}
 
@@ -3786,10 +3794,12 @@ not stored anywhere yet, and off `pending_calls` once another turn answered it):
 has this id."""
 _UNMADE_CALL = "msg-made-by-none"
 """The message `calls_answered` names for a call no message of the conversation makes and no
-turn still being written may make (answered in a conversation since deleted, or never
-logged), and for every call a turn answers in a conversation missing or another user's: no
-message has this id, so the turn is refused as one whose `answers_to` names such a call
-(never placed where a turn still being written lands, `_Landed.of`), nothing written."""
+turn still being written may make and leave open (`_pushed_off_maybe`: popped, answered in a
+conversation since deleted, or never logged; or made and answered by a turn in flight, where
+an answer now would be a second one), and for every call a turn answers in a conversation
+missing or another user's: no message has this id, so the turn is refused as one whose
+`answers_to` names such a call (never placed where a turn still being written lands,
+`_Landed.of`), nothing written."""
 
 
 MAX_FORK_WHOLE_TEXT_CHARS = 64 * 1024 * 1024
@@ -4448,10 +4458,12 @@ class _Landed:
     (`seen`), whether another turn's block is still being written or not; `made_at`, each
     message's `seq` there (for one not stored, the last of the first block still being
     written, the latest its turn may end at: what follows it is another turn's; -1 when none
-    is)."""
+    is); `written_from`, the first `seq` still being written when a message named is not
+    stored (-1: none is, or every message named is stored)."""
 
     seen: Sequence[Mapping[str, Any]]
     made_at: Mapping[str, int]
+    written_from: int = -1
 
     @classmethod
     def of(
@@ -4487,7 +4499,8 @@ class _Landed:
             for m, calls in unstored.items()
         ]
         seen = sorted([*found, *placed], key=lambda d: int(d["seq"]))
-        return cls(seen, {**made_at, **dict.fromkeys(unstored, end)})
+        written_from = first if first is not None else -1
+        return cls(seen, {**made_at, **dict.fromkeys(unstored, end)}, written_from)
 
     def makes(self, call_id: str, message: str) -> bool:
         """Whether `message` makes `call_id` here, stored or still to land."""
@@ -4562,6 +4575,27 @@ def _answer_states(
             state = "writing"
         states[call_id] = state
     return states
+
+
+def _pushed_off_maybe(
+    conversation: Mapping[str, Any], found: Sequence[Mapping[str, Any]], written_from: int
+) -> bool:
+    """Whether `pending_calls` may have lost a call a turn still being written made and left
+    open (its reservation listed it; such turns write from `written_from` on): the list's
+    bound (the newest `PENDING_CALLS_KEPT`) pushes a call off only once that many calls were
+    made after it, so the list holds that many now, or the stored messages past
+    `written_from` (`found`, `answers_lookup`: every message of the blocks readers may not
+    pass yet) make that many, or a pop took such messages (and their calls) away since (a
+    turn reserved past `written_from` is marked popped). Neither a hold (it names the prompt
+    holding a call) nor any other pop takes such a call off the list: a pop reading the
+    messages below it refuses while a turn there is still being written, and else edits the
+    list as it stands."""
+    if len(conversation.get("pending_calls") or ()) >= PENDING_CALLS_KEPT:
+        return True
+    later = [d for d in found if int(d["seq"]) > written_from]
+    if sum(len(d.get("tool_calls") or ()) for d in later) >= PENDING_CALLS_KEPT:
+        return True
+    return any(r.popped and r.first_seq > written_from for r in Gaps.of(conversation).records)
 
 
 def _written_after(
