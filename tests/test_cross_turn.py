@@ -23,6 +23,7 @@ from agent_store import (
     InvalidInput,
     LoggedTurn,
     NotFound,
+    PromptNotPending,
     StorageUnavailable,
     TurnRules,
 )
@@ -5011,6 +5012,164 @@ async def test_a_late_retry_answering_a_call_whose_message_was_popped_is_invalid
 
     assert [m.content for m in await store.transcript(CID)] == ["go"]
     assert await pending_state(store) == await recomputed_state(store) == ([], None)
+
+
+# -- a stalled writer whose insert lands after another answer to its call -------------------
+
+
+class _StalledInsert:
+    """A writer alive but stalled inside its insert: the command is sent on time and reaches
+    the server only once `release` is called (a paused process, a slow network)."""
+
+    def __init__(self, logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reached, self.gate = asyncio.Event(), asyncio.Event()
+        insert = logger._messages.insert_many
+
+        async def stalled(*args: Any, **kwargs: Any) -> Any:
+            self.reached.set()
+            await self.gate.wait()
+            return await insert(*args, **kwargs)
+
+        monkeypatch.setattr(logger._messages, "insert_many", stalled)
+
+    async def start(self, write: Awaitable[LoggedTurn]) -> asyncio.Task[LoggedTurn]:
+        """Run `write` until its insert is sent (its reservation made), stalled there."""
+        task = asyncio.ensure_future(write)
+        await self.reached.wait()
+        return task
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+async def _counters(store: ConversationStore) -> tuple[int, int, int, int]:
+    conversation = await store.get_conversation(CID)
+    usage = conversation.usage
+    return (
+        conversation.message_count,
+        conversation.turn_count,
+        usage.input_tokens,
+        usage.output_tokens,
+    )
+
+
+async def test_a_stalled_writer_answering_a_call_another_turn_answered_meanwhile_is_answered_before(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RELIABILITY.md: tA answers c1 (naming it) and its writer stalls inside its insert past
+    `abandon_after`; tB answers c1 (the block readers passed holds no answer), is stored and
+    acknowledged. tA's insert then lands: its messages are taken back (its cut answer's whole
+    text too) and it is answered `AnsweredBefore` naming c1, as its retry is, the turn given
+    up as a refused late retry is: c1 keeps its one answer, tB's, and the counters are what
+    tA's retry refused before its insert leaves (its block's `seq`s gaps, its tokens taken
+    back); every retry alike."""
+    from agent_store.store import BLOB_BUCKET
+
+    rules = TurnRules(abandon_after=timedelta(0), max_message_bytes=16 * 1024)
+    writer_a, writer_b = (AgentMessageLogger(backend.db, rules=rules) for _ in range(2))
+    store = ConversationStore(backend.db, rules=rules)
+    t0 = await writer_a.log_messages(CID, [{"role": "user", "content": "pay?"}, _calls("c1")])
+    named = {"c1": t0.messages[1].id}
+    usage = {"input_tokens": 100, "output_tokens": 50}
+    paid = {"role": "assistant", "content": "Paid.", "token_usage": usage}
+    tA = [_answer("c1", "PAID (A) " + "receipt " * 4000), paid]  # cut: its whole text kept
+    stall = _StalledInsert(writer_a, monkeypatch)
+    late = await stall.start(writer_a.log_messages(CID, tA, turn_id="tA", answers_to=named))
+    tB = [_answer("c1", "denied (B)"), {"role": "assistant", "content": "Not paid."}]
+    assert not (await writer_b.log_messages(CID, tB, turn_id="tB", answers_to=named)).replayed
+
+    stall.release()
+    with pytest.raises(AnsweredBefore, match=r"'c1'.*answered that call first") as refused:
+        await late
+    monkeypatch.undo()
+
+    assert refused.value.tool_call_ids == ("c1",)
+    assert await backend.db[f"{BLOB_BUCKET}.files"].count_documents({}) == 0
+    stored = await store.transcript(CID)
+    assert [(m.seq, m.content) for m in stored][2:] == [(4, "denied (B)"), (5, "Not paid.")]
+    assert await _counters(store) == (6, 1, 0, 0)
+    assert await pending_state(store) == await recomputed_state(store) == ([], None)
+    exported = chat_completions(stored)
+    assert [m["content"] for m in exported if m["role"] == "tool"] == ["denied (B)"]
+    for _ in range(2):  # its retry: the same refusal, nothing stored, nothing taken twice
+        with pytest.raises(AnsweredBefore, match=r"'c1'.*answered that call first") as again:
+            await writer_a.log_messages(CID, tA, turn_id="tA", answers_to=named)
+        assert str(again.value) == str(refused.value)
+    assert await store.transcript(CID) == stored
+    assert await _counters(store) == (6, 1, 0, 0)
+
+
+async def test_a_stalled_writer_answering_a_call_whose_message_was_popped_meanwhile_is_invalid(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tA answers c1 (naming the message making it) and its writer stalls inside its insert
+    past `abandon_after`; a person pops that message. tA's insert then lands: an orphan
+    answer, taken back, `InvalidInput` as its retry and the same turn sent fresh get."""
+    writer = _late_logger(backend)
+    store = ConversationStore(backend.db, rules=writer.rules)
+    t0 = await writer.log_messages(CID, [{"role": "user", "content": "pay?"}, _calls("c1")])
+    named = {"c1": t0.messages[1].id}
+    tA = [_answer("c1", "PAID"), {"role": "assistant", "content": "Paid."}]
+    stall = _StalledInsert(writer, monkeypatch)
+    late = await stall.start(writer.log_messages(CID, tA, turn_id="tA", answers_to=named))
+    popped = await store.pop_last_message(CID)
+    assert popped is not None
+    assert popped.id == named["c1"]
+
+    stall.release()
+    with pytest.raises(InvalidInput, match=r"does not make call 'c1'"):
+        await late
+    monkeypatch.undo()
+
+    assert [m.content for m in await store.transcript(CID)] == ["pay?"]
+    assert await pending_state(store) == await recomputed_state(store) == ([], None)
+    assert (await store.get_conversation(CID)).turn_count == 1
+    with pytest.raises(InvalidInput, match=r"does not make call 'c1'"):
+        await writer.log_messages(CID, tA, turn_id="tA", answers_to=named)
+    assert [m.content for m in await store.transcript(CID)] == ["pay?"]
+
+
+async def test_a_stalled_denial_landing_after_the_persons_approval_and_its_result_is_refused(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompt confirm-9 holds c1. A runtime's denial of c1 (tA, `refused_prompts` and
+    `answers_to`) reserves, taking the prompt, and stalls inside its insert past
+    `abandon_after`; the person's approval then finds no pending prompt, and the tool's
+    result (tB, `answers_to`) is stored. tA's insert lands: taken back, `AnsweredBefore`
+    naming c1; c1 keeps its one answer, the result."""
+    writer_a, writer_b = _late_logger(backend), _late_logger(backend)
+    store = ConversationStore(backend.db, rules=writer_a.rules)
+    asks = {"action": "pay", "params": {}, "request_id": "confirm-9", "tool_call_ids": ["c1"]}
+    t0 = await writer_a.log_messages(
+        CID,
+        [{"role": "user", "content": "pay?"}, _calls("c1"),
+         {"role": "assistant", "content": "Pay 900?", "hitl_action": asks}],
+        turn_id="t0",
+    )  # fmt: skip
+    named = {"c1": t0.messages[1].id}
+    denial = {**_answer("c1", DENIED_RESULT), "error": {"message": "tool call denied"}}
+    tA = [denial, {"role": "assistant", "content": "Not paid."}]
+    stall = _StalledInsert(writer_a, monkeypatch)
+    late = await stall.start(
+        writer_a.log_messages(
+            CID, tA, turn_id="tA", answers_to=named, refused_prompts={"c1": "confirm-9"}
+        )
+    )
+    with pytest.raises(PromptNotPending):  # the denial's reservation took the prompt
+        await store.resolve_hitl(CID, "confirm-9")
+    tB = [_answer("c1", "PAID 900"), {"role": "assistant", "content": "Paid."}]
+    await writer_b.log_messages(CID, tB, turn_id="tB", answers_to=named)
+
+    stall.release()
+    with pytest.raises(AnsweredBefore, match=r"'c1'"):
+        await late
+    monkeypatch.undo()
+
+    stored = await store.transcript(CID)
+    assert [m.content for m in stored if m.tool_call_id == "c1"] == ["PAID 900"]
+    assert await pending_state(store) == await recomputed_state(store)
+    exported = chat_completions(stored)
+    assert [m["content"] for m in exported if m["role"] == "tool"] == ["PAID 900"]
 
 
 async def _age(backend: Backend, turn_id: str) -> None:

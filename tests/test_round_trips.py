@@ -27,6 +27,26 @@ async def test_logging_a_turn_costs_two_round_trips(wire_backend: Backend) -> No
         assert wire_backend.commands.names == ["findAndModify", "insert"]
 
 
+async def test_a_turn_answering_an_earlier_call_on_time_costs_two_round_trips(
+    wire_backend: Backend,
+) -> None:
+    """A turn naming the call it answers (`answers_to`), inserted on time: its reservation and
+    its insert, nothing more. Only an insert slower than `claim_grace` (or `abandon_after`)
+    looks up whether another answer to the call was stored meanwhile."""
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db, rules=COUNTED)
+    await logger.ensure_indexes()
+    asks = {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "pay",
+            "arguments": "{}"}}]}  # fmt: skip
+    t0 = await logger.log_messages(CID, [{"role": "user", "content": "pay?"}, asks])
+    answer = [{"role": "tool", "tool_call_id": "c1", "content": "paid"}]
+    wire_backend.commands.clear()
+
+    await logger.log_messages(CID, answer, turn_id="t1", answers_to={"c1": t0.messages[1].id})
+
+    assert wire_backend.commands.names == ["findAndModify", "insert"]
+
+
 async def test_a_300_message_transcript_is_read_at_once_with_its_conversation(
     wire_backend: Backend,
 ) -> None:

@@ -2496,7 +2496,10 @@ class AgentMessageLogger:
         (slower, it looks itself). A first attempt faster than the grace whose block no
         retry filled, or a retry that moved its turn to a new block, is swept by the delete
         itself, which finds the block not stored and sweeps once more `claim_grace` later; a
-        retry that inserted nothing found every message there.
+        retry that inserted nothing found every message there. On that path an insert of a
+        turn answering calls of earlier turns (`answers_to`) is taken back when another answer
+        to one of them was stored meanwhile, or the message making it is gone
+        (`_answered_meanwhile`).
         """
         plan = plan.for_epoch(reserved.epoch)  # its whole texts are this conversation's only
         await self._full_texts.keep(plan.full_texts)  # a turn with a cut message: 2 more commands
@@ -2520,6 +2523,8 @@ class AgentMessageLogger:
         slow = min(self.rules.claim_grace, self.rules.abandon_after).total_seconds()
         if refilled or time.monotonic() - started > slow:
             stored = await self._follow_the_conversation(plan, reserved, stored)
+            if inserted and writer is not None and writer[1] is not None:
+                await self._answered_meanwhile(plan, reserved, stored, writer[1].landing)
         if reserved.replayed and stored:
             await self._follow_times(plan, reserved, stored, inserted=inserted)
         return stored, reserved
@@ -3021,6 +3026,77 @@ class AgentMessageLogger:
                 [b for m in stored for b in kept_blob_ids(m).values()]
             )
         return stored
+
+    async def _answered_meanwhile(
+        self,
+        plan: TurnPlan,
+        reserved: _Reserved,
+        stored: list[AgentMessage],
+        landing: Landing | None,
+    ) -> None:
+        """After an insert slower than tail readers may wait for (`_store`) of a turn answering
+        calls of earlier turns (`answers_to`: its condition's `landing`, `_answers_landing`):
+        while it was on its way its block may have been passed, and another turn may have
+        answered one of those calls (accepted: the passed block held no answer), or a pop
+        removed the message making it. The stored messages are judged as the same turn's late
+        retry is where it would land, its own left out (`Landing.refused`, one `find`, on this
+        path only): `AnsweredBefore` (a call's first answer is its answer) or InvalidInput
+        (the call no longer made) takes the turn's messages back and gives the turn up as a
+        refused late retry is (`_take_back_answered`), then raises what its retry gets. A
+        later call of the same id following the call (its answer stays before it) is no
+        refusal here."""
+        if landing is None or not stored:
+            return
+        own = {m.id for m in stored}
+        query = {"conversation_id": plan.conversation_id, "$or": list(landing.wanted)}
+        with storage_errors("look up the answers to the calls the turn answers"):
+            found = await self._messages.find(query, ANSWERS_READ).to_list(None)
+        others = [d for d in found if d["_id"] not in own and d.get("turn_id") != plan.turn_id]
+        others.sort(key=lambda d: int(d["seq"]))  # a server answers an unsorted find any order
+        as_read = {} if reserved.epoch is None else {"epoch": reserved.epoch}
+        error = landing.refused(as_read, others)
+        if isinstance(error, AnsweredBefore | InvalidInput):
+            await self._take_back_answered(plan, reserved, stored, error)
+
+    async def _take_back_answered(
+        self,
+        plan: TurnPlan,
+        reserved: _Reserved,
+        stored: list[AgentMessage],
+        error: AnsweredBefore | InvalidInput,
+    ) -> None:
+        """`_answered_meanwhile`'s refusal (`error`): the turn's messages this insert stored in
+        its block (its ids at its `seq`s, under its epoch) are deleted with their files, and
+        the turn is given up as a refused late retry is (`_given_up_for`: what its reservation
+        counted taken back once, its block's `seq`s gaps, the pending state folded from the
+        stored messages), so every retry is refused alike; then `error` is raised. A
+        conversation gone meanwhile (its delete sweeps the messages), or recording the turn in
+        another block (a retry moved it: its answer is this insert's), keeps them: nothing
+        raised. The read, the delete (and the files'), then the give-up's fold and update
+        (two or three round trips more), on this rare path only."""
+        first, last = reserved.first_seq, reserved.first_seq + plan.count
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(
+                _same_as_reserved(plan.conversation_id, reserved)
+            )
+        block = None if found is None else recorded_block(found, plan.key)
+        if found is None or found.get(DELETING) is not None:
+            return
+        if block is not None and block.first_seq != first:
+            return
+        with storage_errors("delete the turn's messages answered meanwhile"):
+            await self._messages.delete_many(
+                {
+                    "conversation_id": plan.conversation_id,
+                    "_id": {"$in": [m.id for m in stored]},
+                    "seq": {"$gte": first, "$lt": last},
+                    "epoch": reserved.epoch,
+                }
+            )
+        await self._full_texts.forget_files([b for m in stored for b in kept_blob_ids(m).values()])
+        if block is not None:
+            await self._given_up_for(plan, Unlanded(error, block), found)
+        raise error
 
     async def _popped_again(
         self,
