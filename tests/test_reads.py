@@ -2382,6 +2382,73 @@ async def test_no_write_but_the_forks_own_lands_on_a_fork_not_made_yet(
     assert (await store.get_conversation("c-fork", user_id=OWNER)).name == "renamed"
 
 
+def _the_forks_reservation_reply_lost(
+    logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The logger's next reservation (the fork's, creating its conversation) is applied by the
+    store and its reply lost once."""
+    reserve = logger._conversations.find_one_and_update
+
+    async def lost(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(logger._conversations, "find_one_and_update", reserve)
+        await reserve(*args, **kwargs)
+        raise AutoReconnect("the connection dropped (injected)")
+
+    monkeypatch.setattr(logger._conversations, "find_one_and_update", lost)
+
+
+async def _reserved_long_ago(backend: Backend, conversation_id: str) -> None:
+    """Every turn record of `conversation_id` set back 30 minutes, past the default
+    `abandon_after`: tail readers may have passed a block still empty."""
+    doc = await backend.db.agent_conversations.find_one({"_id": conversation_id})
+    turns = [{**record, "a": record["a"] - timedelta(minutes=30)} for record in doc["turns"]]
+    await backend.db.agent_conversations.update_one(
+        {"_id": conversation_id}, {"$set": {"turns": turns}}
+    )
+
+
+@pytest.mark.parametrize(
+    "lost", ["its copies' insert", "its reservation's reply", "its copies' insert's reply"]
+)
+async def test_a_fork_retried_after_abandon_after_keeps_its_copies_at_seq_0_to_n(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, lost: str
+) -> None:
+    """A fork's copies never move: they are the first block of a conversation its fork call
+    has not handed out yet, and keep the seqs `forked_from.turn_starts` names. Its first
+    attempt reserved "c-fork" and stored no copy (or stored them and lost the reply); the same
+    fork retried past `abandon_after` stores them at seq 0 to 3 (or answers with them there),
+    as a retry within it does: nothing popped, two turns counted, and popping the last one
+    leaves one."""
+    logger = await _owners_three_turns(backend)
+    store = ConversationStore(backend.db)
+    if lost != "its reservation's reply":
+        _the_forks_insert_failing(logger, monkeypatch, applied=lost.endswith("reply"))
+    else:
+        _the_forks_reservation_reply_lost(logger, monkeypatch)
+    with pytest.raises(StorageUnavailable):
+        await logger.fork("c-x", 3, "c-fork", user_id=OWNER)
+    await _reserved_long_ago(backend, "c-fork")
+
+    retried = await logger.fork("c-x", 3, "c-fork", user_id=OWNER)
+
+    assert [m.seq for m in retried.messages] == [0, 1, 2, 3]
+    stored = backend.db.agent_messages.find({"conversation_id": "c-fork"})
+    assert sorted([m["seq"] async for m in stored]) == [0, 1, 2, 3]
+    doc = await backend.db.agent_conversations.find_one({"_id": "c-fork"})
+    assert not doc.get("popped_seqs")
+    assert doc["forked_from"]["turn_starts"] == [2]
+    fork = await store.get_conversation("c-fork", user_id=OWNER)
+    assert (fork.message_count, fork.turn_count) == (4, 2)
+    for _ in range(2):
+        await store.pop_last_message("c-fork", user_id=OWNER)
+    fork = await store.get_conversation("c-fork", user_id=OWNER)
+    assert (fork.message_count, fork.turn_count) == (2, 1)
+    assert [m.content for m in await store.transcript("c-fork", user_id=OWNER)] == [
+        "question 0",
+        "answer 0",
+    ]
+
+
 async def test_a_fork_is_absent_while_an_attempt_makes_it_and_stands_once_its_check_passed(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -2121,7 +2121,8 @@ class AgentMessageLogger:
     ) -> _Reserved | None:
         """A retry's block: the one its first attempt reserved, unless tail readers may have
         passed it (reserved `abandon_after` ago, or `late`: the attempt that reserved it found
-        itself too slow to insert there, `_past_what_readers_passed`) and none of its messages
+        itself too slow to insert there, `_past_what_readers_passed`; never a fork's not made
+        yet, whose copies keep `seq` 0…n: `_passed`) and none of its messages
         is there: then a new block at the end (`_moved_to_the_end`; a reader following the
         tail never looks back), at the cost of one lookup and one update more (a rare path),
         the update setting the summary the turn's new place gives it (what it leaves pending
@@ -2142,7 +2143,7 @@ class AgentMessageLogger:
         if age is not None and age < grace:  # the earlier attempt may still be inserting
             until = checked + grace.total_seconds()
             reserved = replace(reserved, in_flight_until=until)
-        if looked is None and not late and (age is None or age < self.rules.abandon_after):
+        if looked is None and not self._passed(block, conversation, late=late):
             by = None if age is None else _insert_by(self.rules, checked, age)
             return replace(reserved, insert_by=by)
         if looked is None:
@@ -2217,12 +2218,13 @@ class AgentMessageLogger:
         """`_verdict` of a retry of the turn recorded at `block`, read only: the block, when
         no pop removed a message of it since (else `Corrected`) and it holds what the retry
         sends (its whole texts checked, `_with_whole_texts_checked`); else `_other_sent`.
-        A fork's retry settles other content its own way (`_fork_once`): refused here."""
+        A fork's retry with its content keeps its block at `seq` 0…n however late (`_passed`);
+        with other content it is refused here (settled its own way, `_fork_once`)."""
         block = await self._with_whole_texts_checked(plan, block)
         if block.popped:
             raise _corrected(plan)
         if block.count == plan.count and plan.matches(block.digest):
-            if not self._passed(block):
+            if not self._passed(block, conversation):
                 return _Verdict(block)
             # moved unless stored
             looked = await self._looked_up(plan, block, conversation, condition)
@@ -2260,7 +2262,7 @@ class AgentMessageLogger:
             return _Verdict(await self._stored_as_sent(plan, refused))
         if (block.counted is None and not block.given_up) or block.reserved_at is None:
             raise refused
-        if not self._passed(block):
+        if not self._passed(block, conversation):
             raise NotStoredYet(
                 f"nothing of turn {plan.turn_id!r} is stored yet, but its first attempt "
                 "reserved its place with other content and may still store it until "
@@ -3262,11 +3264,20 @@ class AgentMessageLogger:
         judged = None if landing is None else partial(landing.refused, conversation)
         return looked_up(plan, block, found, unwritten, conversation.get("epoch"), judged)
 
-    def _passed(self, block: RecordedBlock) -> bool:
-        """Whether tail readers may have passed the block (reserved `abandon_after` ago, on
-        the store's clock): a retry that finds nothing stored there is logged at the end."""
+    def _passed(
+        self, block: RecordedBlock, conversation: Mapping[str, Any], *, late: bool = False
+    ) -> bool:
+        """Whether tail readers may have passed the block of `conversation` (as read):
+        reserved `abandon_after` ago, on the store's clock, or `late` (the attempt that
+        reserved it found itself too slow to insert there); a retry that finds nothing stored
+        there is then logged at the end. Never the block of a fork not made yet (`FORK_CHECK`):
+        the first block of a conversation its fork call has not handed out, which no reader
+        passed; its copies keep `seq` 0…n, which `forked_from.turn_starts` names, whenever a
+        retry of the fork stores them (or finds them stored)."""
+        if conversation.get(FORK_CHECK) is not None:
+            return False
         at = block.reserved_at
-        return at is not None and utc_now() - at >= self.rules.abandon_after
+        return late or (at is not None and utc_now() - at >= self.rules.abandon_after)
 
     async def _given_up_for(
         self, plan: TurnPlan, refused: Unmovable | Unlanded, conversation: Mapping[str, Any]
