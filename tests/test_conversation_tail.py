@@ -20,9 +20,11 @@ from agent_store import (
     StoreError,
     TurnRules,
 )
-from agent_store.store import MESSAGES
+from agent_store.store import CONVERSATIONS, MESSAGES
+from agent_store.store._logger import OtherContent
 from tests.conftest import Backend
-from tests.test_write_integrity import SlowInsert
+from tests.test_write_integrity import SlowInsert, check_conversation
+from tests.test_write_integrity import turn as exchange
 
 CID = "conv-tail"
 
@@ -1084,9 +1086,12 @@ async def test_a_pop_takes_back_an_automatic_name_stored_without_its_message(
     assert (unnamed.name, unnamed.name_source) == (None, None)
 
 
-def stall_after_reserving(logger: AgentMessageLogger, seconds: float) -> asyncio.Event:
-    """The logger's first reservation returns, then the writer stalls `seconds` before going on
-    (alive but slow: a pause, a throttled CPU): the event is set once it has reserved."""
+def stall_after_reserving(
+    logger: AgentMessageLogger, seconds: float, released: asyncio.Event | None = None
+) -> asyncio.Event:
+    """The logger's first reservation returns, then the writer stalls `seconds` (or until
+    `released` is set) before going on (alive but slow: a pause, a throttled CPU): the event
+    is set once it has reserved."""
     reserved, real = asyncio.Event(), logger._conversations
     reserve = real.find_one_and_update
 
@@ -1094,7 +1099,7 @@ def stall_after_reserving(logger: AgentMessageLogger, seconds: float) -> asyncio
         doc = await reserve(*args, **kwargs)
         if not reserved.is_set():
             reserved.set()
-            await asyncio.sleep(seconds)
+            await (asyncio.sleep(seconds) if released is None else released.wait())
         return doc
 
     real.find_one_and_update = stalled  # type: ignore[method-assign]
@@ -1137,6 +1142,48 @@ async def test_a_writer_slower_than_abandon_after_stores_its_turn_past_what_read
     assert seen == [m.seq for m in stored]
     conversation = await store.get_conversation(CID)
     assert (conversation.turn_count, conversation.last_message_preview) == (3, "t1!")
+
+
+async def test_a_first_attempt_whose_neighbouring_record_the_window_dropped_is_stored_as_sent(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §2, `turns`: a record says how many `seq`s its turn reserved (`l`), so the
+    turn's block is known exactly whatever records the window dropped. Turn "x" reserves 2-3
+    and stalls past `abandon_after`; two later turns are each moved once (their insert lost,
+    retried late), and the record the first move left right after x's is dropped
+    (`turns_recorded` 3; x's is kept as a turn's own). x's first attempt, too slow now to
+    insert where it reserved, is stored at the end with its own content, never refused as
+    other content; sent again it is a replay, and with other content it is refused."""
+    rules = TurnRules(turns_recorded=3, abandon_after=timedelta(seconds=0.3))
+    fast = AgentMessageLogger(backend.db, rules=rules)
+    await fast.ensure_indexes()
+    await fast.log_messages(CID, exchange("a"), turn_id="t-a")
+    slow = AgentMessageLogger(backend.db, rules=rules)
+    released = asyncio.Event()
+    reserved = stall_after_reserving(slow, 0, released)
+    first = asyncio.create_task(slow.log_messages(CID, exchange("x"), turn_id="t-x"))
+    await reserved.wait()  # x holds seq 2-3
+    for tag in ("y", "w"):
+        await fast.log_messages(CID, exchange(tag), turn_id=f"t-{tag}")
+        await backend.db[MESSAGES].delete_many({"turn_id": f"t-{tag}"})  # its insert lost
+        await asyncio.sleep(0.35)
+        await fast.log_messages(CID, exchange(tag), turn_id=f"t-{tag}")  # moved to the end
+    found = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert found is not None
+    kept = [(r["f"], r["m"]) for r in found["turns"]]
+    assert kept == [(2, False), (6, False), (8, True), (10, False)]  # the move's at 4 dropped
+
+    released.set()  # x goes on, older than `abandon_after`
+    logged = await first
+
+    assert [(m.seq, m.content) for m in logged.messages] == [(12, "x?"), (13, "x!")]
+    again = await fast.log_messages(CID, exchange("x"), turn_id="t-x")
+    assert again.replayed
+    assert [m.seq for m in again.messages] == [12, 13]
+    with pytest.raises(OtherContent):
+        await fast.log_messages(CID, exchange("x", usage=2), turn_id="t-x")
+    conversation = await check_conversation(backend.db, CID, gaps=True)
+    assert (conversation["turn_count"], conversation["usage"]["input_tokens"]) == (4, 4)
 
 
 async def test_a_delivery_slower_than_abandon_after_is_stored_past_what_readers_passed(

@@ -8,6 +8,7 @@ import json
 import re
 import time
 from datetime import UTC, datetime, timedelta, timezone
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from agent_store.core import (
 )
 from agent_store.store import parse_messages, validate_identifier
 from agent_store.store._reservation import recorded_block
+from agent_store.store._turns import Gaps
 
 
 def parse(raw: dict[str, Any]) -> Any:
@@ -234,6 +236,49 @@ def test_a_turns_block_runs_from_its_record_to_the_next_one() -> None:
         (9, 1, 3),
     ]
     assert recorded_block(document, 44) is None
+
+
+def test_a_turns_block_is_its_records_own_extent_whatever_records_were_dropped() -> None:
+    """A record says how many `seq`s its turn reserved (`l`): that is its block, whatever
+    record follows it in the window. One without (kept before records said so) runs to the
+    next record when that one is the next appended (`o` one more), or when either does not
+    say its order; with a record between them dropped, to the next kept one still, unless
+    the retry sends the record's content (`sent`), which is as many messages as it sends."""
+    at = datetime.now(UTC)
+    document = {
+        "message_count": 12,
+        "turns_dropped": 1,
+        "turns": [
+            {"k": 11, "f": 2, "d": 1, "a": at, "o": 1, "l": 2},
+            {"k": 22, "f": 6, "d": 2, "a": at, "o": 3},
+            {"k": ~33, "f": 8, "d": 3, "a": at, "o": 4, "m": True},
+            {"k": 33, "f": 10, "d": 3, "a": at, "o": 5},
+        ],
+    }
+    blocks = [recorded_block(document, key) for key in (11, 22, ~33, 33)]
+    assert [(b.first_seq, b.count) for b in blocks if b] == [(2, 2), (6, 2), (8, 2), (10, 2)]
+    document["turns"][0].pop("l")
+    unknown = recorded_block(document, 11)
+    assert unknown is not None
+    assert unknown.count == 4
+    sent = SimpleNamespace(count=2, matches=lambda digest: digest == 1)
+    same = recorded_block(document, 11, sent=sent)  # type: ignore[arg-type]
+    assert same is not None
+    assert same.count == 2
+
+
+def test_the_turn_a_seq_is_in_ends_where_its_record_says_whatever_records_were_dropped() -> None:
+    """`Gaps.turn_end` (a fork's and a call lookup's bound on the turn still being written at
+    a `seq`): the block's own extent, not the next record kept, when the record says it."""
+    at = datetime.now(UTC)
+    turns = [
+        {"k": 11, "f": 2, "d": 1, "a": at, "o": 1, "l": 2},
+        {"k": 22, "f": 6, "d": 2, "a": at, "o": 3, "l": 2},
+    ]
+    gaps = Gaps.of({"turns": turns})
+    assert [gaps.turn_end(seq, 8) for seq in (2, 3, 6)] == [3, 3, 7]
+    older = Gaps.of({"turns": [{k: v for k, v in r.items() if k != "l"} for r in turns]})
+    assert older.turn_end(2, 8) == 5  # written before records said their extent
 
 
 def test_assistant_message_is_a_model_too() -> None:

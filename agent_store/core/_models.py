@@ -1091,7 +1091,7 @@ class TurnRecord(_Model):
     key: int = Field(alias="k")
     """A 64-bit digest of the turn id."""
     first_seq: Count = Field(alias="f")
-    """The first `seq` the turn reserved; it reserved up to the next record's."""
+    """The first `seq` the turn reserved: its block is the `seqs` from it."""
     digest: int = Field(alias="d")
     """A 64-bit digest of the turn's messages (timestamps aside): a replay must match it."""
     at: UtcDatetime = Field(alias="a")
@@ -1110,6 +1110,12 @@ class TurnRecord(_Model):
     left by moving to a new one, or gave back. Such records are kept apart from the turns'
     own: they never push a turn's record out of the `TurnRules.turns_recorded` kept (False
     on a record kept before records said so, which counts as a turn's)."""
+    seqs: Count | None = Field(default=None, alias="l")
+    """How many `seq`s the turn reserved from `first_seq`: its block, known exactly whatever
+    records the window dropped (`TurnRules.turns_recorded` keeps the records non-contiguous:
+    a record a move left between two turns' records may be dropped while they are kept).
+    None on a record kept before records said so: its block runs to the next record's
+    `first_seq` (`_reservation.recorded_block`)."""
     by_person: bool = Field(default=False, alias="u")
     """A user token logged the turn (a person's, `owner_only`): no runtime opens a steering
     inbox under its id (`SteeringInbox.open_turn`). False for a service's turn, and for one

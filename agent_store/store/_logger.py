@@ -2025,7 +2025,7 @@ class AgentMessageLogger:
             raise being_deleted(plan.conversation_id, _refused_turn(plan))
         if found.get(MIGRATING) is not None:  # the migration is still writing it
             raise being_migrated(plan.conversation_id, _refused_turn(plan))
-        block = recorded_block(found, plan.key)
+        block = recorded_block(found, plan.key, sent=plan)
         if block is None and _recorded_before(plan, found):
             raise _DerivedBefore(str(plan.derived_before))
         looked_up = block is None and complete and bool(found.get("turns_dropped"))
@@ -2557,7 +2557,7 @@ class AgentMessageLogger:
             same = _same_as_reserved(plan.conversation_id, reserved)
             with storage_errors("read the conversation"):
                 found = await self._conversations.find_one(same)
-            block = None if found is None else recorded_block(found, plan.key)
+            block = None if found is None else recorded_block(found, plan.key, sent=plan)
             if found is None or block is None or found.get(DELETING) is not None:
                 return reserved
             late = block.first_seq == reserved.first_seq  # else another attempt moved it

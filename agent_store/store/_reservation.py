@@ -368,21 +368,22 @@ class RecordedBlock:
     counted was taken back and its `seq`s are gaps already."""
 
 
-def recorded_block(document: Mapping[str, Any], key: int) -> RecordedBlock | None:
+def recorded_block(
+    document: Mapping[str, Any], key: int, *, sent: TurnPlan | None = None
+) -> RecordedBlock | None:
     """The block of the turn recorded under `key`, from a conversation's records; else None.
 
-    Only that record and the next (where its block ends) are validated, not the thousand.
+    Its extent is the record's own (`TurnRecord.seqs`), whatever records the window dropped.
+    A record kept before records said so runs to the next record (`_block_end`); `sent`, the
+    turn as this attempt sends it, holds as many `seq`s as it sends when the record's digest
+    is its content, where a record between them was dropped. Only that record and the next
+    are validated, not the thousand.
     """
     records = document.get("turns") or ()
     for index, raw in enumerate(records):
         if isinstance(raw, Mapping) and raw.get("k") == key:
             record = TurnRecord.model_validate(raw)
-            following = (
-                TurnRecord.model_validate(records[index + 1]).first_seq
-                if index + 1 < len(records)
-                else int(document["message_count"])
-            )
-            count = following - record.first_seq
+            count = _block_end(document, records, index, record, sent) - record.first_seq
             return RecordedBlock(
                 record.first_seq,
                 count,
@@ -394,6 +395,37 @@ def recorded_block(document: Mapping[str, Any], key: int) -> RecordedBlock | Non
                 given_up=record.given_up,
             )
     return None
+
+
+def _block_end(
+    document: Mapping[str, Any],
+    records: Sequence[Any],
+    index: int,
+    record: TurnRecord,
+    sent: TurnPlan | None,
+) -> int:
+    """Where the block of `record` (at `index` of `records`) ends: at its own extent
+    (`TurnRecord.seqs`), never past the next record's first `seq` (nor, for the newest
+    record, `message_count`), which a pop that gave `seq`s back may have lowered. A record kept
+    before records said so runs to that next one, unless a record between them was dropped
+    (the next kept is not the next appended, by `TurnRecord.order`): then the turn as `sent`
+    ends it when it is the record's content (as many messages as it sends)."""
+    if index + 1 == len(records):
+        following, bound = None, int(document["message_count"])
+    else:
+        following = TurnRecord.model_validate(records[index + 1])
+        bound = following.first_seq
+    if record.seqs is not None:
+        return min(record.first_seq + record.seqs, bound)
+    dropped_between = (
+        following is not None
+        and record.order is not None
+        and following.order is not None
+        and following.order != record.order + 1
+    )
+    if dropped_between and sent is not None and sent.matches(record.digest):
+        return min(record.first_seq + sent.count, bound)
+    return bound
 
 
 _STARTS_BITS, _TOKEN_BITS = 8, 22
@@ -1245,13 +1277,14 @@ def _records(
     now: datetime,
     turns: Any = None,
     *,
+    seqs: int,
     person: bool,
     counted: tuple[int, int, int] | None,
     named: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """`turns` (the records as they stand, by default) with the record of a block reserved
-    now appended (`person`: a user token logs the turn; `counted`: what its reservation
-    counted), the oldest dropped past the window (`_window`) and counted."""
+    """`turns` (the records as they stand, by default) with the record of a block of `seqs`
+    reserved now appended (`person`: a user token logs the turn; `counted`: what its
+    reservation counted), the oldest dropped past the window (`_window`) and counted."""
     turns = _TURNS if turns is None else turns
     record = {
         "k": literal(Int64(key)),
@@ -1265,6 +1298,8 @@ def _records(
         # One more than every record appended before (kept or dropped): the records' order.
         "o": int64({"$add": [_kept("turns_dropped", 0), {"$size": _TURNS}]}),
         "c": literal(_packed(counted)),
+        # Its block's extent: what the next record kept says no more, once one is dropped.
+        "l": literal(Int64(seqs)),
         # A runtime name set: what it replaced (`_named_record`); null for a turn setting none.
         "n": literal(None) if named is None else named,
     }
@@ -1420,6 +1455,7 @@ def reservation(
             plan.digest,
             rules,
             now,
+            seqs=plan.count,
             person=actor.as_user,
             counted=counted(plan),
             named=None if runtime_name is None else _named_record(runtime_name),
@@ -1879,23 +1915,22 @@ def relocation(
     """The filter and update that move a recorded turn, none of whose messages is stored,
     from a block tail readers have passed (`block_abandoned`) to a new one at the end.
 
-    The old record stays under `moved_key`, so readers keep passing its block, and its
-    `seq`s are gaps no turn holds (`popped_seqs`, `_left_behind`); the turn is
-    recorded again at the new block, with the digest it was recorded with. Its messages
-    and tokens were counted when it first reserved: `message_count` grows, the turns and
-    tokens counted stay (and `owned_from` follows the turn that `assigned` the conversation
-    its owner). The turn is now the last one, so the summary follows it as it follows a
-    turn appended there (`_appended`: `updated_at`, the preview, what it leaves pending),
-    computed on the conversation as it stands now: the calls the turn left open when it
-    first reserved are listed once, in their new place, and a prompt it raises that a
-    person resolved meanwhile (`resolved_hitl`) is not raised again: the answer reaches its
-    new place unless the id was asked after it (`_moved_reach`; `asked`: `asked_past`). That
-    pending state is a first estimate: after the insert the logger folds it from the stored
-    messages (`_relocated.settle`), kept only when that cannot be done. The filter matches
-    only while the old record is there and no delete has begun (`NOT_BEING_DELETED`): a
-    second attempt moving the turn at the same time matches nothing, and finds the new block
-    by the turn's record; a retry finding the conversation marked is refused (`being_deleted`).
-    """
+    The old record stays under `moved_key`, so readers keep passing its block, and its `seq`s
+    are gaps no turn holds (`popped_seqs`, `_left_behind`); the turn is recorded again at the
+    new block, with the digest and extent it was recorded with. Its messages and tokens were
+    counted when it first reserved: `message_count` grows, the turns and tokens counted stay
+    (and `owned_from` follows the turn that `assigned` the conversation its owner). The turn is
+    now the last one, so the summary follows it as it follows a turn appended there
+    (`_appended`: `updated_at`, the preview, what it leaves pending), computed on the
+    conversation as it stands now: the calls the turn left open when it first reserved are
+    listed once, in their new place, and a prompt it raises that a person resolved meanwhile
+    (`resolved_hitl`) is not raised again: the answer reaches its new place unless the id was
+    asked after it (`_moved_reach`; `asked`: `asked_past`). That pending state is a first
+    estimate: after the insert the logger folds it from the stored messages
+    (`_relocated.settle`), kept only when that cannot be done. The filter matches only while the
+    old record is there and no delete has begun (`NOT_BEING_DELETED`): a second attempt moving
+    the turn at the same time matches nothing, and finds the new block by the turn's record; a
+    retry finding the conversation marked is refused (`being_deleted`)."""
     key, first = literal(Int64(plan.key)), literal(Int64(block.first_seq))
     query = {
         "_id": plan.conversation_id,
@@ -1914,6 +1949,7 @@ def relocation(
             rules,
             now,
             turns,
+            seqs=plan.count,
             person=block.by_person,
             counted=block.counted,
         ),

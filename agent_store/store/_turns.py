@@ -1625,11 +1625,19 @@ class Gaps:
 
     def turn_end(self, seq: int, message_count: int) -> int:
         """The last `seq` of the block (the turn) that reserved `seq`: the block ends where
-        the next turn's begins, the newest at `message_count`. A turn a pop took from is no
+        its record says (`TurnRecord.seqs`), and never past where the next turn's begins,
+        the newest at `message_count` (a record kept before records said their extent ends
+        there, as does one whose block holds `seq` no more). A turn a pop took from is no
         bound (the `seq`s it gave back may be another turn's now, and what it still holds is
-        stored), nor is the order records are listed in."""
+        stored), nor is the order records are listed in: the records kept are not
+        contiguous, a record between two kept ones may be dropped."""
         later = [r.first_seq for r in self.records if r.first_seq > seq and not r.popped]
-        return min([*later, message_count]) - 1
+        own = [
+            r.first_seq + r.seqs
+            for r in self.records
+            if r.seqs is not None and not r.popped and r.first_seq <= seq < r.first_seq + r.seqs
+        ]
+        return min([*later, *own, message_count]) - 1
 
     def held(self, seqs: Iterable[int]) -> list[int]:
         """Those of `seqs` (none stored at) a turn may still hold: all but the gaps no turn
