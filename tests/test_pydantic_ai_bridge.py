@@ -601,6 +601,148 @@ async def test_a_run_reusing_a_call_id_is_logged_whole(backend: Backend) -> None
     assert len({c.id for m in stored for c in m.tool_calls or ()}) == 2
 
 
+def _per_response_ids_agent(
+    first: str, then: str, *, first_needs_approval: bool
+) -> Agent[None, str | DeferredToolRequests]:
+    """A provider numbering its calls per response: `first` as `call_0`, then `then` (needs
+    approval) as `call_0` again, then an answer naming the last result."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        returns = [p for p in messages[-1].parts if isinstance(p, ToolReturnPart)]
+        if not returns:
+            return ModelResponse(parts=[ToolCallPart(first, {}, tool_call_id="call_0")])
+        if returns[-1].tool_name == first:
+            return ModelResponse(parts=[ToolCallPart(then, {}, tool_call_id="call_0")])
+        return ModelResponse(parts=[TextPart(f"Done: {returns[-1].model_response_str()}.")])
+
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        FunctionModel(respond), output_type=[str, DeferredToolRequests]
+    )
+    agent.tool_plain(requires_approval=first_needs_approval, name=first)(lambda: f"{first} done")
+    agent.tool_plain(requires_approval=True, name=then)(lambda: f"{then} done")
+    return agent
+
+
+@pytest.mark.parametrize("resumed_from", ["the runtime's history", "the store's history"])
+@pytest.mark.parametrize(
+    "first_needs_approval",
+    [
+        pytest.param(False, id="id-used-again-within-the-run"),
+        pytest.param(True, id="id-used-again-across-the-pause"),
+    ],
+)
+async def test_a_runtime_resumes_a_call_whose_id_the_provider_used_again_by_the_id_it_was_given(
+    backend: Backend, resumed_from: str, first_needs_approval: bool
+) -> None:
+    """The store names the second `call_0` `call_0_2` (an id is used once in a turn, and a
+    turn cannot answer an earlier `call_0` before making one); Pydantic AI names it `call_0`
+    in `DeferredToolRequests`. Resumed with that id, from its own history or the store's,
+    the run is logged: its result answers the paused call, stored once, nothing pending, and
+    the run's retry is its replay."""
+    agent = _per_response_ids_agent("check", "book", first_needs_approval=first_needs_approval)
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    run = await agent.run("Check, then book.")
+    await log_run(logger, CID, run.new_messages(), turn_id="run-1")
+    if first_needs_approval:
+        results = DeferredToolResults(approvals={"call_0": True})
+        run = await agent.run(message_history=run.all_messages(), deferred_tool_results=results)
+        await log_run(
+            logger, CID, run.new_messages(), turn_id="run-2", deferred_tool_results=results
+        )
+    assert isinstance(run.output, DeferredToolRequests)
+    asked = {call.tool_call_id: True for call in run.output.approvals}
+    assert asked == {"call_0": True}  # as Pydantic AI names the paused `book`
+    [pending] = await store.pending_calls(CID)
+    assert pending.tool_call_id == "call_0_2"  # as the store names it
+    history = run.all_messages()
+    if resumed_from == "the store's history":
+        history = history_from_messages(await store.transcript(CID))
+
+    results = DeferredToolResults(approvals=asked)
+    last = await agent.run(message_history=history, deferred_tool_results=results)
+    await log_run(logger, CID, last.new_messages(), turn_id="run-3", deferred_tool_results=results)
+    retried = await log_run(
+        logger, CID, last.new_messages(), turn_id="run-3", deferred_tool_results=results
+    )
+
+    assert retried.replayed  # the retry names the call as the logged run did
+    assert last.output == "Done: book done."
+    assert await store.pending_calls(CID) == []
+    stored = await store.transcript(CID)
+    answers = [
+        m.content for m in stored if m.role == "tool" and m.tool_call_id == pending.tool_call_id
+    ]
+    assert answers == ["book done"]
+    assert [m.content for m in stored if m.role == "tool"].count("book done") == 1
+
+
+async def test_the_history_gives_back_a_call_renamed_in_the_store_by_the_id_the_run_held(
+    backend: Backend,
+) -> None:
+    """Stored as `call_0_2`, the second `call_0` of a run and its result come back as the run
+    held them (`call_0`), so the history is the runtime's and a resume names the call so."""
+    agent = _per_response_ids_agent("check", "book", first_needs_approval=False)
+    run = await agent.run("Check, then book.")
+    await log_run(AgentMessageLogger(backend.db), CID, run.new_messages(), turn_id="run-1")
+
+    history = history_from_messages(await ConversationStore(backend.db).transcript(CID))
+
+    assert model_view(history) == model_view(run.all_messages())
+
+
+def _screenshot_agent() -> Agent[None, str | DeferredToolRequests]:
+    """A tool needing approval that returns content for the model (`ToolReturn.content`)."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if any(isinstance(p, ToolReturnPart) for p in messages[-1].parts):
+            return ModelResponse(parts=[TextPart("Read it.")])
+        return ModelResponse(parts=[ToolCallPart("screenshot", {}, tool_call_id="tc-shot")])
+
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        FunctionModel(respond), output_type=[str, DeferredToolRequests]
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def screenshot() -> ToolReturn:
+        return ToolReturn(return_value="taken", content=PAGE)
+
+    return agent
+
+
+@pytest.mark.parametrize(
+    "prompt", [None, "And then [RUNTIME CONTEXT]plan=pro[/RUNTIME CONTEXT]pay."]
+)
+async def test_a_tools_content_on_a_resumed_run_is_the_tools_whether_or_not_the_run_had_a_prompt(
+    backend: Backend, prompt: str | None
+) -> None:
+    """Pydantic AI sends a resumed run's tool content, then its `user_prompt` if it was given
+    one, as user prompts after the returns, alike: `log_run` is told the prompt as the run
+    was. The tool's content is marked `tool content` (stored whole); the person's words,
+    only when there were any, are theirs (hidden context stripped)."""
+    agent = _screenshot_agent()
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    first = await agent.run("Take a screenshot.")
+    await log_run(logger, CID, first.new_messages(), turn_id="run-1")
+    results = DeferredToolResults(approvals={"tc-shot": True})
+
+    resumed = await agent.run(
+        prompt, message_history=first.all_messages(), deferred_tool_results=results
+    )
+    await log_run(
+        logger,
+        CID,
+        resumed.new_messages(),
+        turn_id="run-2",
+        deferred_tool_results=results,
+        **({} if prompt is None else {"user_prompt": prompt}),
+    )
+
+    run_2 = [m for m in await store.transcript(CID) if m.turn_id == "run-2" and m.role == "user"]
+    said = [(m.content, m.error.message if m.error else None) for m in run_2]
+    persons = [] if prompt is None else [("And then pay.", None)]
+    assert said == [(PAGE, "tool content"), *persons]
+
+
 def _train_and_hotel_agent(
     respond: Callable[[list[ModelMessage], AgentInfo], ModelResponse],
 ) -> Agent[None, str | DeferredToolRequests]:
@@ -625,7 +767,9 @@ async def test_a_resumed_run_calling_again_under_the_approved_calls_id_is_logged
 ) -> None:
     """A provider numbering calls per response: the resumed run returns the approved `call_0`
     of the run before, then calls another tool as `call_0` and pauses again. The new call is
-    stored renamed (its id is the earlier call's in this conversation), and pending."""
+    stored renamed (its id is the earlier call's in this conversation), and pending; the
+    history gives it back as Pydantic AI knows it (`call_0`), and a resume naming it so
+    answers it."""
 
     def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
         made = sum(isinstance(m, ModelResponse) for m in messages)
@@ -649,7 +793,7 @@ async def test_a_resumed_run_calling_again_under_the_approved_calls_id_is_logged
     assert [(c.tool_name, c.tool_call_id) for c in pending] == [("book_hotel", "call_0_2")]
     last = await agent.run(
         message_history=history_from_messages(await store.transcript(CID)),
-        deferred_tool_results=DeferredToolResults(approvals={"call_0_2": True}),
+        deferred_tool_results=DeferredToolResults(approvals={"call_0": True}),
     )
     await log_run(logger, CID, last.new_messages(), turn_id="run-3")
     assert last.output == "Both booked."
@@ -1262,7 +1406,7 @@ async def test_a_resumed_runs_prompt_after_its_tool_returns_is_the_persons_words
         deferred_tool_results=DeferredToolResults(approvals={"tc-9": True}),
     )
 
-    stored = messages_from_run(resumed.new_messages())
+    stored = messages_from_run(resumed.new_messages(), prompted=True)
 
     prompt = next(m for m in stored if m.role == "user")
     assert (prompt.content, prompt.error) == ("And a seat by the window.", None)
