@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -636,9 +636,9 @@ async def test_a_runtime_resumes_a_call_whose_id_the_provider_used_again_by_the_
 ) -> None:
     """The store names the second `call_0` `call_0_2` (an id is used once in a turn, and a
     turn cannot answer an earlier `call_0` before making one); Pydantic AI names it `call_0`
-    in `DeferredToolRequests`. Resumed with that id, from its own history or the store's,
-    the run is logged: its result answers the paused call, stored once, nothing pending, and
-    the run's retry is its replay."""
+    in `DeferredToolRequests`. Resumed from its own history with that id, or from the
+    store's with the store's (`pending_calls`), the run is logged: its result answers the
+    paused call, stored once, nothing pending, and the run's retry is its replay."""
     agent = _per_response_ids_agent("check", "book", first_needs_approval=first_needs_approval)
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     run = await agent.run("Check, then book.")
@@ -657,6 +657,7 @@ async def test_a_runtime_resumes_a_call_whose_id_the_provider_used_again_by_the_
     history = run.all_messages()
     if resumed_from == "the store's history":
         history = history_from_messages(await store.transcript(CID))
+        asked = {pending.tool_call_id: True}
 
     results = DeferredToolResults(approvals=asked)
     last = await agent.run(message_history=history, deferred_tool_results=results)
@@ -676,18 +677,32 @@ async def test_a_runtime_resumes_a_call_whose_id_the_provider_used_again_by_the_
     assert [m.content for m in stored if m.role == "tool"].count("book done") == 1
 
 
-async def test_the_history_gives_back_a_call_renamed_in_the_store_by_the_id_the_run_held(
-    backend: Backend,
-) -> None:
-    """Stored as `call_0_2`, the second `call_0` of a run and its result come back as the run
-    held them (`call_0`), so the history is the runtime's and a resume names the call so."""
+async def test_the_history_names_a_renamed_call_as_pending_calls_does(backend: Backend) -> None:
+    """Stored as `call_0_2`, the second `call_0` of a run comes back from the store's history
+    under the id `pending_calls` (and the HTTP routes) give it, so a runtime resuming from
+    the store approves it by that id; the history is the run's otherwise."""
     agent = _per_response_ids_agent("check", "book", first_needs_approval=False)
     run = await agent.run("Check, then book.")
     await log_run(AgentMessageLogger(backend.db), CID, run.new_messages(), turn_id="run-1")
+    store = ConversationStore(backend.db)
 
-    history = history_from_messages(await ConversationStore(backend.db).transcript(CID))
+    history = history_from_messages(await store.transcript(CID))
 
-    assert model_view(history) == model_view(run.all_messages())
+    [pending] = await store.pending_calls(CID)
+    last = history[-1]
+    assert isinstance(last, ModelResponse)
+    assert [p.tool_call_id for p in last.parts if isinstance(p, ToolCallPart)] == [
+        pending.tool_call_id
+    ]
+    renamed = {"call_0_2": "call_0"}
+    as_run = [replace(m, parts=[_held(p, renamed) for p in m.parts]) for m in history]
+    assert model_view(as_run) == model_view(run.all_messages())
+
+
+def _held(part: Any, renamed: Mapping[str, str]) -> Any:
+    """A part with a renamed call id given back as the run held it."""
+    call_id = getattr(part, "tool_call_id", None)
+    return replace(part, tool_call_id=renamed[call_id]) if call_id in renamed else part
 
 
 def _screenshot_agent() -> Agent[None, str | DeferredToolRequests]:
@@ -707,6 +722,30 @@ def _screenshot_agent() -> Agent[None, str | DeferredToolRequests]:
         return ToolReturn(return_value="taken", content=PAGE)
 
     return agent
+
+
+async def test_a_resumed_runs_last_prompt_is_the_persons_unless_log_run_is_told_it_had_none(
+    backend: Backend,
+) -> None:
+    """Not told what the run was given (`user_prompt` left out), `log_run` takes the last user
+    prompt after a resumed run's returns for the person's, as it always did: a run resumed
+    with no prompt whose tool returned content must say so (`user_prompt=None`)."""
+    agent = _screenshot_agent()
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    first = await agent.run("Take a screenshot.")
+    await log_run(logger, CID, first.new_messages(), turn_id="run-1")
+    results = DeferredToolResults(approvals={"tc-shot": True})
+    resumed = await agent.run(
+        "And then pay.", message_history=first.all_messages(), deferred_tool_results=results
+    )
+
+    await log_run(
+        logger, CID, resumed.new_messages(), turn_id="run-2", deferred_tool_results=results
+    )
+
+    run_2 = [m for m in await store.transcript(CID) if m.turn_id == "run-2" and m.role == "user"]
+    said = [(m.content, m.error.message if m.error else None) for m in run_2]
+    assert said == [(PAGE, "tool content"), ("And then pay.", None)]
 
 
 @pytest.mark.parametrize(
@@ -734,7 +773,7 @@ async def test_a_tools_content_on_a_resumed_run_is_the_tools_whether_or_not_the_
         resumed.new_messages(),
         turn_id="run-2",
         deferred_tool_results=results,
-        **({} if prompt is None else {"user_prompt": prompt}),
+        user_prompt=prompt,
     )
 
     run_2 = [m for m in await store.transcript(CID) if m.turn_id == "run-2" and m.role == "user"]
@@ -767,9 +806,7 @@ async def test_a_resumed_run_calling_again_under_the_approved_calls_id_is_logged
 ) -> None:
     """A provider numbering calls per response: the resumed run returns the approved `call_0`
     of the run before, then calls another tool as `call_0` and pauses again. The new call is
-    stored renamed (its id is the earlier call's in this conversation), and pending; the
-    history gives it back as Pydantic AI knows it (`call_0`), and a resume naming it so
-    answers it."""
+    stored renamed (its id is the earlier call's in this conversation), and pending."""
 
     def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
         made = sum(isinstance(m, ModelResponse) for m in messages)
@@ -793,7 +830,7 @@ async def test_a_resumed_run_calling_again_under_the_approved_calls_id_is_logged
     assert [(c.tool_name, c.tool_call_id) for c in pending] == [("book_hotel", "call_0_2")]
     last = await agent.run(
         message_history=history_from_messages(await store.transcript(CID)),
-        deferred_tool_results=DeferredToolResults(approvals={"call_0": True}),
+        deferred_tool_results=DeferredToolResults(approvals={"call_0_2": True}),
     )
     await log_run(logger, CID, last.new_messages(), turn_id="run-3")
     assert last.output == "Both booked."
@@ -1309,7 +1346,7 @@ async def test_a_reloaded_chat_shows_a_ui_no_more_of_a_private_or_redacted_tool_
     assert _stamps(reloaded) == _stamps(run.all_messages())
     assert {s for _, _, s in _stamps(reloaded)} == {"private", "redacted"}
     sent = json.dumps([m.model_dump(mode="json") for m in VercelAIAdapter.dump_messages(reloaded)])
-    assert ("078-05-1120" in sent, "0.93" in sent) == (False, False)
+    assert ("078-05-1120" in sent, "score 0.93" in sent) == (False, False)
     assert model_view(reloaded) == model_view(run.all_messages())
 
 
@@ -1406,7 +1443,7 @@ async def test_a_resumed_runs_prompt_after_its_tool_returns_is_the_persons_words
         deferred_tool_results=DeferredToolResults(approvals={"tc-9": True}),
     )
 
-    stored = messages_from_run(resumed.new_messages(), prompted=True)
+    stored = messages_from_run(resumed.new_messages())
 
     prompt = next(m for m in stored if m.role == "user")
     assert (prompt.content, prompt.error) == ("And a seat by the window.", None)

@@ -21,7 +21,8 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
   user prompt after the tool returns): a `user` message marked
   `error: {message: "tool content"}`: it is the tool's text, never a person's. A run
   resumed with `deferred_tool_results` and a `user_prompt` sends that prompt after
-  it, alike: `log_run` is told the prompt (`user_prompt`) to tell them apart.
+  it, alike: `log_run` takes the last of them for the person's unless told the run
+  had none (`user_prompt=None`).
 - a tool return that is not a success (`failed`, `denied`, `interrupted`,
   `retried` — a tool retry prompt is a retried return): a `tool` message with
   the content the model was shown and an `error` marker naming the outcome,
@@ -37,9 +38,9 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
   deferred call: the run ended with `DeferredToolRequests`): stored without
   an answer, so the conversation lists it as pending; the next run's return
   for it (`deferred_tool_results`) is stored as its answer. A call id the provider
-  used again (`call_0` in each response) is stored renamed (`call_0_2`), the id the
-  run held kept in `native` and given back by the history, so a resume naming it as
-  Pydantic AI does answers it. A call the run left
+  used again (`call_0` in each response) is stored renamed (`call_0_2`), as
+  `pending_calls` and the history name it; a resumed run naming it as Pydantic AI
+  did (`call_0`) answers it too (`log_run`). A call the run left
   unanswered for good (its response `interrupted`: a cancelled stream, a usage limit
   crossed; or the run cut off while its tools ran) is answered `interrupted`, as
   Pydantic AI closes it before a new prompt: closed, never run, never pending.
@@ -80,6 +81,7 @@ import re
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime
+from enum import Enum
 from typing import Any, cast
 
 import pydantic_core
@@ -199,7 +201,7 @@ def messages_from_run(
     *,
     markers: RuntimeContextMarkers = DEFAULT_MARKERS,
     resumed: Collection[str] = (),
-    prompted: bool = False,
+    prompted: bool = True,
     answering: Mapping[str, str] | None = None,
 ) -> list[AgentMessage]:
     """The stored messages of an agent run's messages (`result.new_messages()`), in order.
@@ -209,10 +211,10 @@ def messages_from_run(
     across items is removed too; a tool's content and retry feedback, which
     are no person's words, are kept whole, as the model was sent them. A run resumed
     with `deferred_tool_results` sends its tools' content, then its `user_prompt`
-    when it was given one (`prompted`), as user prompts after its returns: only that
-    last one is the person's. A call id the provider used again within the run is
-    renamed `<id>_<n>` (with its result), the id the run held kept in `native`, and
-    a warning logged. `resumed` names the calls of an earlier run this run was
+    when it was given one, as user prompts after its returns, alike: `prompted` (the
+    default) takes the last of them for the person's, `prompted=False` none of them. A
+    call id the provider used again within the run is renamed `<id>_<n>` (with its
+    result), and a warning logged. `resumed` names the calls of an earlier run this run was
     resumed on (the ids its `deferred_tool_results` answers): cut off before its
     first response, the run closes those it returned nothing for. `answering` names
     the stored id of an earlier run's call the run answers by another id (its
@@ -283,8 +285,7 @@ def _with_unique_call_ids(
     is the order Pydantic AI returns them in. A result answering a call of an earlier
     run (resumed after approval) takes the id that call is stored under (`answering`
     names it when it is not the id the run holds), and so does the store: a call the run
-    makes later under that id is renamed. A renamed call's message keeps the id the run
-    held in `native` (`_RUNTIME_IDS`), so the history gives it back so.
+    makes later under that id is renamed.
     """
     used: set[str] = set()
     unanswered: dict[str, list[str]] = {}
@@ -303,29 +304,21 @@ def _with_unique_call_ids(
     return renamed
 
 
-_RUNTIME_IDS = "runtime_call_ids"
-"""The `native` key of an assistant message whose calls the store holds under other ids than
-the run did (a provider using an id again: `<id>_<n>`): each stored id, the id the run held."""
-
-
 def _with_calls_renamed(
     message: AgentMessage, used: set[str], unanswered: dict[str, list[str]]
 ) -> AgentMessage:
-    """A message's calls, each under an id not `used` yet in the run (`unique_call_id`), the
-    ids the run held kept in `native` for those renamed; each recorded as not answered yet."""
+    """A message's calls, each under an id not `used` yet in the run (`unique_call_id`), each
+    recorded as not answered yet."""
     calls = [
         c.model_copy(update={"id": unique_call_id(c.id, used)}) for c in message.tool_calls or ()
     ]
-    held: dict[str, str] = {}
     for original, call in zip(message.tool_calls or (), calls, strict=True):
         unanswered.setdefault(original.id, []).append(call.id)
         if call.id != original.id:
-            held[call.id] = original.id
             _log.warning(
                 "tool call id %r is used again within the run; stored as %r", original.id, call.id
             )
-    message = message.model_copy(update={"tool_calls": calls})
-    return _with_kept(message, {_RUNTIME_IDS: held}, "a renamed call") if held else message
+    return message.model_copy(update={"tool_calls": calls})
 
 
 def _from_request_part(
@@ -765,26 +758,16 @@ def _returns(
     *,
     leave_open: bool,
 ) -> list[pai.ToolReturnPart]:
-    """The returns of a response's calls, in call order, each under the id its call has in
-    the history (`_held_id`); unanswered ones as `interrupted`."""
+    """The returns of a response's calls, in call order; unanswered ones as `interrupted`."""
     returns = []
     for index, message in responses:
         for call in message.tool_calls or ():
-            answer, held = answers.get((index, call.id)), _held_id(message, call.id)
+            answer = answers.get((index, call.id))
             if answer is not None:
-                returned = _to_tool_return(answer, call.function.name)
-                returns.append(replace(returned, tool_call_id=held))
+                returns.append(_to_tool_return(answer, call.function.name))
             elif not leave_open:
-                returns.append(_interrupted_return(call.function.name, held, message.created_at))
+                returns.append(_interrupted_return(call.function.name, call.id, message.created_at))
     return returns
-
-
-def _held_id(message: AssistantMessage, call_id: str) -> str:
-    """The id the run held of a call its message stores as `call_id`: the one `native` keeps
-    when the bridge renamed it (`_RUNTIME_IDS`), so a resume names it as Pydantic AI does."""
-    held = _kept(message, _RUNTIME_IDS)
-    runtime_id = held.get(call_id) if isinstance(held, dict) else None
-    return runtime_id if isinstance(runtime_id, str) and runtime_id else call_id
 
 
 def _answers_of(
@@ -817,9 +800,7 @@ def _to_response(messages: Sequence[AssistantMessage]) -> pai.ModelResponse:
         texts = _text_parts(message) if message.hitl_action is None else []
         calls = [
             pai.ToolCallPart(
-                call.function.name,
-                _arguments(call.function.arguments),
-                tool_call_id=_held_id(message, call.id),
+                call.function.name, _arguments(call.function.arguments), tool_call_id=call.id
             )
             for call in message.tool_calls or ()
         ]
@@ -1128,6 +1109,12 @@ def _rendered(value: Any) -> str:
 # -- logging --------------------------------------------------------------------------
 
 
+class _Unsaid(Enum):
+    """`log_run`'s `user_prompt` when the runtime does not say what the run was given."""
+
+    PROMPT = "not said"
+
+
 async def log_run(
     logger: AgentMessageLogger,
     conversation_id: str,
@@ -1137,7 +1124,7 @@ async def log_run(
     user_id: str | None = None,
     name: str | None = None,
     deferred_tool_results: DeferredToolResults | None = None,
-    user_prompt: str | Sequence[pai.UserContent] | None = None,
+    user_prompt: str | Sequence[pai.UserContent] | _Unsaid | None = _Unsaid.PROMPT,
 ) -> LoggedTurn:
     """Store an agent run's new messages as one turn (idempotent by `turn_id`).
 
@@ -1151,9 +1138,9 @@ async def log_run(
     `deferred_tool_results`: a resumed run cut off while the approved tools ran holds no
     response of its own, and its messages alone do not say which calls it resumed; given
     them, it closes those that returned nothing (`interrupted`), as Pydantic AI does. Pass
-    its `user_prompt` too, as the run was given it: Pydantic AI sends a resumed run's
-    prompt after its tools' content, both as user prompts, and only the run can say
-    which is the person's; without one, all of them are the tools' content.
+    its `user_prompt` too, as the run was given it (None for none): Pydantic AI sends a
+    resumed run's prompt after its tools' content, both as user prompts, and only the run
+    can say which is the person's; not said, the last of them is taken for it.
 
     A call stored under another id than the run's (`call_0` used again: `call_0_2`) is
     answered by the id Pydantic AI gave it: the answer takes the latest pending call of
