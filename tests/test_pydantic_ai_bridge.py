@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -679,6 +679,187 @@ async def test_a_run_reusing_a_call_id_is_logged_whole(backend: Backend) -> None
     assert len({c.id for m in stored for c in m.tool_calls or ()}) == 2
 
 
+def _per_response_ids_agent(
+    first: str, then: str, *, first_needs_approval: bool
+) -> Agent[None, str | DeferredToolRequests]:
+    """A provider numbering its calls per response: `first` as `call_0`, then `then` (needs
+    approval) as `call_0` again, then an answer naming the last result."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        returns = [p for p in messages[-1].parts if isinstance(p, ToolReturnPart)]
+        if not returns:
+            return ModelResponse(parts=[ToolCallPart(first, {}, tool_call_id="call_0")])
+        if returns[-1].tool_name == first:
+            return ModelResponse(parts=[ToolCallPart(then, {}, tool_call_id="call_0")])
+        return ModelResponse(parts=[TextPart(f"Done: {returns[-1].model_response_str()}.")])
+
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        FunctionModel(respond), output_type=[str, DeferredToolRequests]
+    )
+    agent.tool_plain(requires_approval=first_needs_approval, name=first)(lambda: f"{first} done")
+    agent.tool_plain(requires_approval=True, name=then)(lambda: f"{then} done")
+    return agent
+
+
+@pytest.mark.parametrize("resumed_from", ["the runtime's history", "the store's history"])
+@pytest.mark.parametrize(
+    "first_needs_approval",
+    [
+        pytest.param(False, id="id-used-again-within-the-run"),
+        pytest.param(True, id="id-used-again-across-the-pause"),
+    ],
+)
+async def test_a_runtime_resumes_a_call_whose_id_the_provider_used_again_by_the_id_it_was_given(
+    backend: Backend, resumed_from: str, first_needs_approval: bool
+) -> None:
+    """The store names the second `call_0` `call_0_2` (an id is used once in a turn, and a
+    turn cannot answer an earlier `call_0` before making one); Pydantic AI names it `call_0`
+    in `DeferredToolRequests`. Resumed from its own history with that id, or from the
+    store's with the store's (`pending_calls`), the run is logged: its result answers the
+    paused call, stored once, nothing pending, and the run's retry is its replay."""
+    agent = _per_response_ids_agent("check", "book", first_needs_approval=first_needs_approval)
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    run = await agent.run("Check, then book.")
+    await log_run(logger, CID, run.new_messages(), turn_id="run-1")
+    if first_needs_approval:
+        results = DeferredToolResults(approvals={"call_0": True})
+        run = await agent.run(message_history=run.all_messages(), deferred_tool_results=results)
+        await log_run(
+            logger, CID, run.new_messages(), turn_id="run-2", deferred_tool_results=results
+        )
+    assert isinstance(run.output, DeferredToolRequests)
+    asked = {call.tool_call_id: True for call in run.output.approvals}
+    assert asked == {"call_0": True}  # as Pydantic AI names the paused `book`
+    [pending] = await store.pending_calls(CID)
+    assert pending.tool_call_id == "call_0_2"  # as the store names it
+    history = run.all_messages()
+    if resumed_from == "the store's history":
+        history = history_from_messages(await store.transcript(CID))
+        asked = {pending.tool_call_id: True}
+
+    results = DeferredToolResults(approvals=asked)
+    last = await agent.run(message_history=history, deferred_tool_results=results)
+    await log_run(logger, CID, last.new_messages(), turn_id="run-3", deferred_tool_results=results)
+    retried = await log_run(
+        logger, CID, last.new_messages(), turn_id="run-3", deferred_tool_results=results
+    )
+
+    assert retried.replayed  # the retry names the call as the logged run did
+    assert last.output == "Done: book done."
+    assert await store.pending_calls(CID) == []
+    stored = await store.transcript(CID)
+    answers = [
+        m.content for m in stored if m.role == "tool" and m.tool_call_id == pending.tool_call_id
+    ]
+    assert answers == ["book done"]
+    assert [m.content for m in stored if m.role == "tool"].count("book done") == 1
+
+
+async def test_the_history_names_a_renamed_call_as_pending_calls_does(backend: Backend) -> None:
+    """Stored as `call_0_2`, the second `call_0` of a run comes back from the store's history
+    under the id `pending_calls` (and the HTTP routes) give it, so a runtime resuming from
+    the store approves it by that id; the history is the run's otherwise."""
+    agent = _per_response_ids_agent("check", "book", first_needs_approval=False)
+    run = await agent.run("Check, then book.")
+    await log_run(AgentMessageLogger(backend.db), CID, run.new_messages(), turn_id="run-1")
+    store = ConversationStore(backend.db)
+
+    history = history_from_messages(await store.transcript(CID))
+
+    [pending] = await store.pending_calls(CID)
+    last = history[-1]
+    assert isinstance(last, ModelResponse)
+    assert [p.tool_call_id for p in last.parts if isinstance(p, ToolCallPart)] == [
+        pending.tool_call_id
+    ]
+    renamed = {"call_0_2": "call_0"}
+    as_run = [replace(m, parts=[_held(p, renamed) for p in m.parts]) for m in history]
+    assert model_view(as_run) == model_view(run.all_messages())
+
+
+def _held(part: Any, renamed: Mapping[str, str]) -> Any:
+    """A part with a renamed call id given back as the run held it."""
+    call_id = getattr(part, "tool_call_id", None)
+    return replace(part, tool_call_id=renamed[call_id]) if call_id in renamed else part
+
+
+def _screenshot_agent() -> Agent[None, str | DeferredToolRequests]:
+    """A tool needing approval that returns content for the model (`ToolReturn.content`)."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if any(isinstance(p, ToolReturnPart) for p in messages[-1].parts):
+            return ModelResponse(parts=[TextPart("Read it.")])
+        return ModelResponse(parts=[ToolCallPart("screenshot", {}, tool_call_id="tc-shot")])
+
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        FunctionModel(respond), output_type=[str, DeferredToolRequests]
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def screenshot() -> ToolReturn:
+        return ToolReturn(return_value="taken", content=PAGE)
+
+    return agent
+
+
+async def test_a_resumed_runs_last_prompt_is_the_persons_unless_log_run_is_told_it_had_none(
+    backend: Backend,
+) -> None:
+    """Not told what the run was given (`user_prompt` left out), `log_run` takes the last user
+    prompt after a resumed run's returns for the person's, as it always did: a run resumed
+    with no prompt whose tool returned content must say so (`user_prompt=None`)."""
+    agent = _screenshot_agent()
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    first = await agent.run("Take a screenshot.")
+    await log_run(logger, CID, first.new_messages(), turn_id="run-1")
+    results = DeferredToolResults(approvals={"tc-shot": True})
+    resumed = await agent.run(
+        "And then pay.", message_history=first.all_messages(), deferred_tool_results=results
+    )
+
+    await log_run(
+        logger, CID, resumed.new_messages(), turn_id="run-2", deferred_tool_results=results
+    )
+
+    run_2 = [m for m in await store.transcript(CID) if m.turn_id == "run-2" and m.role == "user"]
+    said = [(m.content, m.error.message if m.error else None) for m in run_2]
+    assert said == [(PAGE, "tool content"), ("And then pay.", None)]
+
+
+@pytest.mark.parametrize(
+    "prompt", [None, "And then [RUNTIME CONTEXT]plan=pro[/RUNTIME CONTEXT]pay."]
+)
+async def test_a_tools_content_on_a_resumed_run_is_the_tools_whether_or_not_the_run_had_a_prompt(
+    backend: Backend, prompt: str | None
+) -> None:
+    """Pydantic AI sends a resumed run's tool content, then its `user_prompt` if it was given
+    one, as user prompts after the returns, alike: `log_run` is told the prompt as the run
+    was. The tool's content is marked `tool content` (stored whole); the person's words,
+    only when there were any, are theirs (hidden context stripped)."""
+    agent = _screenshot_agent()
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    first = await agent.run("Take a screenshot.")
+    await log_run(logger, CID, first.new_messages(), turn_id="run-1")
+    results = DeferredToolResults(approvals={"tc-shot": True})
+
+    resumed = await agent.run(
+        prompt, message_history=first.all_messages(), deferred_tool_results=results
+    )
+    await log_run(
+        logger,
+        CID,
+        resumed.new_messages(),
+        turn_id="run-2",
+        deferred_tool_results=results,
+        user_prompt=prompt,
+    )
+
+    run_2 = [m for m in await store.transcript(CID) if m.turn_id == "run-2" and m.role == "user"]
+    said = [(m.content, m.error.message if m.error else None) for m in run_2]
+    persons = [] if prompt is None else [("And then pay.", None)]
+    assert said == [(PAGE, "tool content"), *persons]
+
+
 def _train_and_hotel_agent(
     respond: Callable[[list[ModelMessage], AgentInfo], ModelResponse],
 ) -> Agent[None, str | DeferredToolRequests]:
@@ -1243,7 +1424,7 @@ async def test_a_reloaded_chat_shows_a_ui_no_more_of_a_private_or_redacted_tool_
     assert _stamps(reloaded) == _stamps(run.all_messages())
     assert {s for _, _, s in _stamps(reloaded)} == {"private", "redacted"}
     sent = json.dumps([m.model_dump(mode="json") for m in VercelAIAdapter.dump_messages(reloaded)])
-    assert ("078-05-1120" in sent, "0.93" in sent) == (False, False)
+    assert ("078-05-1120" in sent, "score 0.93" in sent) == (False, False)
     assert model_view(reloaded) == model_view(run.all_messages())
 
 
