@@ -20,17 +20,23 @@ import re
 import sys
 from typing import Any, TypeVar
 
-from agent_store.core import location_text, shown_key, stored_number
+from agent_store.core import (
+    MAX_JSON_VALUES,
+    location_text,
+    nests_deeper_than,
+    shown_key,
+    stored_number,
+)
 from agent_store.store import storable
 from app.http_errors import InvalidJson, InvalidRequest, PayloadTooLarge
 
 MAX_BODY_DEPTH = 64
 """The deepest nesting of objects and arrays a body may have (MongoDB stores 100 at most)."""
-MAX_BODY_VALUES = 200_000
-"""The most JSON values a body may hold, each object, array, string, number, `true`, `false`
-and `null` counting one: the work a request causes grows with its values, not its bytes (16 MiB
-of `{}` is 2.5 million objects), and a turn of 1,000 messages with their tool calls and results
-holds a tenth of this or less."""
+MAX_BODY_VALUES = MAX_JSON_VALUES
+"""The most JSON values a body may hold (as many as JSON text held in a string: `bounded_json`),
+each object, array, string, number, `true`, `false` and `null` counting one: the work a request
+causes grows with its values, not its bytes (16 MiB of `{}` is 2.5 million objects), and a turn
+of 1,000 messages with their tool calls and results holds a tenth of this or less."""
 _DOUBLE_DIGITS = len(str(-int(sys.float_info.max)))
 """The longest JSON integer within the doubles, its sign included."""
 T = TypeVar("T", bound=float)
@@ -66,19 +72,6 @@ def _problem(value: Any) -> str | None:
             "(kept as the nearest one it would lose digits): send it as a string"
         )
     return None
-
-
-def nests_deeper_than(value: Any, limit: int) -> bool:
-    """Whether objects and arrays in `value` nest more than `limit` levels (without recursion)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict | list):
-            if depth > limit:
-                return True
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, depth + 1) for child in children if not isinstance(child, str))
-    return False
 
 
 def _name_the_number(document: Any) -> None:

@@ -23,7 +23,6 @@ from agent_store.store import (
     message_text,
     shorten,
 )
-from app.json_body import nests_deeper_than
 
 SNIPPET_CHARS = 300
 PRETTY_DEPTH = 32
@@ -47,6 +46,10 @@ ROLE_LABELS = {
 }
 
 
+_HIDDEN_FOUND = re.compile("[" + "".join(map(re.escape, sorted(HIDDEN_CHARACTERS))) + "]")
+"""A hidden character, sought at C speed: `str.translate` takes a Python step per character
+of a text that is not ASCII (1.3 s for 4 MB), a search a few milliseconds."""
+
 _HIDDEN_ESCAPES = str.maketrans({c: f"\\u{ord(c):04x}" for c in HIDDEN_CHARACTERS})
 """Each hidden character's JSON escape: `hidden_shown` writes them all in one pass at C speed
 (a Python call per character took 2.3 s for a text of a million controls)."""
@@ -60,6 +63,8 @@ def hidden_shown(text: str) -> str:
     stands for the same string, elsewhere it shows what is there instead of obeying it."""
     if text.isascii() and text.isprintable():  # the ASCII ones are all unprintable
         return text
+    if _HIDDEN_FOUND.search(text) is None:  # a text holding none is not translated
+        return text
     return text.translate(_HIDDEN_ESCAPES)
 
 
@@ -72,7 +77,12 @@ _PRINTED = str.maketrans(
 
 def shown_bytes(text: str) -> int:
     """How many bytes a page prints of `text`: as `hidden_shown` writes it, escaped for HTML,
-    in UTF-8; counted at C speed."""
+    in UTF-8; counted at C speed (a text holding no hidden character by its escapes' counts,
+    not translated)."""
+    if _HIDDEN_FOUND.search(text) is None:
+        size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        quoted = text.count("&") + text.count('"') + text.count("'")  # &amp; &#34; &#39;
+        return size + 4 * quoted + 3 * (text.count("<") + text.count(">"))  # &lt; &gt;
     printed = text.translate(_PRINTED)
     return len(printed) if printed.isascii() else len(printed.encode("utf-8", "surrogatepass"))
 
@@ -81,33 +91,41 @@ _JSON_TOKENS = re.compile(r'"(?:[^"\\]+|\\.)*"|[{}\[\],:]|[^ \t\n\r{}\[\],:"]+')
 """The tokens of JSON text: a string literal, a bracket, a comma or colon, another value."""
 
 
+_INDENTS = ["\n" + "  " * depth for depth in range(PRETTY_DEPTH + 1)]
+"""A new line and the indent of each level `_reindented` writes, made once."""
+
+
 def _reindented(text: str, most: int) -> str | None:
     """Valid JSON `text` indented by two spaces per level, every token as written: only the
     white space between tokens changes (a repeated key, `1E5`, an escape stay); None once
-    the indented text would pass `most` characters (built no further)."""
+    the indented text would pass `most` characters, or its objects and arrays nest deeper
+    than `PRETTY_DEPTH` (indenting grows with the square of the depth), built no further."""
     out: list[str] = []
     depth, last, size = 0, "", 0
     for token in _JSON_TOKENS.findall(text):
-        before = len(out)
+        opened = last in ("{", "[")
         if token in ("}", "]"):
             depth -= 1
-            if last not in ("{", "["):
-                out.append("\n" + "  " * depth)
-        elif last in ("{", "["):
-            out.append("\n" + "  " * depth)
-        if token == ",":
-            out.append(",\n" + "  " * depth)
+            piece = token if opened else _INDENTS[depth] + token
+        elif token == ",":
+            piece = "," + _INDENTS[depth]
         else:
-            out.append(": " if token == ":" else token)
-        depth += token in ("{", "[")
+            piece = ": " if token == ":" else token
+            if opened:
+                piece = _INDENTS[depth] + piece
+            if token in ("{", "["):
+                depth += 1
+                if depth > PRETTY_DEPTH:
+                    return None
+        out.append(piece)
         last = token
-        size += sum(len(piece) for piece in out[before:])
+        size += len(piece)
         if size > most:
             return None
     return "".join(out)
 
 
-def pretty_json(value: Any) -> str:
+def pretty_json(value: Any, room: int | None = None) -> str:
     """JSON (given parsed or as text) indented for reading; other text as it is.
 
     Stored text is shown as stored: JSON text is indented token by token, changing nothing
@@ -117,27 +135,52 @@ def pretty_json(value: Any) -> str:
     written as JSON text first, then shown by the same rule. A page prints either through
     `hidden_shown`, so a direction override or a control in a string, escaped by the client
     or not, is shown as its JSON escape.
+
+    `room`: how many characters the page has left to print (`PageRoom`). Text longer is shown
+    as stored, neither parsed nor indented (the page cuts it to fit, or ends before it), and
+    indenting stops once it would pass it: the work follows what a page prints, never what
+    was stored (a 14 MB result was indented whole for a page of 4 MiB: 14 s).
     """
+    return _pretty(value, room)[0]
+
+
+def _pretty(value: Any, room: int | None) -> tuple[str, int]:
+    """`pretty_json`, and how many characters showing it took of `room`: what it prints, or
+    when indenting it was tried and given up, what indenting could have built."""
     try:
         text = (
             value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
         )
     except (TypeError, ValueError, RecursionError):
-        return str(value)
-    try:
-        parsed = json.loads(text) if isinstance(value, str) else value
-    except (ValueError, RecursionError):
-        return text
-    try:
-        if nests_deeper_than(parsed, PRETTY_DEPTH):
-            # Indenting grows with the square of the depth: deep values are shown as stored.
-            return text
-    except RecursionError:
-        return text
+        return str(value), len(str(value))
+    if room is not None and len(text) > room:
+        return text, len(text)
+    if isinstance(value, str):
+        try:
+            json.loads(text)
+        except (ValueError, RecursionError):
+            return text, len(text)
     # Each value takes a line of two spaces per level: a wide value deep down would take
     # `PRETTY_DEPTH` times its size, so indenting stops at a few times the text's.
-    indented = _reindented(text, PRETTY_GROWTH * len(text) + PRETTY_SLACK)
-    return text if indented is None else indented
+    most = PRETTY_GROWTH * len(text) + PRETTY_SLACK
+    most = most if room is None else min(most, room)
+    indented = _reindented(text, most)
+    return (text, max(most, len(text))) if indented is None else (indented, len(indented))
+
+
+class PageRoom:
+    """What a page has left to print of the JSON it shows (`pretty_json`): each text takes
+    what it prints, or what indenting it could have built when that was given up, so a page
+    indents (or tries to) at most what it can print, whatever it reads."""
+
+    def __init__(self, left: int = PAGE_SHOWS) -> None:
+        self.left = left
+
+    def pretty(self, value: Any) -> str:
+        """`value` as `pretty_json` shows it within the room left, which it takes."""
+        shown, taken = _pretty(value, max(0, self.left))
+        self.left -= taken
+        return shown
 
 
 def human_size(size: int) -> str:
@@ -267,14 +310,16 @@ def _answers(
     return answers
 
 
-def _hitl_view(message: AgentMessage, pending: PendingHitl | None) -> HitlView | None:
+def _hitl_view(
+    message: AgentMessage, pending: PendingHitl | None, room: PageRoom
+) -> HitlView | None:
     """A message's prompt, pending only if it is the one the conversation holds pending (by
     its message: a later prompt may ask the same request id again)."""
     prompt = message.hitl_action
     if prompt is None:
         return None
     is_pending = pending is not None and message.id is not None and pending.message_id == message.id
-    return HitlView(prompt.action, pretty_json(prompt.params), prompt.request_id, is_pending)
+    return HitlView(prompt.action, room.pretty(prompt.params), prompt.request_id, is_pending)
 
 
 def message_views(
@@ -282,21 +327,26 @@ def message_views(
     *,
     pending: PendingHitl | None = None,
     before: Sequence[AgentMessage] = (),
+    room: int = PAGE_SHOWS,
 ) -> Iterator[MessageView]:
     """The messages as a person reads them, one at a time (a page takes those it shows,
     `within_page`); `pending` the conversation's `pending_hitl`; `before` the messages before
     them making and answering the calls their results may answer (a page of a transcript
     names calls made on an earlier page: `calls_made_before`,
-    `ConversationStore.calls_before`)."""
+    `ConversationStore.calls_before`); `room` what the page prints at most (`within_page`),
+    which bounds the JSON they indent (`PageRoom`)."""
     answers = _answers(messages, before)
+    left = PageRoom(room)
     for index, m in enumerate(messages):
-        yield _message_view(m, answers.get(index), pending)
+        yield _message_view(m, answers.get(index), pending, left)
 
 
-def _message_view(m: AgentMessage, answers: str | None, pending: PendingHitl | None) -> MessageView:
+def _message_view(
+    m: AgentMessage, answers: str | None, pending: PendingHitl | None, room: PageRoom
+) -> MessageView:
     content = m.content
     if m.role == "tool" and content is not None:
-        content = pretty_json(content)
+        content = room.pretty(content)
     return MessageView(
         seq=m.seq,
         role=m.role,
@@ -305,11 +355,11 @@ def _message_view(m: AgentMessage, answers: str | None, pending: PendingHitl | N
         turn_id=m.turn_id,
         content=content,
         tool_calls=[
-            ToolCallView(c.id, c.function.name, pretty_json(c.function.arguments))
+            ToolCallView(c.id, c.function.name, room.pretty(c.function.arguments))
             for c in m.tool_calls or ()
         ],
         answers=answers,
-        hitl=_hitl_view(m, pending),
+        hitl=_hitl_view(m, pending, room),
         error=m.error.message if m.error else None,
         upload=(
             UploadView(
@@ -447,18 +497,20 @@ def _upload(value: Any) -> UploadView | None:
     )
 
 
-def legacy_part_view(raw: Any) -> LegacyPartView:
-    """One legacy response part, read through the converter's own part reader."""
+def legacy_part_view(raw: Any, room: PageRoom | None = None) -> LegacyPartView:
+    """One legacy response part, read through the converter's own part reader; its JSON
+    indented within `room` (`PageRoom`: a page's, else one of `PAGE_SHOWS`)."""
+    room = room or PageRoom()
     part = normalize_part(raw)
     call_id = f" ({part.tool_call_id})" if part.tool_call_id else ""
     if part.kind == "text":
         return LegacyPartView(part.kind, "Text", str(part.content or ""))
     if part.kind == "tool_call":
         title = f"Tool call: {part.tool_name or '?'}{call_id}"
-        return LegacyPartView(part.kind, title, pretty_json(part.args or {}))
+        return LegacyPartView(part.kind, title, room.pretty(part.args or {}))
     if part.kind == "tool_result":
         title = f"Tool result: {part.tool_name or '?'}{call_id}"
-        return LegacyPartView(part.kind, title, pretty_json(part.result))
+        return LegacyPartView(part.kind, title, room.pretty(part.result))
     if part.kind == "file_upload":
         upload = _upload(part.upload)
         assert upload is not None
@@ -467,17 +519,19 @@ def legacy_part_view(raw: Any) -> LegacyPartView:
         )
     if part.kind == "hitl":
         title = f"HITL prompt: {part.action or '?'} [{part.request_id or '?'}]"
-        body = (part_text(part) or "") + "\n" + pretty_json(part.params or {})
+        body = (part_text(part) or "") + "\n" + room.pretty(part.params or {})
         return LegacyPartView(part.kind, title, body.strip())
     if part.kind == "error":
         return LegacyPartView(part.kind, "Error", str(part.content or ""))
     if not isinstance(raw, Mapping):
-        return LegacyPartView("unknown", "Unreadable part", pretty_json(raw))
+        return LegacyPartView("unknown", "Unreadable part", room.pretty(raw))
     fields = {k: v for k, v in raw.items() if k not in ("type", "part_kind")}
-    return LegacyPartView("unknown", f"Unknown part type {part.declared!r}", pretty_json(fields))
+    return LegacyPartView("unknown", f"Unknown part type {part.declared!r}", room.pretty(fields))
 
 
-def legacy_turn_view(doc: Mapping[str, Any]) -> LegacyTurnView:
+def legacy_turn_view(doc: Mapping[str, Any], room: PageRoom | None = None) -> LegacyTurnView:
+    """One legacy turn document, readable; its JSON indented within `room` (`PageRoom`)."""
+    room = room or PageRoom()
     parts = doc.get("response_parts")
     return LegacyTurnView(
         id=str(doc.get("_id", "")),
@@ -486,13 +540,23 @@ def legacy_turn_view(doc: Mapping[str, Any]) -> LegacyTurnView:
         user_message=str(doc.get("user_message") or ""),
         name=doc.get("name"),
         upload=_upload(doc.get("upload_result")),
-        parts=[legacy_part_view(p) for p in parts] if isinstance(parts, list) else [],
+        parts=[legacy_part_view(p, room) for p in parts] if isinstance(parts, list) else [],
         usage=usage_text(
             doc.get("token_usage") if isinstance(doc.get("token_usage"), Mapping) else None,
             doc.get("latency_ms"),
         ),
         other_fields=sorted(str(k) for k in doc if k not in _KNOWN_TURN_KEYS),
     )
+
+
+def legacy_turn_views(
+    docs: Iterable[Mapping[str, Any]], room: int = PAGE_SHOWS
+) -> Iterator[LegacyTurnView]:
+    """Legacy turn documents as a page reads them, one at a time (`within_page`), the JSON
+    they indent bounded by `room`, what the page prints at most (`PageRoom`)."""
+    left = PageRoom(room)
+    for doc in docs:
+        yield legacy_turn_view(doc, left)
 
 
 _View = TypeVar("_View")

@@ -38,7 +38,7 @@ from app.presentation import (
     TranscriptPages,
     calls_made_before,
     hidden_shown,
-    legacy_turn_view,
+    legacy_turn_views,
     message_views,
     search_hit_view,
     when,
@@ -381,10 +381,12 @@ async def transcript(request: Request, store: Store) -> Response:
 
     full = request.query_params.get("full") == "true"
     if full:  # the whole texts of as many as the page can show (fewer, their texts larger)
-        messages = await store.conversations.with_full_texts(whole_within(messages))
+        messages = await store.conversations.with_full_texts(whole_within(messages, PAGE_SHOWS))
     # Up to `MESSAGES_PER_PAGE`, as many as fit the page (`within_page`).
-    views = message_views(messages, pending=conversation.pending_hitl, before=page.before)
-    shown = within_page(views)[0]
+    views = message_views(
+        messages, pending=conversation.pending_hitl, before=page.before, room=PAGE_SHOWS
+    )
+    shown = within_page(views, PAGE_SHOWS)[0]
     return render(
         "transcript.html",
         conversation=conversation,
@@ -454,9 +456,10 @@ async def legacy(request: Request, store: Store) -> Response:
         if not turns:
             raise
         conversation, messages, more_messages = None, [], False  # the legacy side alone
-    shown_turns, turns_cut = within_page(map(legacy_turn_view, turns), PAGE_SHOWS // 2)
+    room = PAGE_SHOWS // 2  # each column's
+    shown_turns, turns_cut = within_page(legacy_turn_views(turns, room), room)
     pending = conversation.pending_hitl if conversation else None
-    shown = within_page(message_views(messages, pending=pending), PAGE_SHOWS // 2)[0]
+    shown = within_page(message_views(messages, pending=pending, room=room), room)[0]
     return render(
         "legacy.html",
         conversation_id=conversation_id,
@@ -466,7 +469,7 @@ async def legacy(request: Request, store: Store) -> Response:
         next_turn=from_turn + len(shown_turns) if turns_cut or more_turns else None,
         messages=shown,
         pages=TranscriptPages.of(messages, len(shown), more_messages, from_seq, MESSAGES_PER_PAGE),
-        page_shows=PAGE_SHOWS // 2,
+        page_shows=room,
     )
 
 

@@ -20,7 +20,7 @@ from pydantic import StringConstraints, TypeAdapter, ValidationError
 from pymongo import AsyncMongoClient, monitoring
 
 from agent_store.core import MAX_TOOL_CALLS, UNDESCRIBED_PATTERN, describe_validation_error
-from agent_store.store import CONVERSATIONS, MESSAGES
+from agent_store.store import CONVERSATIONS, MESSAGES, _turns
 from app.json_body import MAX_BODY_DEPTH, MAX_BODY_VALUES
 from tests.api_harness import (
     OTHER,
@@ -1178,3 +1178,65 @@ async def test_a_stored_dbref_is_served_as_the_object_it_was_written_as(
                 response = await api.http.get(path, headers=headers)
                 assert response.status_code == 200, (path, response.text[:300])
                 assert json.dumps(SCHEMA["$defs"], separators=(",", ":")) in response.text, path
+
+
+# -- JSON held in strings ---------------------------------------------------------------------
+
+WIDE_TEXT = "[" + ",".join(["{}"] * MAX_BODY_VALUES) + "]"
+"""JSON text of one value more than a body may hold (`MAX_BODY_VALUES`), as a string."""
+DEEP_TEXT = nested(3_000, "1,2")
+"""JSON text nested past what Python's recursion reaches (6 KB), as a string."""
+
+
+def called_with(arguments: str) -> bytes:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    message = {"role": "assistant", "content": None, "tool_calls": [call]}
+    return json.dumps({"turn_id": "t-json-text", "messages": [message]}).encode()
+
+
+def walked_values(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The JSON values the store walks to put arguments in key order (`_normal_json`)."""
+    walked: list[object] = []
+    normal = _turns._normal_json
+
+    def counted(value: object) -> object:
+        walked.append(value)
+        return normal(value)
+
+    monkeypatch.setattr(_turns, "_normal_json", counted)
+    return walked
+
+
+@pytest.mark.parametrize("text", [WIDE_TEXT, DEEP_TEXT], ids=["wide", "deep"])
+@pytest.mark.parametrize("headers", [SERVICE, auth_headers(user=OWNER)], ids=["service", "user"])
+async def test_arguments_text_past_the_bounds_of_json_the_store_walks_is_kept_as_written(
+    api: Served, monkeypatch: pytest.MonkeyPatch, text: str, headers: dict[str, str]
+) -> None:
+    """Arguments are kept as the caller sent them, JSON or not. JSON text holding more values
+    than a body may (`MAX_BODY_VALUES`) or nested deeper than a value may
+    (`MAX_PARAMS_DEPTH`) is compared with a retry as written, never walked to sort its keys
+    (14 MB of `[[],[],…]` held the event loop 4.6 s; nested 3,000 deep it answered 500): 201,
+    its retry a replay, no more values walked than the bound."""
+    walked = walked_values(monkeypatch)
+    sent = await api.http.post(TURNS, content=called_with(text), headers=JSON | headers)
+    assert sent.status_code == 201, sent.text[:300]
+    again = await api.http.post(TURNS, content=called_with(text), headers=JSON | headers)
+    assert again.status_code == 200, again.text[:300]
+    assert len(walked) <= MAX_BODY_VALUES
+    stored = await api.db[MESSAGES].find_one({"turn_id": "t-json-text"})
+    assert stored is not None
+    assert stored["tool_calls"][0]["function"]["arguments"] == text
+
+
+async def test_a_native_json_text_holding_more_values_than_a_body_may_is_refused(
+    api: Served,
+) -> None:
+    """A native value kept as JSON text counts its values as the body would: over
+    `MAX_BODY_VALUES`, 422 naming the key and the bound, before the text is parsed (it was
+    parsed and walked, 4.5 s for 14 MB, then refused for another reason)."""
+    native = {"format": "langchain", "set": {"k": WIDE_TEXT}, "json_text": ["k"]}
+    message = {"role": "assistant", "content": "x", "native": native}
+    body = json.dumps({"turn_id": "t-native", "messages": [message]}).encode()
+    words = await refused(api, "POST", TURNS, body, 422)
+    assert "json_text names k" in words
+    assert f"more than {MAX_BODY_VALUES} JSON values" in words

@@ -1334,3 +1334,25 @@ def test_a_history_on_a_synchronous_database_refuses_a_logger_it_cannot_drive() 
         refused = "pass `logger` and `store` with an async database"
         with pytest.raises(InvalidInput, match=refused):
             ConversationChatHistory(CID, client["sync"], logger=logger)
+
+
+@pytest.mark.parametrize("depth", [3_000, 20_000])
+async def test_arguments_nested_past_what_python_parses_are_read_back_as_their_text(
+    backend: Backend, depth: int
+) -> None:
+    """Arguments are stored as any writer sent them: JSON text nested deeper than Python's
+    parser reads (20,000 levels; the history raised RecursionError) is given back as text,
+    as text that is no JSON is; shallower, as the value it spells."""
+    text = "[" * depth + "1,2" + "]" * depth
+    calls = [{"id": "call_1", "function": {"name": "lookup", "arguments": text}}]
+    turn = [{"role": "assistant", "content": None, "tool_calls": calls}]
+    await AgentMessageLogger(backend.db).log_messages(CID, turn)
+
+    (read_back,) = await ConversationChatHistory(CID, backend.db).aget_messages()
+
+    assert isinstance(read_back, AIMessage)
+    (call,) = read_back.tool_calls
+    if depth > 10_000:
+        assert call["args"] == {"arguments": text}
+    else:
+        assert isinstance(call["args"]["arguments"], list)

@@ -23,8 +23,8 @@ from agent_store import (
     Truncation,
     VersionMismatch,
 )
-from agent_store.core import message_adapter
-from agent_store.store import TurnRules, blob_id
+from agent_store.core import MAX_JSON_VALUES, message_adapter
+from agent_store.store import TurnRules, _turns, blob_id, parse_messages
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
 from tests.api_harness import digest
 from tests.conftest import Backend
@@ -994,3 +994,41 @@ async def test_a_turn_naming_a_version_is_logged_only_into_that_conversation(
     with pytest.raises(VersionMismatch):
         await logger.log_messages("c-version", said, user_id="u-1", version=first.version)
     assert await store.transcript("c-version") == []
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        "[" + ",".join(["{}"] * MAX_JSON_VALUES) + "]",
+        "[" * 3_000 + "1,2" + "]" * 3_000,
+    ],
+    ids=["wide", "deep"],
+)
+async def test_arguments_past_the_bounds_of_json_the_store_walks_are_logged_as_written(
+    backend: Backend, arguments: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library agrees with the service: arguments holding more JSON values than
+    `MAX_JSON_VALUES`, or nested deeper than `MAX_PARAMS_DEPTH`, are logged as written and
+    compared with a retry as written, never walked to sort their keys (nested 3,000 deep
+    they raised a bare RecursionError)."""
+    walked: list[object] = []
+    normal = _turns._normal_json
+    monkeypatch.setattr(_turns, "_normal_json", lambda v: walked.append(v) or normal(v))
+    logger = AgentMessageLogger(backend.db)
+    call = {"id": "c1", "function": {"name": "f", "arguments": arguments}}
+    turn = [{"role": "assistant", "tool_calls": [call]}]
+    first = await logger.log_messages(CID, turn, turn_id="t0")
+    again = await logger.log_messages(CID, turn, turn_id="t0")
+
+    assert again.replayed
+    assert first.turn_id == again.turn_id
+    assert len(walked) <= MAX_JSON_VALUES
+    (stored,) = await ConversationStore(backend.db).transcript(CID)
+    assert stored.tool_calls is not None
+    assert stored.tool_calls[0].function.arguments == arguments
+
+
+def test_a_native_json_text_of_more_values_than_the_bound_is_refused_naming_it() -> None:
+    native = {"format": "langchain", "set": {"k": "[" + "0," * MAX_JSON_VALUES + "0]"}}
+    with pytest.raises(InvalidInput, match=f"json_text names k, .*more than {MAX_JSON_VALUES}"):
+        parse_messages([{"role": "user", "content": "x", "native": native | {"json_text": ["k"]}}])

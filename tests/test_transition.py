@@ -23,7 +23,7 @@ from agent_store import (
     TurnRules,
     VersionMismatch,
 )
-from agent_store.core import AgentMessage, utc_now
+from agent_store.core import MAX_JSON_VALUES, AgentMessage, utc_now
 from agent_store.legacy import (
     LEGACY_TURNS,
     MIXED_USER_IDS,
@@ -78,6 +78,38 @@ async def test_dual_write_keeps_each_turn_as_a_legacy_turn_that_converts_back(
     assert [m.created_at for m in converted.messages if m.role == "user"] == [
         m.created_at for m in transcript if m.role == "user"
     ]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 80 + "1,2" + "]" * 80,
+        "[" * 3_000 + "1,2" + "]" * 3_000,
+        "[" * 20_000 + "1,2" + "]" * 20_000,
+        "[" + ",".join(["[]"] * MAX_JSON_VALUES) + "]",
+    ],
+    ids=["past-mongodbs-depth", "past-pythons-recursion", "past-pythons-parser", "wide"],
+)
+async def test_dual_write_keeps_json_past_the_bounds_the_store_walks_as_its_text(
+    backend: Backend, text: str
+) -> None:
+    """A call's arguments and a result the turn stores as written (JSON nested deeper than
+    `MAX_PARAMS_DEPTH`, or of more values than `MAX_JSON_VALUES`) are copied as their text,
+    never parsed into the legacy turn (nested 3,000 deep the copy failed the turn with a
+    RecursionError; 100 levels are more than MongoDB keeps): the turn is stored, its copy
+    converts back to it."""
+    logger = AgentMessageLogger(backend.db, observers=[LegacyTurns(backend.db, dual_write=True)])
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": text}}
+    turn = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": text},
+    ]
+    await logger.log_messages("conv-deep", turn, user_id="user-1", turn_id="t0")
+
+    (copy,) = await backend.db[LEGACY_TURNS].find().to_list(None)
+    transcript = await ConversationStore(backend.db).transcript("conv-deep")
+    assert visible(convert([copy]).messages) == visible(transcript)
 
 
 async def test_a_conversation_with_legacy_turns_kept_beside_it_can_be_renamed(

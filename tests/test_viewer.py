@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from markupsafe import escape
 
 from agent_store import ConversationStore, UserMessage
 from agent_store.store import HIDDEN_CHARACTERS
@@ -23,6 +24,7 @@ from app.presentation import (
     legacy_turn_view,
     message_views,
     pretty_json,
+    shown_bytes,
     view_bytes,
     within_page,
 )
@@ -821,6 +823,25 @@ def test_hidden_characters_are_shown_as_the_escapes_they_were_always_shown_as() 
     mixed = "".join(f"{c}x\n\t\u00e9\U0001f600\\u0001" for c in HIDDEN_CHARACTERS) * 3
     for text in (*HIDDEN_CHARACTERS, HIDDEN_CHARACTERS, mixed, "\x01" * 1000, ""):
         assert hidden_shown(text) == escaped_one_by_one(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "plain [1, 2] {\"a\": 'b'} & <i>",
+        "\u00e9\U0001f600 \u2028 \x85 \ud800 \n\t\u2026 <&>",
+        "[[],[]]" * 1000 + "\u2026",
+        HIDDEN_CHARACTERS + "<&>\u00e9",
+    ],
+    ids=["empty", "ascii", "unicode", "json-cut", "hidden"],
+)
+def test_the_bytes_a_page_prints_of_a_text_are_those_of_the_text_it_prints(text: str) -> None:
+    """`shown_bytes` counts a text without hidden characters from its escapes' counts (no
+    Python step per character of a text that is not ASCII): the same count as the text
+    printed, hidden characters escaped and markup escaped, in UTF-8."""
+    printed = str(escape(hidden_shown(text)))
+    assert shown_bytes(text) == len(printed.encode("utf-8", "surrogatepass"))
 
 
 def test_a_page_takes_views_while_they_fit_and_cuts_a_first_one_larger_than_it() -> None:

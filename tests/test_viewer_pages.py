@@ -17,7 +17,7 @@ from pymongo.errors import AutoReconnect, OperationFailure
 from agent_store.core import AgentMessage, StorageUnavailable, Unsupported
 from agent_store.legacy import LEGACY_TURNS, convert
 from agent_store.store import CONVERSATIONS, MESSAGES, storage_errors
-from app import viewer
+from app import presentation, viewer
 from app.demo import OTHER_USER_ID
 from app.viewer import CONVERSATIONS_PER_PAGE, MESSAGES_PER_PAGE, NO_TEXT_INDEX, PAGE_SHOWS
 from tests.api_harness import (
@@ -754,3 +754,119 @@ async def test_the_legacy_comparison_of_a_conversation_whose_delete_failed_part_
         assert page.status_code == 404, path
         assert "was not found" in page.text
         assert "data-legacy-turn=" not in page.text
+
+
+ROOM = 64 * 1024
+"""What the pages below may print (`PAGE_SHOWS` lowered so that their texts stay small)."""
+WIDE_JSON = "[" + ",".join(["[]"] * 100_000) + "]"
+"""300 KB of JSON text, 100,000 values: several times what such a page can print."""
+
+
+def indented_characters(
+    monkeypatch: pytest.MonkeyPatch, built: list[int] | None = None
+) -> list[int]:
+    """The lengths of the texts the viewer's pages indent (`_reindented`), as they indent
+    them; `built`: how many characters indenting each built (all of it, or as many as it
+    could before it was given up)."""
+    indented: list[int] = []
+    reindented = presentation._reindented
+
+    def counted(text: str, most: int) -> str | None:
+        indented.append(len(text))
+        shown = reindented(text, most)
+        if built is not None:
+            built.append(most if shown is None else len(shown))
+        return shown
+
+    monkeypatch.setattr(presentation, "_reindented", counted)
+    monkeypatch.setattr(viewer, "PAGE_SHOWS", ROOM)
+    return indented
+
+
+def one_call(arguments: str, result: str) -> list[dict[str, Any]]:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": result},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "result", "query"),
+    [
+        pytest.param("{}", WIDE_JSON, "?full=true&from_seq=2", id="full-result"),
+        pytest.param(WIDE_JSON, "{}", "?full=true&from_seq=1", id="full-arguments"),
+        pytest.param("{}", WIDE_JSON, "/legacy", id="legacy-result"),
+        pytest.param(WIDE_JSON, "{}", "/legacy", id="legacy-arguments"),
+    ],
+)
+async def test_a_page_indents_no_more_json_than_it_can_print(
+    monkeypatch: pytest.MonkeyPatch, arguments: str, result: str, query: str
+) -> None:
+    """A page's work on a text follows what it prints, never what was stored: JSON longer
+    than what the page has left to print is shown as stored, unindented (and cut to fit),
+    never indented whole first (a 14 MB result held the event loop 14-20 s for a 4 MiB page,
+    every other request waiting); JSON the page can print is indented as before. On every
+    page: the full texts of a transcript, the legacy comparison (both its columns)."""
+    settings = api_settings(max_message_bytes=16_384, legacy_dual_write=True)
+    async with serve(mongomock_db(), settings, seeded=False) as api:
+        await signed_in(api)
+        await api.store.logger.log_messages(
+            "conv-wide-json", one_call(arguments, result), user_id=OWNER, turn_id="t0"
+        )
+        indented = indented_characters(monkeypatch)
+        page = await api.http.get(f"/viewer/conversations/conv-wide-json{query}")
+
+        assert page.status_code == 200
+        assert len(page.content) <= ROOM + 64 * 1024
+        assert sum(indented) <= ROOM
+        assert "[\n  []," not in page.text
+        assert "[[],[]," in page.text  # shown as stored, as much as fits
+
+
+async def test_a_page_indents_the_json_it_can_print_as_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """JSON within what a page prints is indented, on the transcript and the legacy
+    comparison alike."""
+    settings = api_settings(legacy_dual_write=True)
+    async with serve(mongomock_db(), settings, seeded=False) as api:
+        await signed_in(api)
+        turn = one_call('{"city": "Paris"}', '{"temperature": [21, 23]}')
+        await api.store.logger.log_messages("conv-json", turn, user_id=OWNER, turn_id="t0")
+        indented = indented_characters(monkeypatch)
+        for query in ("", "?full=true", "/legacy"):
+            page = await api.http.get(f"/viewer/conversations/conv-json{query}")
+            assert page.status_code == 200
+            shown = escape('{\n  "temperature": [\n    21,\n    23\n  ]\n}')
+            assert shown in page.text, query
+            assert escape('{\n  "city": "Paris"\n}') in page.text, query
+        assert indented
+
+
+async def test_a_page_tries_to_indent_no_more_than_it_can_print(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """JSON that would grow past `PRETTY_GROWTH` times its size indented is shown as stored
+    once indenting it has built that much: the page counts what it tried against what it
+    prints, so results each within the page, each given up, cost what the page prints once,
+    not once each (four 1 MB results nested 5 levels: 4.6 s of indenting for one page)."""
+    wide = "[" * 5 + ",".join(["[]"] * 4_000) + "]" * 5  # 12 KB, 60 KB indented
+    turn = [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"c{n}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            for n in range(4)
+        ]},
+        *({"role": "tool", "tool_call_id": f"c{n}", "content": wide} for n in range(4)),
+    ]  # fmt: skip
+    async with serve(mongomock_db(), seeded=False) as api:
+        await signed_in(api)
+        await api.store.logger.log_messages("conv-wide", turn, user_id=OWNER, turn_id="t0")
+        built: list[int] = []
+        indented_characters(monkeypatch, built)
+        page = await api.http.get("/viewer/conversations/conv-wide")
+
+        assert page.status_code == 200
+        assert page.text.count(str(escape(wide))) == 4  # each shown as stored
+        assert sum(built) <= ROOM

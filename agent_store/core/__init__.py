@@ -24,12 +24,17 @@ from agent_store.core._errors import (
     shown,
     shown_key,
 )
+from agent_store.core._json_text import (
+    MAX_JSON_VALUES,
+    MAX_PARAMS_DEPTH,
+    bounded_json,
+    nests_deeper_than,
+)
 from agent_store.core._models import (
     HOLDING_PROMPTS_KEPT,
     IDENTIFIER_PATTERN,
     MAX_CALL_ID_CHARS,
     MAX_HELD_CALLS,
-    MAX_PARAMS_DEPTH,
     MAX_SAFE_INTEGER,
     MAX_TOOL_CALLS,
     RESOLVED_PROMPTS_KEPT,
@@ -124,6 +129,7 @@ __all__ = [
     "INTERRUPTED_RESULT",
     "MAX_CALL_ID_CHARS",
     "MAX_HELD_CALLS",
+    "MAX_JSON_VALUES",
     "MAX_PARAMS_DEPTH",
     "MAX_SAFE_INTEGER",
     "MAX_TOOL_CALLS",
@@ -189,6 +195,7 @@ __all__ = [
     "answers_to_calls",
     "approval_held_again",
     "awaiting_results",
+    "bounded_json",
     "calls_answered",
     "conversation_version",
     "dbref_path",
@@ -208,6 +215,7 @@ __all__ = [
     "lone_surrogate",
     "message_adapter",
     "messages_adapter",
+    "nests_deeper_than",
     "outcome_error",
     "popped_up_to",
     "result_text",

@@ -48,6 +48,7 @@ from agent_store.core._errors import (
     shown,
     shown_key,
 )
+from agent_store.core._json_text import MAX_JSON_VALUES, MAX_PARAMS_DEPTH, json_values_past
 
 Role = Literal["system", "user", "assistant", "tool"]
 """Who speaks a message, as in the OpenAI chat format."""
@@ -197,9 +198,6 @@ MAX_TOOL_CALLS = 1000
 """The most tool calls one assistant message may make: far more than a model asks for at once.
 Each is listed on its conversation while it waits, and a message over its byte bound made of
 thousands of small calls is costly to cut (30,000 calls held a turn for 42 s)."""
-
-MAX_PARAMS_DEPTH = 64
-"""How deeply HITL params may nest: far below MongoDB's limit of 100 levels per document."""
 
 IDENTIFIER_PATTERN = (
     r"^(?:[A-Za-z0-9_:@|-][A-Za-z0-9_.:@|-]{0,199}"
@@ -660,7 +658,10 @@ _NO_JSON = object()
 def _json_text_refusal(value: Any) -> str | None:
     """What is wrong with `value` as the JSON text of a native value (`NativeForm.json_text`),
     None if nothing: it is what `NativeForm.keeping` writes, JSON text spelling a value that
-    passes the checks of a value of `set` but for what BSON would not give back as it is."""
+    passes the checks of a value of `set` but for what BSON would not give back as it is,
+    holding at most `MAX_JSON_VALUES` values as a body may (counted before it is parsed)."""
+    if isinstance(value, str) and json_values_past(value):
+        return f"holds more than {MAX_JSON_VALUES} JSON values, more than the store walks"
     try:
         spelt = json.loads(value) if isinstance(value, str) else _NO_JSON
     except (ValueError, RecursionError):

@@ -106,7 +106,7 @@ def from_stored(stored: AgentMessage, extras: Mapping[str, Any] | None = None) -
 def _parsed(arguments: str) -> Any:
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # no JSON, or nested deeper than Python reads
         return {}
     return value if isinstance(value, dict) else {}
 

@@ -159,7 +159,7 @@ def _rebuilt(message: AgentMessage) -> BaseMessage | None:
 def _arguments(arguments: str) -> dict[str, Any]:
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # no JSON, or nested deeper than Python reads
         return {"arguments": arguments}
     return value if isinstance(value, dict) else {"arguments": value}
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from bson import Int64
 
-from agent_store.core import MAX_SAFE_INTEGER, AgentMessage, Truncation, Usage
+from agent_store.core import MAX_SAFE_INTEGER, AgentMessage, Truncation, Usage, bounded_json
 from agent_store.legacy._documents import (
     CUT_FIELD,
     EXACT_FIELD,
@@ -32,11 +32,14 @@ def _as_found(text: str | None, *, compact: bool) -> Any:
     """JSON text as a value when BSON holds that value (`encodes`: no integer past int64, no
     key holding NUL) and the converter turns it back into the very same text, else the text
     itself, which the legacy format takes too: a round trip through the legacy format changes
-    nothing, and a turn's copy is always written."""
+    nothing, and a turn's copy is always written. JSON past the bounds the store walks
+    (`bounded_json`: more values than a request may hold, nested deeper than a value may) is
+    the text too: it is neither parsed nor walked (nested 3,000 deep, its copy failed the turn
+    with a RecursionError; MongoDB keeps 100 levels at most)."""
     if text is None:
         return None
     try:
-        loaded = json.loads(text)
+        loaded = bounded_json(text)
     except ValueError:
         return text
     if isinstance(loaded, str) or not encodes(loaded):

@@ -32,6 +32,7 @@ from agent_store.core import (
     PendingHitlField,
     TurnRecord,
     Usage,
+    bounded_json,
     dbref_path,
     describe_validation_error,
     json_text,
@@ -551,14 +552,16 @@ def _json_text_in_key_order(text: str) -> str:
     an object are kept) with its objects' keys sorted and its whole numbers without a
     fraction (`_normal_json`): the same value whatever order they came in. Any other text
     (not JSON, or spelt otherwise: the caller's own text) as it is, and the text itself when
-    it is so already."""
+    it is so already. JSON past the bounds of what the store walks (`bounded_json`: more
+    than `MAX_JSON_VALUES` values, counted before it is parsed, or nested deeper than
+    `MAX_PARAMS_DEPTH`) is as it is too: a retry must spell it the same way."""
     if "," not in text and "." not in text and "e+" not in text and not _WIDE.search(text):
         return text  # no two keys, no float, no whole number that may be past 64 bits
     try:
-        value = json.loads(text)
+        value = bounded_json(text)
         if json_text(value, non_finite=True) != text:
             return text
-    except (ValueError, RecursionError):
+    except ValueError:
         return text
     ordered = _normal_json(value)
     return text if ordered is value else json_text(ordered, non_finite=True)
