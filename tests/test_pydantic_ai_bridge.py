@@ -453,6 +453,22 @@ async def test_a_run_awaiting_approval_resumes_from_the_store_as_from_memory(
     )
 
 
+async def _resumed_with(
+    agent: Agent[None, str | DeferredToolRequests], history: list[ModelMessage], *decisions: Any
+) -> list[list[ModelMessage]]:
+    """The new messages of one run of `agent` resumed from `history` per decision on the
+    paused call `tc-9` (as many tabs, each from the same read of the history)."""
+    return [
+        (
+            await agent.run(
+                message_history=history,
+                deferred_tool_results=DeferredToolResults(approvals={"tc-9": decision}),
+            )
+        ).new_messages()
+        for decision in decisions
+    ]
+
+
 async def test_a_paused_call_answered_in_two_tabs_keeps_its_first_answer(backend: Backend) -> None:
     """Two tabs resume one paused run from one read of the history: one denies the call, the
     other approves it (the tool runs). The first run logged is the call's answer; the other
@@ -463,15 +479,7 @@ async def test_a_paused_call_answered_in_two_tabs_keeps_its_first_answer(backend
     first = await agent.run("Book the 09:04 to Lyon; weather there?")
     await log_run(logger, CID, first.new_messages(), turn_id="run-1")
     history = history_from_messages(await store.transcript(CID))
-    denied, approved = [
-        (
-            await agent.run(
-                message_history=history,
-                deferred_tool_results=DeferredToolResults(approvals={"tc-9": decision}),
-            )
-        ).new_messages()
-        for decision in (ToolDenied("Not that one."), True)
-    ]
+    denied, approved = await _resumed_with(agent, history, ToolDenied("Not that one."), True)
 
     await log_run(logger, CID, denied, turn_id="run-deny")
     with pytest.raises(AnsweredBefore, match="tc-9"):
@@ -496,15 +504,9 @@ async def test_a_paused_call_answered_in_two_tabs_while_its_run_is_still_written
         lost.setattr(logger._messages, "insert_many", _lost_insert)
         with pytest.raises(ConnectionError):
             await log_run(logger, CID, first.new_messages(), turn_id="run-1")
-    approved, denied = [
-        (
-            await agent.run(
-                message_history=first.all_messages(),
-                deferred_tool_results=DeferredToolResults(approvals={"tc-9": decision}),
-            )
-        ).new_messages()
-        for decision in (True, ToolDenied("Not that one."))
-    ]
+    approved, denied = await _resumed_with(
+        agent, first.all_messages(), True, ToolDenied("Not that one.")
+    )
 
     await log_run(logger, CID, approved, turn_id="run-approve")
     before = await store.transcript(CID)
@@ -538,15 +540,7 @@ async def test_a_stalled_resume_landing_after_another_resume_of_the_run_is_refus
     first = await agent.run("Book the 09:04 to Lyon; weather there?")
     await log_run(other, CID, first.new_messages(), turn_id="run-1")
     history = history_from_messages(await store.transcript(CID))
-    approved, denied = [
-        (
-            await agent.run(
-                message_history=history,
-                deferred_tool_results=DeferredToolResults(approvals={"tc-9": decision}),
-            )
-        ).new_messages()
-        for decision in (True, ToolDenied("Not that one."))
-    ]
+    approved, denied = await _resumed_with(agent, history, True, ToolDenied("Not that one."))
     stall = _StalledInsert(stalled, monkeypatch)
     late = await stall.start(log_run(stalled, CID, approved, turn_id="run-2"))
     await log_run(other, CID, denied, turn_id="run-2b")
@@ -802,40 +796,25 @@ def _screenshot_agent() -> Agent[None, str | DeferredToolRequests]:
     return agent
 
 
-async def test_a_resumed_runs_last_prompt_is_the_persons_unless_log_run_is_told_it_had_none(
-    backend: Backend,
-) -> None:
-    """Not told what the run was given (`user_prompt` left out), `log_run` takes the last user
-    prompt after a resumed run's returns for the person's, as it always did: a run resumed
-    with no prompt whose tool returned content must say so (`user_prompt=None`)."""
-    agent = _screenshot_agent()
-    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
-    first = await agent.run("Take a screenshot.")
-    await log_run(logger, CID, first.new_messages(), turn_id="run-1")
-    results = DeferredToolResults(approvals={"tc-shot": True})
-    resumed = await agent.run(
-        "And then pay.", message_history=first.all_messages(), deferred_tool_results=results
-    )
-
-    await log_run(
-        logger, CID, resumed.new_messages(), turn_id="run-2", deferred_tool_results=results
-    )
-
-    run_2 = [m for m in await store.transcript(CID) if m.turn_id == "run-2" and m.role == "user"]
-    said = [(m.content, m.error.message if m.error else None) for m in run_2]
-    assert said == [(PAGE, "tool content"), ("And then pay.", None)]
+HIDDEN_PROMPT = "And then [RUNTIME CONTEXT]plan=pro[/RUNTIME CONTEXT]pay."
 
 
 @pytest.mark.parametrize(
-    "prompt", [None, "And then [RUNTIME CONTEXT]plan=pro[/RUNTIME CONTEXT]pay."]
+    ("prompt", "told", "persons"),
+    [
+        pytest.param(None, {"user_prompt": None}, [], id="no prompt, told"),
+        pytest.param(HIDDEN_PROMPT, {"user_prompt": HIDDEN_PROMPT}, ["And then pay."], id="told"),
+        pytest.param(HIDDEN_PROMPT, {}, ["And then pay."], id="a prompt, not told"),
+    ],
 )
 async def test_a_tools_content_on_a_resumed_run_is_the_tools_whether_or_not_the_run_had_a_prompt(
-    backend: Backend, prompt: str | None
+    backend: Backend, prompt: str | None, told: dict[str, Any], persons: list[str]
 ) -> None:
     """Pydantic AI sends a resumed run's tool content, then its `user_prompt` if it was given
     one, as user prompts after the returns, alike: `log_run` is told the prompt as the run
-    was. The tool's content is marked `tool content` (stored whole); the person's words,
-    only when there were any, are theirs (hidden context stripped)."""
+    was (`None` for none). The tool's content is marked `tool content` (stored whole); the
+    person's words, only when there were any, are theirs (hidden context stripped). Not
+    told, the last is taken for the person's, as it always was."""
     agent = _screenshot_agent()
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     first = await agent.run("Take a screenshot.")
@@ -846,18 +825,12 @@ async def test_a_tools_content_on_a_resumed_run_is_the_tools_whether_or_not_the_
         prompt, message_history=first.all_messages(), deferred_tool_results=results
     )
     await log_run(
-        logger,
-        CID,
-        resumed.new_messages(),
-        turn_id="run-2",
-        deferred_tool_results=results,
-        user_prompt=prompt,
+        logger, CID, resumed.new_messages(), turn_id="run-2", deferred_tool_results=results, **told
     )
 
     run_2 = [m for m in await store.transcript(CID) if m.turn_id == "run-2" and m.role == "user"]
     said = [(m.content, m.error.message if m.error else None) for m in run_2]
-    persons = [] if prompt is None else [("And then pay.", None)]
-    assert said == [(PAGE, "tool content"), *persons]
+    assert said == [(PAGE, "tool content"), *[(words, None) for words in persons]]
 
 
 def _train_and_hotel_agent(

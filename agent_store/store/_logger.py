@@ -3111,7 +3111,6 @@ class AgentMessageLogger:
         another block (a retry moved it: its answer is this insert's), keeps them: nothing
         raised. The read, the delete (and the files'), then the give-up's fold and update
         (two or three round trips more), on this rare path only."""
-        first, last = reserved.first_seq, reserved.first_seq + plan.count
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
                 _same_as_reserved(plan.conversation_id, reserved)
@@ -3119,21 +3118,33 @@ class AgentMessageLogger:
         block = None if found is None else recorded_block(found, plan.key)
         if found is None or found.get(DELETING) is not None:
             return
-        if block is not None and block.first_seq != first:
+        if block is not None and block.first_seq != reserved.first_seq:
             return
-        with storage_errors("delete the turn's messages answered meanwhile"):
+        action = "delete the turn's messages answered meanwhile"
+        await self._delete_landed(plan, reserved, stored, action)
+        if block is not None:
+            await self._given_up_for(plan, Unlanded(error, block), found)
+        raise error
+
+    async def _delete_landed(
+        self, plan: TurnPlan, reserved: _Reserved, messages: Sequence[AgentMessage], action: str
+    ) -> None:
+        """Deletes `messages` this attempt stored in the turn's block (their ids, at its `seq`s,
+        under its epoch: never another life's nor another block's), then their whole texts.
+        One delete, and two more when some were cut (their files)."""
+        first, last = reserved.first_seq, reserved.first_seq + plan.count
+        with storage_errors(action):
             await self._messages.delete_many(
                 {
                     "conversation_id": plan.conversation_id,
-                    "_id": {"$in": [m.id for m in stored]},
+                    "_id": {"$in": [m.id for m in messages]},
                     "seq": {"$gte": first, "$lt": last},
                     "epoch": reserved.epoch,
                 }
             )
-        await self._full_texts.forget_files([b for m in stored for b in kept_blob_ids(m).values()])
-        if block is not None:
-            await self._given_up_for(plan, Unlanded(error, block), found)
-        raise error
+        await self._full_texts.forget_files(
+            [b for m in messages for b in kept_blob_ids(m).values()]
+        )
 
     async def _popped_again(
         self,
@@ -3168,16 +3179,7 @@ class AgentMessageLogger:
         ]
         if not back:
             return stored
-        with storage_errors("delete the turn's messages a pop removed"):
-            await self._messages.delete_many(
-                {
-                    "conversation_id": plan.conversation_id,
-                    "_id": {"$in": [m.id for m in back]},
-                    "seq": {"$gte": first, "$lt": last},
-                    "epoch": reserved.epoch,
-                }
-            )
-        await self._full_texts.forget_files([b for m in back for b in kept_blob_ids(m).values()])
+        await self._delete_landed(plan, reserved, back, "delete the turn's messages a pop removed")
         left = [m for m in stored if m not in back]
         if not left:
             raise _corrected(plan)
