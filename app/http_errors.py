@@ -40,7 +40,11 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "internal_error": (500, "an unexpected failure; the server log has details"),
     "storage_failure": (500, "the database refused an operation"),
     "unsupported": (501, "the connected database cannot do this"),
-    "storage_unavailable": (503, "the database is unreachable; retry"),
+    "storage_unavailable": (
+        503,
+        "the database is unreachable, or a turn lost every race with other writers (nothing "
+        "written); retry as it is",
+    ),
 }
 """code → (HTTP status, when it is used)."""
 

@@ -15,10 +15,12 @@ from agent_store import (
     ConversationStore,
     InvalidInput,
     NotFound,
+    RetryPolicy,
     SteeringInbox,
     StorageUnavailable,
     StoreError,
     TurnRules,
+    with_retries,
 )
 from agent_store.store import CONVERSATIONS, MESSAGES
 from agent_store.store._logger import OtherContent
@@ -1142,6 +1144,50 @@ async def test_a_writer_slower_than_abandon_after_stores_its_turn_past_what_read
     assert seen == [m.seq for m in stored]
     conversation = await store.get_conversation(CID)
     assert (conversation.turn_count, conversation.last_message_preview) == (3, "t1!")
+
+
+async def test_a_late_turn_whose_move_keeps_losing_to_busy_writers_is_sent_again_as_it_is(
+    backend: Backend,
+) -> None:
+    """A writer slower than `abandon_after` moves its turn to the end (above), guarded by the
+    conversation as it read it. Another writer logging a turn before each of its moves (a busy
+    conversation) makes every move lose: nothing of the turn is written, and the refusal is
+    one to send it again as it is (`StorageUnavailable`, 503, as a reservation that lost every
+    race), which `with_retries` retries, never a failure a caller drops the turn on. Sent
+    again, it is stored once, at the end."""
+    rules = TurnRules(abandon_after=timedelta(seconds=0.3))
+    fast = AgentMessageLogger(backend.db, rules=rules)
+    await fast.log_messages(CID, [user("t0?"), answer("t0!")], turn_id="t0")
+    slow = AgentMessageLogger(backend.db, rules=rules)
+    command, commands = slow._conversations.find_one_and_update, 0
+
+    async def busy(*args: Any, **kwargs: Any) -> Any:
+        nonlocal commands
+        commands += 1
+        if commands == 1:  # its reservation's reply comes back past `abandon_after`
+            reserved = await command(*args, **kwargs)
+            await asyncio.sleep(0.4)
+            return reserved
+        if commands <= 5:  # each move: another writer logged a turn just before it
+            turn = [user(f"o{commands}?"), answer(f"o{commands}!")]
+            await fast.log_messages(CID, turn, turn_id=f"o{commands}")
+        return await command(*args, **kwargs)
+
+    slow._conversations.find_one_and_update = busy  # type: ignore[method-assign]
+    late = [user("x?"), answer("x!")]
+
+    with pytest.raises(StorageUnavailable, match="send the turn again as it is") as refused:
+        await slow.log_messages(CID, late, turn_id="x")
+    assert (refused.value.status, refused.value.code) == (503, "storage_unavailable")
+    assert "x?" not in [m.content for m in await ConversationStore(backend.db).transcript(CID)]
+
+    policy = RetryPolicy(first_delay=0.01)
+    logged = await with_retries(lambda: slow.log_messages(CID, late, turn_id="x"), policy=policy)
+
+    stored = await ConversationStore(backend.db).transcript(CID)
+    assert [m.content for m in stored[-2:]] == ["x?", "x!"]
+    assert [m.seq for m in logged.messages] == [m.seq for m in stored[-2:]]
+    assert [m.content for m in stored].count("x?") == 1
 
 
 async def test_a_first_attempt_whose_neighbouring_record_the_window_dropped_is_stored_as_sent(

@@ -49,7 +49,6 @@ from agent_store.core import (
     InvalidInput,
     NotFound,
     PendingCall,
-    StorageFailure,
     StorageUnavailable,
     StoreError,
     TranscriptMoved,
@@ -2579,7 +2578,10 @@ class AgentMessageLogger:
         (deleted, or being deleted) or no longer recording the turn keeps `reserved`: its
         messages are swept after their insert (`_follow_the_conversation`), as before. No
         `writer` (a fork's copies, the first block of a conversation its fork call has not
-        handed out yet, which keep `seq` 0…n): `reserved`."""
+        handed out yet, which keep `seq` 0…n): `reserved`. Each move is guarded by the
+        conversation as read; one that other turns changed meanwhile is read again, and after
+        `_RESERVE_ATTEMPTS` such races `Unreserved` (503): nothing of the turn was written,
+        and it is sent again as it is, as a reservation that lost every race is."""
         by = (
             reserved.insert_by
             if reserved.insert_by is not None
@@ -2608,9 +2610,10 @@ class AgentMessageLogger:
             if moved.moved is None:
                 return moved
             return replace(moved, replayed=reserved.replayed)  # a first attempt is no retry
-        raise StorageFailure(
+        raise Unreserved(
             f"could not move turn {plan.turn_id!r} past what readers passed after "
-            f"{_RESERVE_ATTEMPTS} attempts"
+            f"{_RESERVE_ATTEMPTS} attempts: other turns kept changing the conversation "
+            "under it; nothing was written, send the turn again as it is"
         )
 
     async def _insert_into(
