@@ -95,11 +95,12 @@ _INDENTS = ["\n" + "  " * depth for depth in range(PRETTY_DEPTH + 1)]
 """A new line and the indent of each level `_reindented` writes, made once."""
 
 
-def _reindented(text: str, most: int) -> str | None:
+def _reindented(text: str, most: int) -> tuple[str | None, int]:
     """Valid JSON `text` indented by two spaces per level, every token as written: only the
     white space between tokens changes (a repeated key, `1E5`, an escape stay); None once
     the indented text would pass `most` characters, or its objects and arrays nest deeper
-    than `PRETTY_DEPTH` (indenting grows with the square of the depth), built no further."""
+    than `PRETTY_DEPTH` (indenting grows with the square of the depth), built no further.
+    With it, how many characters indenting built: the work it took."""
     out: list[str] = []
     depth, last, size = 0, "", 0
     for token in _JSON_TOKENS.findall(text):
@@ -116,13 +117,13 @@ def _reindented(text: str, most: int) -> str | None:
             if token in ("{", "["):
                 depth += 1
                 if depth > PRETTY_DEPTH:
-                    return None
+                    return None, size
+        if size + len(piece) > most:
+            return None, size
         out.append(piece)
         last = token
         size += len(piece)
-        if size > most:
-            return None
-    return "".join(out)
+    return "".join(out), size
 
 
 def pretty_json(value: Any, room: int | None = None) -> str:
@@ -146,7 +147,8 @@ def pretty_json(value: Any, room: int | None = None) -> str:
 
 def _pretty(value: Any, room: int | None) -> tuple[str, int]:
     """`pretty_json`, and how many characters showing it took of `room`: what it prints, or
-    when indenting it was tried and given up, what indenting could have built."""
+    when indenting it was tried and given up, what indenting built, if more (a text nested
+    too deep, given up early, takes what it prints)."""
     try:
         text = (
             value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
@@ -164,13 +166,13 @@ def _pretty(value: Any, room: int | None) -> tuple[str, int]:
     # `PRETTY_DEPTH` times its size, so indenting stops at a few times the text's.
     most = PRETTY_GROWTH * len(text) + PRETTY_SLACK
     most = most if room is None else min(most, room)
-    indented = _reindented(text, most)
-    return (text, max(most, len(text))) if indented is None else (indented, len(indented))
+    indented, built = _reindented(text, most)
+    return (text, max(built, len(text))) if indented is None else (indented, built)
 
 
 class PageRoom:
     """What a page has left to print of the JSON it shows (`pretty_json`): each text takes
-    what it prints, or what indenting it could have built when that was given up, so a page
+    what it prints, or what indenting it built before it was given up, if more, so a page
     indents (or tries to) at most what it can print, whatever it reads."""
 
     def __init__(self, left: int = PAGE_SHOWS) -> None:

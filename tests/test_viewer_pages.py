@@ -771,12 +771,12 @@ def indented_characters(
     indented: list[int] = []
     reindented = presentation._reindented
 
-    def counted(text: str, most: int) -> str | None:
+    def counted(text: str, most: int) -> tuple[str | None, int]:
         indented.append(len(text))
-        shown = reindented(text, most)
+        shown, size = reindented(text, most)
         if built is not None:
-            built.append(most if shown is None else len(shown))
-        return shown
+            built.append(size)
+        return shown, size
 
     monkeypatch.setattr(presentation, "_reindented", counted)
     monkeypatch.setattr(viewer, "PAGE_SHOWS", ROOM)
@@ -870,3 +870,30 @@ async def test_a_page_tries_to_indent_no_more_than_it_can_print(
         assert page.status_code == 200
         assert page.text.count(str(escape(wide))) == 4  # each shown as stored
         assert sum(built) <= ROOM
+
+
+async def test_json_nested_too_deep_to_indent_leaves_the_page_room_for_the_json_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A result nested past `PRETTY_DEPTH` is given up early and shown as stored: it takes
+    of the page what it prints, not what indenting might have built, so the small results
+    after it are indented as on any page."""
+    deep = "[" * 40 + "1" + "]" * 40
+    results = [deep, deep, *(f'{{"n": {n}}}' for n in range(4))]
+    turn = [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"c{n}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            for n in range(len(results))
+        ]},
+        *({"role": "tool", "tool_call_id": f"c{n}", "content": r} for n, r in enumerate(results)),
+    ]  # fmt: skip
+    async with serve(mongomock_db(), seeded=False) as api:
+        await signed_in(api)
+        await api.store.logger.log_messages("conv-deep", turn, user_id=OWNER, turn_id="t0")
+        monkeypatch.setattr(viewer, "PAGE_SHOWS", 2 * (4 * len(deep) + presentation.PRETTY_SLACK))
+        page = await api.http.get("/viewer/conversations/conv-deep")
+
+        assert page.status_code == 200
+        assert page.text.count(str(escape(deep))) == 2  # shown as stored
+        for n in range(4):
+            assert escape(f'{{\n  "n": {n}\n}}') in page.text
