@@ -695,7 +695,6 @@ def _per_response_ids_agent(
     return agent
 
 
-@pytest.mark.parametrize("resumed_from", ["the runtime's history", "the store's history"])
 @pytest.mark.parametrize(
     "first_needs_approval",
     [
@@ -703,14 +702,16 @@ def _per_response_ids_agent(
         pytest.param(True, id="id-used-again-across-the-pause"),
     ],
 )
-async def test_a_runtime_resumes_a_call_whose_id_the_provider_used_again_by_the_id_it_was_given(
-    backend: Backend, resumed_from: str, first_needs_approval: bool
+async def test_a_call_whose_id_the_provider_used_again_is_resumed_by_the_id_the_store_gives_it(
+    backend: Backend, first_needs_approval: bool
 ) -> None:
     """The store names the second `call_0` `call_0_2` (an id is used once in a turn, and a
     turn cannot answer an earlier `call_0` before making one); Pydantic AI names it `call_0`
-    in `DeferredToolRequests`. Resumed from its own history with that id, or from the
-    store's with the store's (`pending_calls`), the run is logged: its result answers the
-    paused call, stored once, nothing pending, and the run's retry is its replay."""
+    in `DeferredToolRequests`. Resumed from the store's history by the store's id
+    (`pending_calls`), the run is logged: its result answers the paused call, stored once,
+    nothing pending, the run's retry its replay. Resumed from the runtime's own history by
+    `call_0`, its answer names the answered call: refused (`AnsweredBefore`), nothing
+    stored, the call still pending (RUNTIMES.md, "A call id the provider used again")."""
     agent = _per_response_ids_agent("check", "book", first_needs_approval=first_needs_approval)
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     run = await agent.run("Check, then book.")
@@ -722,23 +723,27 @@ async def test_a_runtime_resumes_a_call_whose_id_the_provider_used_again_by_the_
             logger, CID, run.new_messages(), turn_id="run-2", deferred_tool_results=results
         )
     assert isinstance(run.output, DeferredToolRequests)
-    asked = {call.tool_call_id: True for call in run.output.approvals}
-    assert asked == {"call_0": True}  # as Pydantic AI names the paused `book`
+    assert [call.tool_call_id for call in run.output.approvals] == ["call_0"]
     [pending] = await store.pending_calls(CID)
-    assert pending.tool_call_id == "call_0_2"  # as the store names it
-    history = run.all_messages()
-    if resumed_from == "the store's history":
-        history = history_from_messages(await store.transcript(CID))
-        asked = {pending.tool_call_id: True}
+    assert pending.tool_call_id == "call_0_2"
 
-    results = DeferredToolResults(approvals=asked)
+    as_runtime = DeferredToolResults(approvals={"call_0": True})
+    stale = await agent.run(message_history=run.all_messages(), deferred_tool_results=as_runtime)
+    with pytest.raises(AnsweredBefore):
+        await log_run(
+            logger, CID, stale.new_messages(), turn_id="run-x", deferred_tool_results=as_runtime
+        )
+    assert [c.tool_call_id for c in await store.pending_calls(CID)] == ["call_0_2"]
+
+    results = DeferredToolResults(approvals={pending.tool_call_id: True})
+    history = history_from_messages(await store.transcript(CID))
     last = await agent.run(message_history=history, deferred_tool_results=results)
     await log_run(logger, CID, last.new_messages(), turn_id="run-3", deferred_tool_results=results)
     retried = await log_run(
         logger, CID, last.new_messages(), turn_id="run-3", deferred_tool_results=results
     )
 
-    assert retried.replayed  # the retry names the call as the logged run did
+    assert retried.replayed
     assert last.output == "Done: book done."
     assert await store.pending_calls(CID) == []
     stored = await store.transcript(CID)

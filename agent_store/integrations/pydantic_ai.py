@@ -37,10 +37,7 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
 - a call the run left unanswered (a tool that requires approval, or a
   deferred call: the run ended with `DeferredToolRequests`): stored without
   an answer, so the conversation lists it as pending; the next run's return
-  for it (`deferred_tool_results`) is stored as its answer. A call id the provider
-  used again (`call_0` in each response) is stored renamed (`call_0_2`), as
-  `pending_calls` and the history name it; a resumed run naming it as Pydantic AI
-  did (`call_0`) answers it too (`log_run`). A call the run left
+  for it (`deferred_tool_results`) is stored as its answer. A call the run left
   unanswered for good (its response `interrupted`: a cancelled stream, a usage limit
   crossed; or the run cut off while its tools ran) is answered `interrupted`, as
   Pydantic AI closes it before a new prompt: closed, never run, never pending.
@@ -77,8 +74,7 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime
 from enum import Enum
@@ -202,7 +198,6 @@ def messages_from_run(
     markers: RuntimeContextMarkers = DEFAULT_MARKERS,
     resumed: Collection[str] = (),
     prompted: bool = True,
-    answering: Mapping[str, str] | None = None,
 ) -> list[AgentMessage]:
     """The stored messages of an agent run's messages (`result.new_messages()`), in order.
 
@@ -216,9 +211,7 @@ def messages_from_run(
     call id the provider used again within the run is renamed `<id>_<n>` (with its
     result), and a warning logged. `resumed` names the calls of an earlier run this run was
     resumed on (the ids its `deferred_tool_results` answers): cut off before its
-    first response, the run closes those it returned nothing for. `answering` names
-    the stored id of an earlier run's call the run answers by another id (its
-    runtime's, the store having renamed it), which its answer takes.
+    first response, the run closes those it returned nothing for.
     """
     stored: list[AgentMessage] = []
     sent_at: datetime | None = None
@@ -237,7 +230,7 @@ def messages_from_run(
         else:
             stored.append(_from_response(message, sent_at, subject))
     closed = _closed_for_good(messages, stored, resumed)
-    return _with_unique_call_ids([*stored, *closed], answering or {})
+    return _with_unique_call_ids([*stored, *closed])
 
 
 def _closed_for_good(
@@ -275,17 +268,14 @@ def _tool_content(request: pai.ModelRequest, *, prompted: bool) -> set[int]:
     return set(prompts[:-1] if prompted else prompts)
 
 
-def _with_unique_call_ids(
-    messages: list[AgentMessage], answering: Mapping[str, str]
-) -> list[AgentMessage]:
+def _with_unique_call_ids(messages: list[AgentMessage]) -> list[AgentMessage]:
     """Rename a call id used again within the run `<id>_<n>`, as the exports do, and log it.
 
     Some providers number calls per response, so one run can hold `call_0`
     twice. A result answers the oldest call of its id not answered yet, which
     is the order Pydantic AI returns them in. A result answering a call of an earlier
-    run (resumed after approval) takes the id that call is stored under (`answering`
-    names it when it is not the id the run holds), and so does the store: a call the run
-    makes later under that id is renamed.
+    run (resumed after approval) takes its id too: a call the run makes later under
+    that id is renamed.
     """
     used: set[str] = set()
     unanswered: dict[str, list[str]] = {}
@@ -296,10 +286,8 @@ def _with_unique_call_ids(
         elif message.tool_call_id and unanswered.get(message.tool_call_id):
             answered = unanswered[message.tool_call_id].pop(0)
             message = message.model_copy(update={"tool_call_id": answered})
-        elif message.tool_call_id:  # an earlier run's call: its stored id is taken
-            stored_id = answering.get(message.tool_call_id, message.tool_call_id)
-            message = message.model_copy(update={"tool_call_id": stored_id})
-            used.add(stored_id)
+        elif message.tool_call_id:
+            used.add(message.tool_call_id)  # an earlier run's call: its id is taken
         renamed.append(message)
     return renamed
 
@@ -1142,29 +1130,15 @@ async def log_run(
     resumed run's prompt after its tools' content, both as user prompts, and only the run
     can say which is the person's; not said, the last of them is taken for it.
 
-    A call stored under another id than the run's (`call_0` used again: `call_0_2`) is
-    answered by the id Pydantic AI gave it: the answer takes the latest pending call of
-    that tool renamed from it (`<id>_<n>`) when no call of its own id is pending, a retry
-    as it stored it (`_stored_ids`: one read more on a resumed run, two on its retry).
-
     With `user_id`, the run is logged by a runtime acting for that user (`strict_owner`):
     into their own conversation, or a new id created as theirs; any other (a service's
     unowned one, another user's, another user's legacy turns) is NotFound, as to the user's
     token, nothing stored. The turn stays a runtime's: it may open its steering inbox.
     """
     resumed = _resumed_calls(deferred_tool_results)
-
-    def stored_as(answering: Mapping[str, str]) -> list[AgentMessage]:
-        markers, prompted = logger.rules.markers, user_prompt is not None
-        return messages_from_run(
-            messages, markers=markers, resumed=resumed, prompted=prompted, answering=answering
-        )
-
-    answering: dict[str, str] = {}
-    if answered := _earlier_calls_answered(messages, resumed):
-        args = (logger, conversation_id, stored_as, answered)
-        answering = await _stored_ids(*args, turn_id=turn_id, user_id=user_id)
-    stored = stored_as(answering)
+    stored = messages_from_run(
+        messages, markers=logger.rules.markers, resumed=resumed, prompted=user_prompt is not None
+    )
     return await logger.log_messages(
         conversation_id,
         stored,
@@ -1179,77 +1153,3 @@ async def log_run(
 def _resumed_calls(results: DeferredToolResults | None) -> list[str]:
     """The ids of the calls a run's `deferred_tool_results` resumed it on."""
     return [] if results is None else [*results.approvals, *results.calls]
-
-
-def _earlier_calls_answered(
-    messages: Sequence[pai.ModelMessage], resumed: Collection[str]
-) -> dict[str, str | None]:
-    """The ids, as the run holds them, of the earlier runs' calls it answers, with their tool
-    names (None when unknown): a return naming no call the run made before it, and each call
-    it was `resumed` on."""
-    made: set[str] = set()
-    answered: dict[str, str | None] = {}
-    for message in messages:
-        for part in message.parts:
-            if isinstance(part, pai.ToolCallPart):
-                made.add(part.tool_call_id)
-            elif (
-                isinstance(part, pai.ToolReturnPart | pai.RetryPromptPart)
-                and part.tool_call_id not in made
-                and part.tool_name is not None
-            ):
-                answered[part.tool_call_id] = part.tool_name
-    return {**dict.fromkeys(resumed), **answered}
-
-
-async def _stored_ids(
-    logger: AgentMessageLogger,
-    conversation_id: str,
-    stored_as: Callable[[Mapping[str, str]], list[AgentMessage]],
-    answered: Mapping[str, str | None],
-    *,
-    turn_id: str,
-    user_id: str | None,
-) -> dict[str, str]:
-    """The stored id of each call of an earlier run answered by another id (`answered`, the
-    runtime's, with its tool's name when known): the latest pending call of that tool whose
-    id is the runtime's renamed (`<id>_<n>`, as `unique_call_id` renames it), when no pending
-    call has the runtime's id itself. A retry of a logged turn (its call no longer pending)
-    names each as its stored answer did (`_as_stored_before`, of the run's messages
-    `stored_as` the ids the run holds). One read; two for a retry
-    (`AgentMessageLogger.calls_to_answer`)."""
-    pending, logged = await logger.calls_to_answer(conversation_id, turn_id, user_id=user_id)
-    if logged is not None:
-        return _as_stored_before(stored_as({}), answered, logged)
-    waiting = {call_id for call_id, _ in pending}
-    return {
-        runtime_id: renamed[-1]
-        for runtime_id, tool in answered.items()
-        if runtime_id not in waiting
-        and (
-            renamed := _renamed_from(runtime_id, [c for c, name in pending if tool in (None, name)])
-        )
-    }
-
-
-def _as_stored_before(
-    stored: Sequence[AgentMessage], answered: Collection[str], logged: Sequence[str]
-) -> dict[str, str]:
-    """For a retry of a logged turn, the stored id its answer to each call of an earlier run
-    (`answered`) took: the call id of the turn's stored `tool` message in its place (`logged`,
-    in order), when that is the runtime's renamed; none when the retry holds other answers."""
-    held = [m.tool_call_id or "" for m in stored if isinstance(m, ToolMessage)]
-    if len(held) != len(logged):
-        return {}
-    return {
-        runtime_id: stored_id
-        for runtime_id, stored_id in zip(held, logged, strict=True)
-        if runtime_id in answered and _renamed_from(runtime_id, [stored_id])
-    }
-
-
-def _renamed_from(runtime_id: str, call_ids: Iterable[str]) -> list[str]:
-    """Those of `call_ids` that are `runtime_id` renamed as a call id used again
-    (`unique_call_id`: `<id>_<n>`, n from 2)."""
-    renamed = re.compile(re.escape(runtime_id) + r"_([2-9]|[1-9][0-9]+)")
-    return [call_id for call_id in call_ids if renamed.fullmatch(call_id)]

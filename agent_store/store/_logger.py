@@ -1025,41 +1025,6 @@ class AgentMessageLogger:
             wanted.update(await self._made_unstored(found, unmade))
         return {c: m for c, m in wanted.items() if isinstance(m, str) and m}
 
-    async def calls_to_answer(
-        self, conversation_id: str, turn_id: str, *, user_id: str | None = None
-    ) -> tuple[list[tuple[str, str]], list[str] | None]:
-        """What a runtime's bridge that stored a call under another id than its runtime knows
-        it by (a provider using an id again: `<id>_<n>`) reads to name the call an answer
-        answers: the conversation's calls awaiting an answer, as (tool call id, tool name), in
-        the order made; and when turn `turn_id` is logged already (its retry), the call ids
-        its stored `tool` messages answer, in `seq` order (else None), so the retry names
-        them as it did. None of either for a conversation missing or another user's. One
-        read; two for a retry."""
-        scope = {"_id": validate_identifier(conversation_id, "conversation_id")}
-        read = {"user_id": 1, "epoch": 1, "pending_calls": 1, "turns": 1, "message_count": 1}
-        with storage_errors("read the pending calls"):
-            found = await self._conversations.find_one(scope, read)
-        owner = found.get("user_id") if found is not None else None
-        if found is None or (user_id is not None and owner not in (None, user_id)):
-            return [], None
-        pending = [
-            (call["tool_call_id"], call["tool_name"])
-            for call in found.get("pending_calls") or ()
-            if isinstance(call, Mapping)
-            and isinstance(call.get("tool_call_id"), str)
-            and isinstance(call.get("tool_name"), str)
-        ]
-        if recorded_block(found, turn_key(turn_id)) is None:
-            return pending, None
-        query = {"conversation_id": found["_id"], "turn_id": turn_id, "role": "tool"}
-        with storage_errors("read the calls a turn answered"):
-            cursor = self._messages.find(query, {"tool_call_id": 1, "epoch": 1})
-            answers = await cursor.sort("seq", 1).to_list(None)
-        answered = of_epoch(answers, found.get("epoch"))
-        return pending, [
-            a["tool_call_id"] for a in answered if isinstance(a.get("tool_call_id"), str)
-        ]
-
     async def _made_by_stored(
         self, conversation: Mapping[str, Any], call_ids: Sequence[str]
     ) -> dict[str, str]:
