@@ -81,7 +81,7 @@ from agent_store.integrations.exports import chat_completions, chat_completions_
 from agent_store.integrations.pydantic_ai import history_from_messages, log_run, messages_from_run
 from agent_store.integrations.streams import log_streamed_turn, turn_from_metadata
 from agent_store.store import RuntimeContextMarkers
-from tests.api_harness import STALE_RESUMES, deleted_while_paused
+from tests.api_harness import STALE_RESUMES, deleted_while_paused, mongomock_db
 from tests.conftest import Backend
 
 CID = "conv-pai"
@@ -653,6 +653,30 @@ def test_a_call_id_a_provider_reuses_within_a_run_is_renamed_and_the_renaming_lo
     answers = [(m.tool_call_id, m.content) for m in stored if m.role == "tool"]
     assert answers == [("call_0", '{"temp_c":18}'), ("call_0_2", '{"temp_c":21}')]
     assert "'call_0' is used again within the run; stored as 'call_0_2'" in caplog.text
+
+
+@pytest.mark.parametrize("depth", [30, 500])
+async def test_arguments_nested_past_the_bound_the_store_walks_come_back_as_their_text(
+    depth: int,
+) -> None:
+    """Another writer's call whose arguments nest objects past `MAX_PARAMS_DEPTH` (stored as
+    written) comes back from the history as its text, which Pydantic AI serializes (the
+    object it could not: past about 130 levels); shallower ones as the object, as always."""
+    arguments = '{"x":' * depth + "1" + "}" * depth
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    turn = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    db = mongomock_db()
+    await AgentMessageLogger(db).log_messages(CID, turn, turn_id="t0")
+
+    history = history_from_messages(await ConversationStore(db).transcript(CID))
+
+    [part] = [p for m in history for p in m.parts if isinstance(p, ToolCallPart)]
+    assert part.args == (arguments if depth > 64 else json.loads(arguments))
+    ModelMessagesTypeAdapter.dump_json(history)  # serializable, whatever the depth
 
 
 async def test_a_run_reusing_a_call_id_is_logged_whole(backend: Backend) -> None:

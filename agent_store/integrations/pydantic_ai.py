@@ -95,6 +95,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from agent_store.core import (
     INTERRUPTED_RESULT,
+    MAX_PARAMS_DEPTH,
     AgentMessage,
     AssistantMessage,
     FunctionCall,
@@ -106,6 +107,7 @@ from agent_store.core import (
     UserMessage,
     feedback_cause,
     feedback_error,
+    nests_deeper_than,
     outcome_error,
     result_text,
     stand_in_result,
@@ -1026,9 +1028,13 @@ def _interrupted_return(tool_name: str, tool_call_id: str, at: datetime) -> pai.
 
 def _arguments(text: str) -> Any:
     """A call's stored arguments back as the object they are the compact JSON of, else as
-    the text (Pydantic AI sends either as the same text)."""
+    the text (Pydantic AI sends either as the same text): the text too for an object nested
+    deeper than the store walks JSON (`MAX_PARAMS_DEPTH`), which Pydantic AI could not
+    serialize back (past about 130 levels)."""
     value = _json_value(text)
-    return value if isinstance(value, dict) and _compact_json(value) == text else text
+    if not isinstance(value, dict) or nests_deeper_than(value, MAX_PARAMS_DEPTH):
+        return text
+    return value if _compact_json(value) == text else text
 
 
 def _content_of(message: ToolMessage | UserMessage, text: str) -> Any:
