@@ -5019,16 +5019,28 @@ async def test_a_late_retry_answering_a_call_whose_message_was_popped_is_invalid
 
 class _StalledInsert:
     """A writer alive but stalled inside its insert: the command is sent on time and reaches
-    the server only once `release` is called (a paused process, a slow network)."""
+    the server only once `release` is called (a paused process, a slow network). With
+    `replies`, its reply reaches the writer only once that is set too (`landed` says the
+    insert has landed): writers whose stalls end together all land before any reads."""
 
-    def __init__(self, logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.reached, self.gate = asyncio.Event(), asyncio.Event()
+    def __init__(
+        self,
+        logger: AgentMessageLogger,
+        monkeypatch: pytest.MonkeyPatch,
+        replies: asyncio.Event | None = None,
+    ) -> None:
+        self.reached, self.gate, self.landed = asyncio.Event(), asyncio.Event(), asyncio.Event()
         insert = logger._messages.insert_many
 
         async def stalled(*args: Any, **kwargs: Any) -> Any:
             self.reached.set()
             await self.gate.wait()
-            return await insert(*args, **kwargs)
+            try:
+                return await insert(*args, **kwargs)
+            finally:
+                self.landed.set()
+                if replies is not None:
+                    await replies.wait()
 
         monkeypatch.setattr(logger._messages, "insert_many", stalled)
 
@@ -5170,6 +5182,87 @@ async def test_a_stalled_denial_landing_after_the_persons_approval_and_its_resul
     assert await pending_state(store) == await recomputed_state(store)
     exported = chat_completions(stored)
     assert [m["content"] for m in exported if m["role"] == "tool"] == ["PAID 900"]
+
+
+async def test_of_two_stalled_writers_answering_one_call_the_later_block_keeps_its_answer(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RELIABILITY.md: tA answers c1 (seq 2-3) and stalls inside its insert; past
+    `abandon_after` tB answers c1 too (tA's block passed, empty: accepted, seq 4-5) and
+    stalls as well. Both stalls end together: both inserts land before either writer looks
+    for other answers. Only an answer stored after a turn's block takes that turn back: tA
+    is refused `AnsweredBefore` and its messages go, tB (the later block) is stored and
+    acknowledged. c1 keeps exactly one answer, tB's, and is not pending again."""
+    writer_a, writer_b = _late_logger(backend), _late_logger(backend)
+    store = ConversationStore(backend.db, rules=writer_a.rules)
+    t0 = await writer_a.log_messages(CID, [{"role": "user", "content": "pay?"}, _calls("c1")])
+    named = {"c1": t0.messages[1].id}
+    replies = asyncio.Event()
+    stall_a = _StalledInsert(writer_a, monkeypatch, replies)
+    stall_b = _StalledInsert(writer_b, monkeypatch, replies)
+    tA = [_answer("c1", "PAID (A)"), {"role": "assistant", "content": "Paid."}]
+    tB = [_answer("c1", "denied (B)"), {"role": "assistant", "content": "Not paid."}]
+    late_a = await stall_a.start(writer_a.log_messages(CID, tA, turn_id="tA", answers_to=named))
+    late_b = await stall_b.start(writer_b.log_messages(CID, tB, turn_id="tB", answers_to=named))
+
+    stall_a.release()
+    stall_b.release()
+    await asyncio.gather(stall_a.landed.wait(), stall_b.landed.wait())
+    replies.set()
+    with pytest.raises(AnsweredBefore, match=r"'c1'.*answered that call first"):
+        await late_a
+    logged_b = await late_b
+    monkeypatch.undo()
+
+    assert [m.seq for m in logged_b.messages] == [4, 5]
+    stored = await store.transcript(CID)
+    assert [(m.seq, m.content) for m in stored][2:] == [(4, "denied (B)"), (5, "Not paid.")]
+    assert await pending_state(store) == await recomputed_state(store) == ([], None)
+    assert await store.pending_calls(CID) == []
+    exported = chat_completions(stored)
+    assert [m["content"] for m in exported if m["role"] == "tool"] == ["denied (B)"]
+
+
+async def test_a_stalled_writer_whose_own_call_another_turn_answered_is_kept(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tA answers c1 and makes c2; its writer stalls inside its insert past `abandon_after`.
+    tB answers c1 (accepted: the passed block held no answer); `pending_calls` lists c2 as
+    tA's reservation left it, so tC answers c2 and is stored and acknowledged. tA's insert
+    then lands: taking it back would leave tC's answer to a call no stored message makes,
+    so tA is kept (stored, acknowledged; c1's second answer, as a stalled writer's was
+    before the take-back) and tC's answer keeps its call."""
+    writer_a, writer_b = _late_logger(backend), _late_logger(backend)
+    store = ConversationStore(backend.db, rules=writer_a.rules)
+    t0 = await writer_a.log_messages(CID, [{"role": "user", "content": "pay, ship?"}, _calls("c1")])
+    named = {"c1": t0.messages[1].id}
+    stall = _StalledInsert(writer_a, monkeypatch)
+    tA = [_answer("c1", "PAID"), _calls("c2")]
+    late = await stall.start(writer_a.log_messages(CID, tA, turn_id="tA", answers_to=named))
+    tB = [_answer("c1", "denied"), {"role": "assistant", "content": "Not paid."}]
+    await writer_b.log_messages(CID, tB, turn_id="tB", answers_to=named)
+    (c2,) = await store.pending_calls(CID)
+    assert c2.tool_call_id == "c2"
+    tC = [_answer("c2", "SHIPPED"), {"role": "assistant", "content": "Shipped."}]
+    served = AgentMessageLogger(backend.db)  # fast: no look after its insert
+    await served.log_messages(CID, tC, turn_id="tC", answers_to={"c2": c2.message_id})
+
+    stall.release()
+    logged_a = await late
+    monkeypatch.undo()
+
+    assert [m.id for m in logged_a.messages][1] == c2.message_id
+    stored = await store.transcript(CID)
+    assert c2.message_id in {m.id for m in stored}
+    exported = chat_completions(stored)
+    assert "SHIPPED" in [m["content"] for m in exported if m["role"] == "tool"]
+    assert [(m.seq, m.tool_call_id) for m in stored if m.role == "tool"] == [
+        (2, "c1"),
+        (4, "c1"),
+        (6, "c2"),
+    ]
+    assert await pending_state(store) == await recomputed_state(store)
+    assert await store.pending_calls(CID) == []
 
 
 async def _age(backend: Backend, turn_id: str) -> None:

@@ -3045,23 +3045,37 @@ class AgentMessageLogger:
         answered one of those calls (accepted: the passed block held no answer), or a pop
         removed the message making it. The stored messages are judged as the same turn's late
         retry is where it would land, its own left out (`Landing.refused`, one `find`, on this
-        path only): `AnsweredBefore` (a call's first answer is its answer) or InvalidInput
-        (the call no longer made) takes the turn's messages back and gives the turn up as a
-        refused late retry is (`_take_back_answered`), then raises what its retry gets. A
-        later call of the same id following the call (its answer stays before it) is no
-        refusal here."""
+        path only, which also reads the answers to the calls the turn's messages make):
+        `AnsweredBefore` (a call's first answer is its answer) or InvalidInput (the call no
+        longer made) takes the turn's messages back and gives the turn up as a refused late
+        retry is (`_take_back_answered`), then raises what its retry gets.
+
+        Only an answer stored after the turn's block refuses it: one below it its reservation
+        did not refuse is another late insert into a block readers passed, whose writer yields
+        to this one by the same rule (`_landed_after`), so of answers landing late the highest
+        always stays. A turn whose messages make a call another turn answered since
+        (`pending_calls` served it) is kept as stored, whatever the judgment: taking it back
+        would orphan that answer (`_calls_answered`). A later call of the same id following
+        the call (its answer stays before it) is no refusal here."""
         if landing is None or not stored:
             return
         own = {m.id for m in stored}
-        query = {"conversation_id": plan.conversation_id, "$or": list(landing.wanted)}
+        made = _calls_made(stored)
+        wanted = [*landing.wanted]
+        if made:
+            wanted += answers_lookup(plan.conversation_id, dict(made), None)["$or"]
+        query = {"conversation_id": plan.conversation_id, "$or": wanted}
         with storage_errors("look up the answers to the calls the turn answers"):
             found = await self._messages.find(query, ANSWERS_READ).to_list(None)
         others = [d for d in found if d["_id"] not in own and d.get("turn_id") != plan.turn_id]
         others.sort(key=lambda d: int(d["seq"]))  # a server answers an unsorted find any order
         as_read = {} if reserved.epoch is None else {"epoch": reserved.epoch}
-        error = landing.refused(as_read, others)
-        if isinstance(error, AnsweredBefore | InvalidInput):
-            await self._take_back_answered(plan, reserved, stored, error)
+        error = landing.refused(as_read, _landed_after(plan, reserved.first_seq, others))
+        if not isinstance(error, AnsweredBefore | InvalidInput):
+            return
+        if _calls_answered(stored, made, of_epoch(others, reserved.epoch)):
+            return  # kept, as stored: another turn's answer to its call keeps its call
+        await self._take_back_answered(plan, reserved, stored, error)
 
     async def _take_back_answered(
         self,
@@ -4619,6 +4633,48 @@ def _its_own_answers(plan: TurnPlan, found: Sequence[Mapping[str, Any]]) -> bool
         and d.get("turn_id") == plan.turn_id
         for d in found
     )
+
+
+def _calls_made(stored: Sequence[AgentMessage]) -> list[tuple[str, str]]:
+    """The calls the turn's `stored` messages make: (tool call id, the message making it)."""
+    return [(c.id, m.id) for m in stored if m.id is not None for c in m.tool_calls or ()]
+
+
+def _landed_after(
+    plan: TurnPlan, first_seq: int, others: Sequence[Mapping[str, Any]]
+) -> list[Mapping[str, Any]]:
+    """`others` (`_answered_meanwhile`) without the answers to the calls the turn answers
+    stored below its block (`first_seq`): its reservation refused every answer stored before
+    it, so one found there now is another late insert into a block readers passed, whose
+    writer finds this turn's answer after its own block and yields to it."""
+    return [
+        d
+        for d in others
+        if not (
+            d.get("role") == "tool"
+            and d.get("tool_call_id") in plan.answered_calls
+            and int(d["seq"]) < first_seq
+        )
+    ]
+
+
+def _calls_answered(
+    stored: Sequence[AgentMessage],
+    made: Sequence[tuple[str, str]],
+    others: Sequence[Mapping[str, Any]],
+) -> bool:
+    """Whether another turn's message among `others` (in `seq` order, none of the turn's)
+    answers a call the turn's `stored` messages make (`made`), by the pairing every replay
+    applies (`answer_found`)."""
+    if not made:
+        return False
+    makers = [
+        {"_id": m.id, "seq": m.seq, "tool_calls": [{"id": c.id} for c in m.tool_calls or ()]}
+        for m in stored
+        if m.tool_calls and m.seq is not None
+    ]
+    seen = sorted([*others, *makers], key=lambda d: int(d["seq"]))
+    return any(answer_found(seen, call_id, message) == "answered" for call_id, message in made)
 
 
 def _answers_judged(
