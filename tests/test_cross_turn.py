@@ -5111,34 +5111,34 @@ async def test_a_stalled_writer_answering_a_call_another_turn_answered_meanwhile
     assert await _counters(store) == (6, 1, 0, 0)
 
 
-async def test_a_stalled_writer_answering_a_call_whose_message_was_popped_meanwhile_is_invalid(
+async def test_a_slow_answer_to_a_call_whose_turn_is_still_being_written_is_kept(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """tA answers c1 (naming the message making it) and its writer stalls inside its insert
-    past `abandon_after`; a person pops that message. tA's insert then lands: an orphan
-    answer, taken back, `InvalidInput` as its retry and the same turn sent fresh get."""
-    writer = _late_logger(backend)
-    store = ConversationStore(backend.db, rules=writer.rules)
-    t0 = await writer.log_messages(CID, [{"role": "user", "content": "pay?"}, _calls("c1")])
-    named = {"c1": t0.messages[1].id}
-    tA = [_answer("c1", "PAID"), {"role": "assistant", "content": "Paid."}]
-    stall = _StalledInsert(writer, monkeypatch)
-    late = await stall.start(writer.log_messages(CID, tA, turn_id="tA", answers_to=named))
-    popped = await store.pop_last_message(CID)
-    assert popped is not None
-    assert popped.id == named["c1"]
+    """tM makes c2 and its writer stalls inside its insert; tC answers c2 as `pending_calls`
+    served it (tM's reservation listed it), its own insert slower than readers wait for. tC
+    is stored and acknowledged, never taken back as answering a call no message makes: the
+    message making c2 is still being written, and lands."""
+    maker, answerer = _late_logger(backend), _late_logger(backend)
+    store = ConversationStore(backend.db, rules=maker.rules)
+    await maker.log_messages(CID, [{"role": "user", "content": "ship?"}], turn_id="t0")
+    stall = _StalledInsert(maker, monkeypatch)
+    making = await stall.start(maker.log_messages(CID, [_calls("c2")], turn_id="tM"))
+    [pending] = await store.pending_calls(CID)
 
+    shipped = await answerer.log_messages(
+        CID,
+        [_answer("c2", "SHIPPED"), {"role": "assistant", "content": "Shipped."}],
+        turn_id="tC",
+        answers_to={"c2": pending.message_id},
+    )
     stall.release()
-    with pytest.raises(InvalidInput, match=r"does not make call 'c1'"):
-        await late
+    await making
     monkeypatch.undo()
 
-    assert [m.content for m in await store.transcript(CID)] == ["pay?"]
+    assert [m.content for m in shipped.messages] == ["SHIPPED", "Shipped."]
+    stored = await store.transcript(CID)
+    assert [m.tool_call_id or m.content for m in stored] == ["ship?", None, "c2", "Shipped."]
     assert await pending_state(store) == await recomputed_state(store) == ([], None)
-    assert (await store.get_conversation(CID)).turn_count == 1
-    with pytest.raises(InvalidInput, match=r"does not make call 'c1'"):
-        await writer.log_messages(CID, tA, turn_id="tA", answers_to=named)
-    assert [m.content for m in await store.transcript(CID)] == ["pay?"]
 
 
 async def test_a_stalled_denial_landing_after_the_persons_approval_and_its_result_is_refused(

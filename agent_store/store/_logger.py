@@ -3042,13 +3042,15 @@ class AgentMessageLogger:
         """After an insert slower than tail readers may wait for (`_store`) of a turn answering
         calls of earlier turns (`answers_to`: its condition's `landing`, `_answers_landing`):
         while it was on its way its block may have been passed, and another turn may have
-        answered one of those calls (accepted: the passed block held no answer), or a pop
-        removed the message making it. The stored messages are judged as the same turn's late
-        retry is where it would land, its own left out (`Landing.refused`, one `find`, on this
-        path only, which also reads the answers to the calls the turn's messages make):
-        `AnsweredBefore` (a call's first answer is its answer) or InvalidInput (the call no
-        longer made) takes the turn's messages back and gives the turn up as a refused late
-        retry is (`_take_back_answered`), then raises what its retry gets.
+        answered one of those calls (accepted: the passed block held no answer). The stored
+        messages are judged as the same turn's late retry is where it would land, its own left
+        out (`Landing.refused`, one `find`, on this path only, which also reads the answers to
+        the calls the turn's messages make): `AnsweredBefore` (a call's first answer is its
+        answer) takes the turn's messages back and gives the turn up as a refused late retry
+        is (`_take_back_answered`), then raises what its retry gets. A call whose message is
+        not stored is no reason: that message may be a turn's still being written (its
+        reservation listed the call), which lands; a pop may also have removed it, and the
+        answer then stays, as it did before this check.
 
         Only an answer stored after the turn's block refuses it: one below it its reservation
         did not refuse is another late insert into a block readers passed, whose writer yields
@@ -3071,7 +3073,7 @@ class AgentMessageLogger:
         others.sort(key=lambda d: int(d["seq"]))  # a server answers an unsorted find any order
         as_read = {} if reserved.epoch is None else {"epoch": reserved.epoch}
         error = landing.refused(as_read, _landed_after(plan, reserved.first_seq, others))
-        if not isinstance(error, AnsweredBefore | InvalidInput):
+        if not isinstance(error, AnsweredBefore):
             return
         if _calls_answered(stored, made, of_epoch(others, reserved.epoch)):
             return  # kept, as stored: another turn's answer to its call keeps its call
@@ -3082,7 +3084,7 @@ class AgentMessageLogger:
         plan: TurnPlan,
         reserved: _Reserved,
         stored: list[AgentMessage],
-        error: AnsweredBefore | InvalidInput,
+        error: AnsweredBefore,
     ) -> None:
         """`_answered_meanwhile`'s refusal (`error`): the turn's messages this insert stored in
         its block (its ids at its `seq`s, under its epoch) are deleted with their files, and
