@@ -1341,8 +1341,8 @@ async def test_arguments_nested_past_what_python_parses_are_read_back_as_their_t
     backend: Backend, depth: int
 ) -> None:
     """Arguments are stored as any writer sent them: JSON text nested deeper than Python's
-    parser reads (20,000 levels; the history raised RecursionError) is given back as text,
-    as text that is no JSON is; shallower, as the value it spells."""
+    parser reads (20,000 levels; 3,000 on Python 3.11; the history raised RecursionError) is
+    given back as text, as text that is no JSON is; shallower, as the value it spells."""
     text = "[" * depth + "1,2" + "]" * depth
     calls = [{"id": "call_1", "function": {"name": "lookup", "arguments": text}}]
     turn = [{"role": "assistant", "content": None, "tool_calls": calls}]
@@ -1352,7 +1352,9 @@ async def test_arguments_nested_past_what_python_parses_are_read_back_as_their_t
 
     assert isinstance(read_back, AIMessage)
     (call,) = read_back.tool_calls
-    if depth > 10_000:
+    try:
+        json.loads(text)
+    except RecursionError:  # past what this Python's parser reads: the text
         assert call["args"] == {"arguments": text}
     else:
         assert isinstance(call["args"]["arguments"], list)
