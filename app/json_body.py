@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from agent_store.core import (
     MAX_JSON_VALUES,
+    MAX_PARAMS_DEPTH,
     location_text,
     nests_deeper_than,
     shown_key,
@@ -30,8 +31,9 @@ from agent_store.core import (
 from agent_store.store import storable
 from app.http_errors import InvalidJson, InvalidRequest, PayloadTooLarge
 
-MAX_BODY_DEPTH = 64
-"""The deepest nesting of objects and arrays a body may have (MongoDB stores 100 at most)."""
+MAX_BODY_DEPTH = MAX_PARAMS_DEPTH
+"""The deepest nesting of objects and arrays a body may have (as deep as any JSON the store
+walks: MongoDB stores 100 at most)."""
 MAX_BODY_VALUES = MAX_JSON_VALUES
 """The most JSON values a body may hold (as many as JSON text held in a string: `bounded_json`),
 each object, array, string, number, `true`, `false` and `null` counting one: the work a request

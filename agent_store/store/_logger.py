@@ -2499,8 +2499,7 @@ class AgentMessageLogger:
         itself, which finds the block not stored and sweeps once more `claim_grace` later; a
         retry that inserted nothing found every message there. On that path an insert of a
         turn answering calls of earlier turns (`answers_to`) is taken back when another answer
-        to one of them was stored meanwhile, or the message making it is gone
-        (`_answered_meanwhile`).
+        to one of them was stored after its block meanwhile (`_answered_meanwhile`).
         """
         plan = plan.for_epoch(reserved.epoch)  # its whole texts are this conversation's only
         await self._full_texts.keep(plan.full_texts)  # a turn with a cut message: 2 more commands
@@ -3057,7 +3056,7 @@ class AgentMessageLogger:
         to this one by the same rule (`_landed_after`), so of answers landing late the highest
         always stays. A turn whose messages make a call another turn answered since
         (`pending_calls` served it) is kept as stored, whatever the judgment: taking it back
-        would orphan that answer (`_calls_answered`). A later call of the same id following
+        would orphan that answer (`_answers_a_call_it_makes`). A later call of the same id following
         the call (its answer stays before it) is no refusal here."""
         if landing is None or not stored:
             return
@@ -3075,7 +3074,7 @@ class AgentMessageLogger:
         error = landing.refused(as_read, _landed_after(plan, reserved.first_seq, others))
         if not isinstance(error, AnsweredBefore):
             return
-        if _calls_answered(stored, made, of_epoch(others, reserved.epoch)):
+        if _answers_a_call_it_makes(stored, made, of_epoch(others, reserved.epoch)):
             return  # kept, as stored: another turn's answer to its call keeps its call
         await self._take_back_answered(plan, reserved, stored, error)
 
@@ -4660,7 +4659,7 @@ def _landed_after(
     ]
 
 
-def _calls_answered(
+def _answers_a_call_it_makes(
     stored: Sequence[AgentMessage],
     made: Sequence[tuple[str, str]],
     others: Sequence[Mapping[str, Any]],
