@@ -1950,10 +1950,13 @@ class _Branch(TypedDict):
     call: dict[str, Any]
 
 
-def _parallel_approvals(checkpointer: Any, *, stable_ids: bool = False) -> Any:
+def _parallel_approvals(
+    checkpointer: Any, *, stable_ids: bool = False, waiting: tuple[str, ...] = ("Oslo", "Rome")
+) -> Any:
     """Asked for the weather, the model calls the tool for two cities at once; each call waits
-    for a person's decision in a branch of its own (`Send`, then `interrupt`). `stable_ids`:
-    each result's id is derived from its call's (an idempotency choice LangChain allows)."""
+    for a person's decision in a branch of its own (`Send`, then `interrupt`), those of the
+    cities `waiting` only (the others run at once). `stable_ids`: each result's id is derived
+    from its call's (an idempotency choice LangChain allows)."""
 
     def agent(state: MessagesState) -> dict[str, list[Any]]:
         last = state["messages"][-1]
@@ -1973,7 +1976,8 @@ def _parallel_approvals(checkpointer: Any, *, stable_ids: bool = False) -> Any:
 
     def approve(branch: _Branch) -> dict[str, list[Any]]:
         call = branch["call"]
-        decision = interrupt({"tool_call_id": call["id"]})
+        waits = call["args"]["city"] in waiting
+        decision = interrupt({"tool_call_id": call["id"]}) if waits else "ran"
         said = f"{call['args']['city']}: {decision}"
         result_id = f"result-{call['id']}" if stable_ids else None
         return {"messages": [ToolMessage(said, tool_call_id=call["id"], id=result_id)]}
@@ -2015,6 +2019,28 @@ async def test_the_owner_resumes_the_parallel_pauses_of_a_services_turn_as_langg
     assert comparable(mine) == comparable((await theirs.aget_state(ada)).values["messages"])
     assert [m.content for m in mine[-3:]] == ["Oslo: yes", "Rome: yes", "done"]
     store = ConversationStore(backend.db)
+    assert await store.pending_calls(thread_id, user_id="user-ada") == []
+
+
+async def test_a_branch_that_ran_beside_a_paused_one_is_pending_until_the_step_ends(
+    backend: Backend,
+) -> None:
+    """Oslo's branch runs at once, Rome's waits for a person: Oslo's result is one of the
+    step's pending writes, in no checkpoint's messages, so both calls are pending while the
+    graph is paused (a documented limit: the interrupts name what waits); on resume both
+    results are logged in LangGraph's order and nothing stays pending."""
+    ada = thread("user-ada")
+    thread_id = ada["configurable"]["thread_id"]
+    graph = _parallel_approvals(AgentStoreSaver(backend.db), waiting=("Rome",))
+    await graph.ainvoke({"messages": [HumanMessage("weather?", id="human-1")]}, ada)
+    paused = await graph.aget_state(ada)
+    assert [i.value for i in paused.interrupts] == [{"tool_call_id": "call-Rome"}]
+    store = ConversationStore(backend.db)
+    pending = await store.pending_calls(thread_id, user_id="user-ada")
+    assert [p.tool_call_id for p in pending] == ["call-Oslo", "call-Rome"]
+    await graph.ainvoke(Command(resume="yes"), ada)
+    transcript = await store.transcript(thread_id, user_id="user-ada")
+    assert [m.content for m in transcript[-3:]] == ["Oslo: ran", "Rome: yes", "done"]
     assert await store.pending_calls(thread_id, user_id="user-ada") == []
 
 
