@@ -521,48 +521,6 @@ async def test_a_paused_call_answered_in_two_tabs_while_its_run_is_still_written
     assert "Not that one." not in answers
 
 
-async def test_a_stalled_resume_landing_after_another_resume_of_the_run_is_refused(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Two processes resume one paused run: the first one's `log_run` (the tool ran) reserves
-    and stalls inside its insert past `abandon_after`; the other's (under another turn id,
-    denying the call) is stored meanwhile. The stalled insert then lands: taken back,
-    `AnsweredBefore` naming tc-9, so the call keeps its one answer, counted once."""
-    from tests.test_cross_turn import _StalledInsert
-
-    rules = TurnRules(abandon_after=timedelta(0))
-    stalled, other = (
-        AgentMessageLogger(backend.db, rules=rules),
-        AgentMessageLogger(backend.db, rules=rules),
-    )
-    store = ConversationStore(backend.db, rules=rules)
-    agent = approval_agent([])
-    first = await agent.run("Book the 09:04 to Lyon; weather there?")
-    await log_run(other, CID, first.new_messages(), turn_id="run-1")
-    history = history_from_messages(await store.transcript(CID))
-    approved, denied = await _resumed_with(agent, history, True, ToolDenied("Not that one."))
-    stall = _StalledInsert(stalled, monkeypatch)
-    late = await stall.start(log_run(stalled, CID, approved, turn_id="run-2"))
-    await log_run(other, CID, denied, turn_id="run-2b")
-
-    stall.release()
-    with pytest.raises(AnsweredBefore, match="tc-9"):
-        await late
-    monkeypatch.undo()
-
-    stored = await store.transcript(CID)
-    assert [m.content for m in stored if m.tool_call_id == "tc-9"] == ["Not that one."]
-    held = [m.token_usage for m in stored if m.token_usage is not None]
-    after = await store.get_conversation(CID)  # counted as its stored messages hold
-    assert (after.turn_count, after.usage.input_tokens, after.usage.output_tokens) == (
-        1,
-        sum(u.input_tokens for u in held),
-        sum(u.output_tokens for u in held),
-    )
-    assert await store.pending_calls(CID) == []
-    assert chat_completions_problems(chat_completions(stored)) == []
-
-
 @pytest.mark.parametrize(("again_by", "runtime"), STALE_RESUMES)
 async def test_a_run_resumed_after_its_conversation_was_deleted_is_refused_nothing_stored(
     backend: Backend, again_by: str | None, runtime: str | None

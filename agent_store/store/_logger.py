@@ -2497,9 +2497,9 @@ class AgentMessageLogger:
         (slower, it looks itself). A first attempt faster than the grace whose block no
         retry filled, or a retry that moved its turn to a new block, is swept by the delete
         itself, which finds the block not stored and sweeps once more `claim_grace` later; a
-        retry that inserted nothing found every message there. On that path an insert of a
-        turn answering calls of earlier turns (`answers_to`) is taken back when another answer
-        to one of them was stored after its block meanwhile (`_answered_meanwhile`).
+        retry that inserted nothing found every message there. What such an insert stored
+        stays (docs/RELIABILITY.md): it is not judged again against what other turns stored
+        meanwhile, as a reader, a fork or a retry of the turn may have been answered with it.
         """
         plan = plan.for_epoch(reserved.epoch)  # its whole texts are this conversation's only
         await self._full_texts.keep(plan.full_texts)  # a turn with a cut message: 2 more commands
@@ -2523,8 +2523,6 @@ class AgentMessageLogger:
         slow = min(self.rules.claim_grace, self.rules.abandon_after).total_seconds()
         if refilled or time.monotonic() - started > slow:
             stored = await self._follow_the_conversation(plan, reserved, stored)
-            if inserted and writer is not None and writer[1] is not None:
-                await self._answered_meanwhile(plan, reserved, stored, writer[1].landing)
         if reserved.replayed and stored:
             await self._follow_times(plan, reserved, stored, inserted=inserted)
         return stored, reserved
@@ -3030,84 +3028,6 @@ class AgentMessageLogger:
                 [b for m in stored for b in kept_blob_ids(m).values()]
             )
         return stored
-
-    async def _answered_meanwhile(
-        self,
-        plan: TurnPlan,
-        reserved: _Reserved,
-        stored: list[AgentMessage],
-        landing: Landing | None,
-    ) -> None:
-        """After an insert slower than tail readers may wait for (`_store`) of a turn answering
-        calls of earlier turns (`answers_to`: its condition's `landing`, `_answers_landing`):
-        while it was on its way its block may have been passed, and another turn may have
-        answered one of those calls (accepted: the passed block held no answer). The stored
-        messages are judged as the same turn's late retry is where it would land, its own left
-        out (`Landing.refused`, one `find`, on this path only, which also reads the answers to
-        the calls the turn's messages make): `AnsweredBefore` (a call's first answer is its
-        answer) takes the turn's messages back and gives the turn up as a refused late retry
-        is (`_take_back_answered`), then raises what its retry gets. A call whose message is
-        not stored is no reason: that message may be a turn's still being written (its
-        reservation listed the call), which lands; a pop may also have removed it, and the
-        answer then stays, as it did before this check.
-
-        Only an answer stored after the turn's block refuses it: one below it its reservation
-        did not refuse is another late insert into a block readers passed, whose writer yields
-        to this one by the same rule (`_landed_after`), so of answers landing late the highest
-        always stays. A turn whose messages make a call another turn answered since
-        (`pending_calls` served it) is kept as stored, whatever the judgment: taking it back
-        would orphan that answer (`_answers_a_call_it_makes`). A later call of the same id following
-        the call (its answer stays before it) is no refusal here."""
-        if landing is None or not stored:
-            return
-        own = {m.id for m in stored}
-        made = _calls_made(stored)
-        wanted = [*landing.wanted]
-        if made:
-            wanted += answers_lookup(plan.conversation_id, dict(made), None)["$or"]
-        query = {"conversation_id": plan.conversation_id, "$or": wanted}
-        with storage_errors("look up the answers to the calls the turn answers"):
-            found = await self._messages.find(query, ANSWERS_READ).to_list(None)
-        others = [d for d in found if d["_id"] not in own and d.get("turn_id") != plan.turn_id]
-        others.sort(key=lambda d: int(d["seq"]))  # a server answers an unsorted find any order
-        as_read = {} if reserved.epoch is None else {"epoch": reserved.epoch}
-        error = landing.refused(as_read, _landed_after(plan, reserved.first_seq, others))
-        if not isinstance(error, AnsweredBefore):
-            return
-        if _answers_a_call_it_makes(stored, made, of_epoch(others, reserved.epoch)):
-            return  # kept, as stored: another turn's answer to its call keeps its call
-        await self._take_back_answered(plan, reserved, stored, error)
-
-    async def _take_back_answered(
-        self,
-        plan: TurnPlan,
-        reserved: _Reserved,
-        stored: list[AgentMessage],
-        error: AnsweredBefore,
-    ) -> None:
-        """`_answered_meanwhile`'s refusal (`error`): the turn's messages this insert stored in
-        its block (its ids at its `seq`s, under its epoch) are deleted with their files, and
-        the turn is given up as a refused late retry is (`_given_up_for`: what its reservation
-        counted taken back once, its block's `seq`s gaps, the pending state folded from the
-        stored messages), so every retry is refused alike; then `error` is raised. A
-        conversation gone meanwhile (its delete sweeps the messages), or recording the turn in
-        another block (a retry moved it: its answer is this insert's), keeps them: nothing
-        raised. The read, the delete (and the files'), then the give-up's fold and update
-        (two or three round trips more), on this rare path only."""
-        with storage_errors("read the conversation"):
-            found = await self._conversations.find_one(
-                _same_as_reserved(plan.conversation_id, reserved)
-            )
-        block = None if found is None else recorded_block(found, plan.key)
-        if found is None or found.get(DELETING) is not None:
-            return
-        if block is not None and block.first_seq != reserved.first_seq:
-            return
-        action = "delete the turn's messages answered meanwhile"
-        await self._delete_landed(plan, reserved, stored, action)
-        if block is not None:
-            await self._given_up_for(plan, Unlanded(error, block), found)
-        raise error
 
     async def _delete_landed(
         self, plan: TurnPlan, reserved: _Reserved, messages: Sequence[AgentMessage], action: str
@@ -4634,48 +4554,6 @@ def _its_own_answers(plan: TurnPlan, found: Sequence[Mapping[str, Any]]) -> bool
         and d.get("turn_id") == plan.turn_id
         for d in found
     )
-
-
-def _calls_made(stored: Sequence[AgentMessage]) -> list[tuple[str, str]]:
-    """The calls the turn's `stored` messages make: (tool call id, the message making it)."""
-    return [(c.id, m.id) for m in stored if m.id is not None for c in m.tool_calls or ()]
-
-
-def _landed_after(
-    plan: TurnPlan, first_seq: int, others: Sequence[Mapping[str, Any]]
-) -> list[Mapping[str, Any]]:
-    """`others` (`_answered_meanwhile`) without the answers to the calls the turn answers
-    stored below its block (`first_seq`): its reservation refused every answer stored before
-    it, so one found there now is another late insert into a block readers passed, whose
-    writer finds this turn's answer after its own block and yields to it."""
-    return [
-        d
-        for d in others
-        if not (
-            d.get("role") == "tool"
-            and d.get("tool_call_id") in plan.answered_calls
-            and int(d["seq"]) < first_seq
-        )
-    ]
-
-
-def _answers_a_call_it_makes(
-    stored: Sequence[AgentMessage],
-    made: Sequence[tuple[str, str]],
-    others: Sequence[Mapping[str, Any]],
-) -> bool:
-    """Whether another turn's message among `others` (in `seq` order, none of the turn's)
-    answers a call the turn's `stored` messages make (`made`), by the pairing every replay
-    applies (`answer_found`)."""
-    if not made:
-        return False
-    makers = [
-        {"_id": m.id, "seq": m.seq, "tool_calls": [{"id": c.id} for c in m.tool_calls or ()]}
-        for m in stored
-        if m.tool_calls and m.seq is not None
-    ]
-    seen = sorted([*others, *makers], key=lambda d: int(d["seq"]))
-    return any(answer_found(seen, call_id, message) == "answered" for call_id, message in made)
 
 
 def _answers_judged(
