@@ -19,7 +19,7 @@ from starlette.datastructures import Headers
 from starlette.types import Scope
 
 from agent_store.core import InvalidInput
-from agent_store.store import validate_identifier
+from agent_store.store import refuse_derived_user, validate_identifier
 from app.http_errors import Forbidden, Unauthorized
 from app.settings import Settings
 
@@ -128,7 +128,8 @@ class Authenticator:
                 f"at most {self._max_lifetime} s are accepted"
             )
         try:
-            return validate_identifier(claims["sub"], "user token sub")
+            subject = validate_identifier(claims["sub"], "user token sub")
+            return refuse_derived_user(subject, "user token sub")
         except InvalidInput as exc:
             raise Unauthorized(exc.message) from exc
 

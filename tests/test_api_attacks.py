@@ -17,6 +17,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from agent_store.core import utc_now
+from agent_store.legacy import LEGACY_TURNS, derived_user_id
 from tests.api_harness import (
     AUDIENCE,
     ISSUER,
@@ -215,6 +217,39 @@ async def test_forged_user_tokens_are_refused(
         api, "DELETE", f"/v1/users/{OTHER}", status=401, headers=headers
     )
     await assert_refused_and_unchanged(api, "DELETE", CONV, status=401, headers=headers)
+
+
+async def test_a_user_token_whose_subject_is_a_migrated_users_derived_id_is_refused(
+    api: Served,
+) -> None:
+    """The migration stores a legacy conversation whose `user_id` is no identifier owned by
+    `legacy-user-<digest>`, a user no person is: a token whose `sub` is one is refused (401),
+    whatever it asks, so knowing the legacy id (an email) reads nothing. A service still acts
+    for that user: it reads the user's conversations, and may name the user for a new one."""
+    await api.db[LEGACY_TURNS].insert_one(
+        {"_id": "lt-a", "conversation_id": "c-alice", "user_id": "alice+work@example.com",
+         "created_at": utc_now(), "user_message": "«ALICE'S WORDS»",
+         "response_parts": [{"type": "text", "content": "ok"}]}
+    )  # fmt: skip
+    derived = derived_user_id("alice+work@example.com")
+    squatter = auth_headers(user=derived)
+
+    for method, url in [("GET", "/v1/conversations/c-alice/transcript"),
+                        ("GET", f"/v1/users/{derived}/export"),
+                        ("DELETE", f"/v1/users/{derived}")]:  # fmt: skip
+        await assert_refused_and_unchanged(api, method, url, status=401, headers=squatter)
+    response = await api.http.post(
+        "/v1/conversations/c-new/turns", json=user_turn(), headers=squatter
+    )
+    assert response.status_code == 401
+    assert "legacy-user-" in response.json()["error"]["message"]
+    served = await api.http.get("/v1/conversations/c-alice/transcript", headers=SERVICE)
+    assert served.status_code == 200
+    assert "«ALICE'S WORDS»" in served.text
+    named = await api.http.post(
+        "/v1/conversations/c-new/turns", json=user_turn() | {"user_id": derived}, headers=SERVICE
+    )
+    assert named.status_code == 201
 
 
 async def test_hs256_signed_with_the_public_key_is_refused_by_an_rs256_service(

@@ -2042,6 +2042,43 @@ async def test_the_live_owners_delete_or_erasure_takes_every_copy_of_her_convers
     assert said == ["hers", "ok"]
 
 
+@LIVE_HOLDERS
+@pytest.mark.parametrize("how", ["delete the conversation", "erase the user"])
+async def test_a_legacy_turn_naming_no_user_beside_a_live_conversation_is_its_owners_alone(
+    backend: Backend, holder: str | None, how: str
+) -> None:
+    """Beside a live conversation's copies, a legacy turn (and a prompt) naming no user, no
+    copy, belongs with the live conversation, whoever a late legacy turn under its id names
+    last: Mallory's token reads her own turn alone, her delete or erasure takes it alone, and
+    the live conversation's delete takes the turn and the prompt naming no user."""
+    store, copies = await live_beside_a_late_legacy_turn(backend, holder)
+    await backend.db[LEGACY_TURNS].insert_one(
+        {"_id": "legacy-none", "conversation_id": "conv-x", "user_id": None,
+         "created_at": utc_now() + timedelta(minutes=5), "user_message": "«UNOWNED SECRET»",
+         "response_parts": [{"type": "text", "content": "noted"}]}
+    )  # fmt: skip
+    await backend.db[SESSION_HITL].insert_one(
+        {"_id": "p-none", "conversation_id": "conv-x", "request_id": "r-1", "action": "pay",
+         "prompt": "«UNOWNED PROMPT»", "status": "pending"}
+    )  # fmt: skip
+
+    said = [m.content for m in await store.transcript("conv-x", user_id=MALLORY)]
+    if how == "erase the user":
+        erased = await store.erase_user(MALLORY)
+    else:
+        erased = await store.delete("conv-x", user_id=MALLORY)
+
+    assert said == ["hers", "ok"]
+    assert erased.legacy_turns == 1
+    left = {c["_id"] for c in await backend.db[LEGACY_TURNS].find().to_list(None)}
+    assert left == copies | {"legacy-none"}
+    assert [p["_id"] for p in await backend.db[SESSION_HITL].find().to_list(None)] == ["p-none"]
+    deleted = await store.delete("conv-x", user_id=holder)
+    assert deleted.legacy_turns == len(copies) + 1
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
+    assert await backend.db[SESSION_HITL].count_documents({}) == 0
+
+
 async def test_a_rename_naming_another_version_of_an_unmigrated_conversation_is_refused(
     backend: Backend,
 ) -> None:

@@ -50,6 +50,7 @@ from agent_store.legacy._text_times import text_time
 from agent_store.store import (
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
+    DERIVED_USER_PREFIX,
     MAX_NAME_CHARS,
     MIGRATED_TURN_PREFIX,
     TurnRules,
@@ -353,11 +354,6 @@ def derived_conversation_id(original: str | None, *, turn_key: str = "") -> str:
         return DERIVED_TURN_PREFIX + turn_key
     digest = hashlib.sha256(original.encode("utf-8", "surrogatepass")).hexdigest()
     return DERIVED_CONVERSATION_PREFIX + digest[:32]
-
-
-DERIVED_USER_PREFIX = "legacy-user-"
-"""How the migration names the owner of a conversation whose legacy `user_id` is no
-identifier (a digest of it follows): `derived_user_id`."""
 
 
 def derived_user_id(original: str) -> str:
@@ -949,34 +945,46 @@ def reached_by(
     turns: list[LegacyTurn], user_id: str | None, live: LiveConversation | None
 ) -> list[int]:
     """The indexes of the turns under an id that are legacy turns to `user_id`: every one to
-    the live conversation's owner (`live`, None when no conversation document stands there),
-    and to any other user every one but the live conversation's copies (`live_copy`), which
-    are as absent: they tell no owner (`owner_of`), so a late legacy turn naming the user
-    never makes them hers, to read, delete or erase."""
+    the live conversation's owner (`live`, None when no conversation document stands there);
+    to a service (`user_id` None) every one but the live conversation's copies (`live_copy`);
+    and to any other user only the turns naming her (`user_named`), never a copy, nor a turn
+    naming no user or another user: beside a live conversation those are not hers whoever
+    its turns name last (`owns_legacy`), so a late legacy turn naming her gives her that
+    turn alone, to read, delete or erase."""
     if live is None or user_id == live.user_id:
         return list(range(len(turns)))
-    return [i for i, turn in enumerate(turns) if not live_copy(turn.dual_write_field, live)]
+    return [
+        i
+        for i, turn in enumerate(turns)
+        if not live_copy(turn.dual_write_field, live)
+        and (user_id is None or user_named(turn.user_id) == user_id)
+    ]
 
 
 def owns_legacy(
     turns: list[LegacyTurn], user_id: str | None, live: LiveConversation | None
 ) -> bool:
-    """Whether `user_id` owns the legacy conversation under an id (`owner_of`), told over the
-    turns that are legacy turns to the user (`reached_by`)."""
-    return owner_of([turns[i] for i in reached_by(turns, user_id, live)]) == user_id
+    """Whether `user_id` owns the legacy conversation under an id, and with it the turns and
+    prompts naming no user: while a conversation document stands there (`live`) its owner
+    (no user for an unowned one), whatever the legacy turns name; else the last user its
+    turns name (`owner_of`). The one ownership rule of the read fallback, the delete and the
+    erasure."""
+    if live is not None:
+        return user_id == live.user_id
+    return owner_of(turns) == user_id
 
 
 def users_part(
     turns: list[LegacyTurn], user_id: str | None, live: LiveConversation | None = None
 ) -> list[int]:
     """The indexes of the turns that are `user_id`'s part of one legacy conversation: those
-    naming the user (`user_named`), and, when the user owns the conversation (`owner_of`),
+    naming the user (`user_named`), and, when the user owns the conversation (`owns_legacy`),
     those naming no user (a missing, null or blank `user_id`). Another user's turns are
     never part of it, whatever id they are filed under or named by, an identifier or not:
     ids that read alike (`42` and `"42"`) make one conversation of two users' turns, which
     the owner reads, deletes and erases without the other's words. The copies of the live
     conversation under the id (`live`) are its owner's part whole, whatever the turns name,
-    and never another user's (`reached_by`)."""
+    and never another user's (`reached_by`), nor are the turns naming no user beside it."""
     reached = reached_by(turns, user_id, live)
     owns = owns_legacy(turns, user_id, live)
     part = [i for i in reached if part_of(turns[i].user_id, user_id, owns=owns)]

@@ -21,7 +21,6 @@ from agent_store.core import (
 from agent_store.legacy._convert import convert
 from agent_store.legacy._documents import (
     CONVERSATION_COUNTERS,
-    DERIVED_USER_PREFIX,
     EPOCH,
     LEGACY_TURNS,
     MIGRATION_STATE,
@@ -33,7 +32,6 @@ from agent_store.legacy._documents import (
     Unnamed,
     derived_user_id,
     id_filter,
-    live_copy,
     may_not_be_identifiers,
     named_filter,
     named_id,
@@ -64,6 +62,7 @@ from agent_store.store import (
     CONVERSATIONS,
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
+    DERIVED_USER_PREFIX,
     UNSTANDING_READ,
     Database,
     FallbackConversation,
@@ -121,20 +120,22 @@ class LegacyTurns:
         """The conversation converted from its legacy turns and prompts; None if it has none,
         or if `user_id` is given and the turns name another owner (told before converting:
         another's conversation costs no more than a missing one). For a user, only the
-        user's part of it (`users_part`): turns and prompts naming another user are left out,
-        and so are the copies of a live conversation under the id that is not the user's
-        (`reached_by`: one lookup more, only when the turns hold a copy).
+        user's part of it (`users_part`, `prompt_part_of`): turns and prompts naming another
+        user are left out, and so are the copies of a live conversation under the id that is
+        not the user's, and the turns and prompts naming no user beside it, which are its
+        owner's (`reached_by`, `owns_legacy`: one lookup more, only when the turns hold a
+        copy).
         """
         query, unnamed = await self._turns_of(conversation_id)
         with storage_errors("read the legacy turns"):
             turns = parse_turns(await self._turns.find(query).to_list(None), unnamed.names)
-        live = None
+        live, owns = None, True
         if turns and user_id is not None:
             live = await self._live(conversation_id, turns)
-            turns = [turns[i] for i in reached_by(turns, user_id, live)]
-            if owner_of(turns) != user_id:
+            if owner_of([turns[i] for i in reached_by(turns, user_id, live)]) != user_id:
                 return None
-            turns = [turns[i] for i in users_part(turns, user_id)]
+            owns = owns_legacy(turns, user_id, live)
+            turns = [turns[i] for i in users_part(turns, user_id, live)]
         if not turns:
             return None
         conversion = convert(turns, rules=self._rules, undated_at=await self._undated_at(turns))
@@ -142,9 +143,10 @@ class LegacyTurns:
             return None
         with storage_errors("read the pending prompt"):
             prompts = await self._prompts.find(prompts_filter(conversation_id)).to_list(None)
-        # Only the owner's prompts (`owners_prompt`), as the migration takes them.
-        if live is not None and user_id != live.user_id:
-            prompts = [p for p in prompts if not live_copy(p.get("dual_write"), live)]
+        # Only the owner's prompts (`owners_prompt`), as the migration takes them; for a user,
+        # only her part's (`prompt_part_of`), as her delete takes them.
+        if user_id is not None:
+            prompts = [p for p in prompts if prompt_part_of(p, user_id, live, owns=owns)]
         conversion = with_session_prompts(conversion, prompts)
         assert conversion.conversation is not None
         return FallbackConversation(conversion.conversation, conversion.messages)

@@ -53,11 +53,13 @@ from agent_store.store._indexes import (
 from agent_store.store._legacy_seam import (
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
+    DERIVED_USER_PREFIX,
     MIGRATED_TURN_PREFIX,
     FallbackConversation,
     LegacyHolder,
     LegacySource,
     is_derived_id,
+    refuse_derived_user,
 )
 from agent_store.store._logger import AgentMessageLogger, LoggedTurn, TurnObserver
 from agent_store.store._naming import NAMED_WINDOW, Named, first_named, named_window, renamed
@@ -166,6 +168,7 @@ __all__ = [
     "DERIVED_CONVERSATION_PREFIX",
     "DERIVED_FIELDS",
     "DERIVED_TURN_PREFIX",
+    "DERIVED_USER_PREFIX",
     "DUPLICATE_KEY",
     "ELLIPSIS",
     "EXPORT_READS",
@@ -265,6 +268,7 @@ __all__ = [
     "prompt_text",
     "redact_uri",
     "refuse_blank_marker",
+    "refuse_derived_user",
     "refuse_own_turn_id",
     "refuse_unless_fallback_serves",
     "renamed",

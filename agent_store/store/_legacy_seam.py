@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from agent_store.core import AgentMessage, Conflict, Conversation
+from agent_store.core import AgentMessage, Conflict, Conversation, InvalidInput
 
 DERIVED_CONVERSATION_PREFIX = "legacy-conversation-"
 """How the migration names a conversation whose legacy id is not an identifier (a digest
@@ -25,12 +25,29 @@ id, or a digest of it, follows)."""
 MIGRATED_TURN_PREFIX = "legacy-"
 """How the migration names the turn of each legacy turn document it converts: no live turn
 takes such an id, so the migration tells its own messages from a live turn's."""
+DERIVED_USER_PREFIX = "legacy-user-"
+"""How the migration names the owner of a conversation whose legacy `user_id` is no
+identifier (a digest of it follows): `agent_store.legacy.derived_user_id`."""
 
 
 def is_derived_id(conversation_id: str) -> bool:
     """Whether the id is one the migration derives: no other writer creates a conversation
     under it, since a digest cannot be traced back to the legacy turns it will name."""
     return conversation_id.startswith((DERIVED_CONVERSATION_PREFIX, DERIVED_TURN_PREFIX))
+
+
+def refuse_derived_user(user_id: str, what: str = "user_id") -> str:
+    """`user_id`, when it is no user the migration derives (`DERIVED_USER_PREFIX`); else
+    InvalidInput. Such a user is named by a digest of a legacy id anyone may know (an
+    email): no person is that user, so a person's identity (a user token's `sub`) naming
+    one is refused, or knowing the legacy id would read its conversations. A service still
+    names the user, to act for it until `claim` maps it to its real id."""
+    if user_id.startswith(DERIVED_USER_PREFIX):
+        raise InvalidInput(
+            f"{what} {user_id!r}: ids starting with {DERIVED_USER_PREFIX!r} name users the "
+            "migration derived from legacy user ids; no person is such a user"
+        )
+    return user_id
 
 
 def not_migrated_yet(conversation_id: str, what: str = "written") -> Conflict:
