@@ -7540,6 +7540,35 @@ async def test_a_bridge_answer_read_while_its_call_was_unstored_is_judged_once_t
     )
 
 
+# -- a bridge's answer naming the tool it is a result of -------------------------------
+
+
+@pytest.mark.parametrize("call", ["pending", "answered already"])
+async def test_an_answer_naming_another_tool_than_the_call_of_its_id_is_refused(
+    backend: Backend, call: str
+) -> None:
+    """RUNTIMES.md: `calls_answered` takes the tool each result is of, as the runtime says
+    (`tool_names`): a result of `refund` for the call c0 of `book` here (pending, or off the
+    list, answered already: its stored message says its tool) is refused InvalidInput naming
+    both tools and the call, before anything is written. Naming the call's own tool, or none,
+    names its message as before."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    t0 = await logger.log_messages(CID, [{"role": "user", "content": "book"}, _calls("c0")])
+    if call == "answered already":
+        await logger.log_messages(CID, [_answer("c0", "booked")], turn_id="t1")
+    late = messages_adapter.validate_python([_answer("c0", "refund R-77")])
+
+    with pytest.raises(InvalidInput, match=r"'c0'.*'refund'.*'book'") as refused:
+        await logger.calls_answered(CID, late, tool_names={"c0": "refund"})
+
+    assert CID in str(refused.value)
+    named = {"c0": t0.messages[1].id}
+    assert await logger.calls_answered(CID, late, tool_names={"c0": "book"}) == named
+    assert await logger.calls_answered(CID, late, tool_names={"other": "refund"}) == named
+    assert await logger.calls_answered(CID, late) == named
+    assert len(await store.transcript(CID)) == (2 if call == "pending" else 3)
+
+
 # -- a bridge's answer to a call no message of the conversation makes -------------------
 
 

@@ -841,6 +841,55 @@ async def test_a_call_nothing_follows_is_left_for_the_runtime_to_answer(backend:
     assert reply.content == "Found it."
 
 
+async def test_a_late_result_naming_another_tool_than_the_call_of_its_id_is_refused(
+    backend: Backend,
+) -> None:
+    """A service's chain paused on ada's `refund` call_0; ada deleted the conversation, grace
+    started it again, and the chain paused on HER `book_table` call_0 (a provider numbering
+    its calls per response). The late add of ada's result names its tool (`ToolMessage.name`
+    "refund"), not the `book_table` call of that id here: refused InvalidInput naming both
+    tools and the call, nothing stored, grace's call still pending (was: stored as the answer
+    to grace's call). A result naming the call's own tool, or no tool, is stored as before."""
+    store = ConversationStore(backend.db)
+    history = ConversationChatHistory(CID, backend.db)
+    await history.aadd_messages(
+        [HumanMessage("refund my order"), AIMessage("", tool_calls=[_call("refund")])]
+    )
+    await store.delete(CID)
+    await history.aadd_messages(
+        [HumanMessage("book a table"), AIMessage("", tool_calls=[_call("book_table")])]
+    )
+    before = await store.transcript(CID)
+    late = ToolMessage("refund R-77, card 4242", tool_call_id="call_0", name="refund")
+
+    with pytest.raises(InvalidInput, match=r"'call_0'.*'refund'.*'book_table'"):
+        await history.aadd_messages([late, AIMessage("Refunded.")])
+
+    assert await store.transcript(CID) == before
+    assert [c.tool_name for c in await store.pending_calls(CID)] == ["book_table"]
+    booked = ToolMessage("table booked", tool_call_id="call_0", name="book_table")
+    await history.aadd_messages([booked, AIMessage("Booked.")])
+    assert [m.content for m in await store.transcript(CID) if m.role == "tool"] == ["table booked"]
+
+
+async def test_a_late_result_naming_no_tool_is_paired_by_its_call_id_as_before(
+    backend: Backend,
+) -> None:
+    """`ToolMessage.name` unset: nothing says which tool the result is of, so it answers the
+    pending call of its id, as before."""
+    store = ConversationStore(backend.db)
+    history = ConversationChatHistory(CID, backend.db)
+    await history.aadd_messages(
+        [HumanMessage("book a table"), AIMessage("", tool_calls=[_call("book_table")])]
+    )
+    await history.aadd_messages([ToolMessage("booked", tool_call_id="call_0"), AIMessage("Ok.")])
+    assert await store.pending_calls(CID) == []
+
+
+def _call(tool: str) -> dict[str, Any]:
+    return {"name": tool, "args": {}, "id": "call_0"}
+
+
 @pytest.mark.parametrize(("again_by", "runtime"), STALE_RESUMES)
 async def test_a_result_added_after_its_conversation_was_deleted_is_refused_nothing_stored(
     backend: Backend, again_by: str | None, runtime: str | None

@@ -692,8 +692,10 @@ async def test_a_call_whose_id_the_provider_used_again_is_resumed_by_the_id_the_
     in `DeferredToolRequests`. Resumed from the store's history by the store's id
     (`pending_calls`), the run is logged: its result answers the paused call, stored once,
     nothing pending, the run's retry its replay. Resumed from the runtime's own history by
-    `call_0`, its answer names the answered call: refused (`AnsweredBefore`), nothing
-    stored, the call still pending (RUNTIMES.md, "A call id the provider used again")."""
+    `call_0`, its result (of `book`) names the answered `call_0` of `check`: refused
+    (InvalidInput naming both tools; was `AnsweredBefore` before results were checked against
+    their call's tool), nothing stored, the call still pending (RUNTIMES.md, "A call id the
+    provider used again")."""
     agent = _per_response_ids_agent("check", "book", first_needs_approval=first_needs_approval)
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     run = await agent.run("Check, then book.")
@@ -711,7 +713,7 @@ async def test_a_call_whose_id_the_provider_used_again_is_resumed_by_the_id_the_
 
     as_runtime = DeferredToolResults(approvals={"call_0": True})
     stale = await agent.run(message_history=run.all_messages(), deferred_tool_results=as_runtime)
-    with pytest.raises(AnsweredBefore):
+    with pytest.raises(InvalidInput, match=r"'call_0'.*'book'.*'check'"):
         await log_run(
             logger, CID, stale.new_messages(), turn_id="run-x", deferred_tool_results=as_runtime
         )
@@ -2489,3 +2491,57 @@ async def test_a_run_logged_for_a_user_never_adopts_a_conversation_a_service_log
     await logger.upsert_conversation("job-1", user_id="user-ada")  # the service assigns it
     await log_run(logger, "job-1", run, turn_id="ada-1", user_id="user-ada")
     assert len(await store.recent_messages("job-1", user_id="user-ada")) == 3
+
+
+def _paused_on(tool: str, result: str) -> Agent[None, str | DeferredToolRequests]:
+    """An agent whose provider numbers its calls per response (`call_0`): it calls `tool`
+    (needing approval) and, resumed, answers with its result."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        returns = [p for p in messages[-1].parts if isinstance(p, ToolReturnPart)]
+        if returns:
+            return ModelResponse(parts=[TextPart("Done: " + returns[0].model_response_str())])
+        return ModelResponse(parts=[ToolCallPart(tool, {}, tool_call_id="call_0")])
+
+    agent = Agent(FunctionModel(respond), output_type=[str, DeferredToolRequests])
+    agent.tool_plain(lambda: result, name=tool, requires_approval=True)
+    return agent
+
+
+async def test_a_late_result_of_another_tools_call_of_the_same_id_in_a_new_life_is_refused(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md: a service's run paused on ada's `refund` call_0; ada deleted the
+    conversation, grace started it again, and the service paused on HER `book_table` call_0.
+    The service resumes ada's run, approved, and logs it: its `ToolReturnPart` says the result
+    is `refund`'s, the call of that id here is `book_table`'s, so it is refused InvalidInput
+    naming both tools and the call, nothing stored; grace's call is still pending (was:
+    stored as the answer to grace's call, grace reading ada's refund and card)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.upsert_conversation(CID, user_id="ada")
+    ada = _paused_on("refund", "refund R-77 for ada@example.com, card 4242")
+    first = await ada.run("refund my order")
+    await log_run(logger, CID, first.new_messages(), turn_id="run-1")
+    await store.delete(CID, user_id="ada")
+    await logger.upsert_conversation(CID, user_id="grace")
+    grace = await _paused_on("book_table", "table booked").run("book a table")
+    await log_run(logger, CID, grace.new_messages(), turn_id="g-run-1")
+    before = await store.transcript(CID, user_id="grace")
+    results = DeferredToolResults(approvals={"call_0": True})
+    resumed = await ada.run(message_history=first.all_messages(), deferred_tool_results=results)
+
+    with pytest.raises(InvalidInput, match=r"'call_0'.*'refund'.*'book_table'"):
+        await log_run(
+            logger, CID, resumed.new_messages(), turn_id="run-2", deferred_tool_results=results
+        )
+
+    assert await store.transcript(CID, user_id="grace") == before
+    [pending] = await store.pending_calls(CID, user_id="grace")
+    assert (pending.tool_call_id, pending.tool_name) == ("call_0", "book_table")
+    resumed_grace = await _paused_on("book_table", "table booked").run(
+        message_history=grace.all_messages(), deferred_tool_results=results
+    )
+    await log_run(
+        logger, CID, resumed_grace.new_messages(), turn_id="g-run-2", deferred_tool_results=results
+    )  # the same tool's result: stored as before
+    assert [m.content for m in await store.transcript(CID) if m.role == "tool"] == ["table booked"]

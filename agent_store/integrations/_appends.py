@@ -36,7 +36,7 @@ import json
 import threading
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
@@ -221,13 +221,16 @@ class Appends:
                 for done in appends
             ]
 
-    async def append(self, messages: Sequence[AgentMessage]) -> LoggedTurn:
+    async def append(
+        self, messages: Sequence[AgentMessage], *, tool_names: Mapping[str, str] | None = None
+    ) -> LoggedTurn:
         """Log `messages` as one turn (two round trips); after an append raised, the appends
         a run again repeats are recognised by their content and stored once, and the append
         at the place of the one that raised is its retry (`_at_place`). An append answering
         a call of an earlier turn names it (`AgentMessageLogger.calls_answered`, one read
         more, only then): answered first by another append (another tab), it is refused
-        `AnsweredBefore`, nothing written."""
+        `AnsweredBefore`, nothing written; naming, for a result, another tool than the call
+        of its id (`tool_names`, call id to tool, where the runtime says), InvalidInput."""
         by = adder()
         done = _Done(_digest(messages), None, _opening(messages))
         turn_id = self._turn_id(by, done)
@@ -235,7 +238,7 @@ class Appends:
         run = self._runs[by] = [*run[-(RUN_APPENDS_KEPT - 1) :], replace(done, turn_id=turn_id)]
         try:
             answers_to = await self.logger.calls_answered(
-                self.conversation_id, messages, user_id=self.user_id
+                self.conversation_id, messages, user_id=self.user_id, tool_names=tool_names
             )
             return await self.logger.log_messages(
                 self.conversation_id,

@@ -122,6 +122,17 @@ def message_from_langchain(
     return with_native(stored, FORMAT, native, base, subject=subject)
 
 
+def _tools_named(messages: Sequence[BaseMessage]) -> dict[str, str]:
+    """The tool each `ToolMessage` among `messages` says it is a result of, where it says
+    (`name` set; the first of an id): the logger refuses a result of a call of an earlier
+    turn naming another tool than the stored call of its id (`calls_answered`)."""
+    tools: dict[str, str] = {}
+    for message in messages:
+        if isinstance(message, LangChainToolMessage) and message.name:
+            tools.setdefault(message.tool_call_id, str(message.name))
+    return tools
+
+
 # -- stored messages into LangChain messages ------------------------------------------
 
 
@@ -295,7 +306,8 @@ class ConversationChatHistory(BaseChatMessageHistory):
             return
         markers = self.logger.rules.markers
         await self._appends.append(
-            [message_from_langchain(m, index=i, markers=markers) for i, m in enumerate(messages)]
+            [message_from_langchain(m, index=i, markers=markers) for i, m in enumerate(messages)],
+            tool_names=_tools_named(messages),
         )
 
     async def _clear(self) -> None:

@@ -1128,7 +1128,10 @@ async def log_run(
     `deferred_tool_results` answers calls of an earlier run: it names them
     (`AgentMessageLogger.calls_answered`, one read more, only then), so when another run
     answered one of them first (two tabs resuming one paused run) it is refused
-    (`AnsweredBefore`), nothing stored; its retry is still a replay. Pass the run's
+    (`AnsweredBefore`), nothing stored; its retry is still a replay. Each result names its
+    tool (`ToolReturnPart.tool_name`): one naming another tool than the conversation's call
+    of its id (a provider numbering calls per response, the conversation deleted and started
+    again since) is refused InvalidInput, nothing stored. Pass the run's
     `deferred_tool_results`: a resumed run cut off while the approved tools ran holds no
     response of its own, and its messages alone do not say which calls it resumed; given
     them, it closes those that returned nothing (`interrupted`), as Pydantic AI does. Pass
@@ -1151,9 +1154,31 @@ async def log_run(
         user_id=user_id,
         turn_id=turn_id,
         name=name,
-        answers_to=await logger.calls_answered(conversation_id, stored, user_id=user_id),
+        answers_to=await logger.calls_answered(
+            conversation_id, stored, user_id=user_id, tool_names=_tools_returned(messages)
+        ),
         strict_owner=user_id is not None,
     )
+
+
+def _tools_returned(messages: Sequence[pai.ModelMessage]) -> dict[str, str]:
+    """The tool each result the run returns for a call of an earlier run is of (call id to
+    `tool_name`, of a `ToolReturnPart` or a tool's `RetryPromptPart` whose id no call of the
+    run made before it): `calls_answered` refuses one naming another tool than the call of
+    its id (the provider used the id again, in another run or an earlier life of the
+    conversation). Such a result keeps its id in the stored messages, a later call of the
+    run using it again being renamed (`_with_unique_call_ids`)."""
+    made: set[str] = set()
+    tools: dict[str, str] = {}
+    for message in messages:
+        for part in message.parts:
+            if isinstance(part, pai.ToolCallPart):
+                made.add(part.tool_call_id)
+            if not isinstance(part, pai.ToolReturnPart | pai.RetryPromptPart):
+                continue
+            if part.tool_name and part.tool_call_id not in made:
+                tools.setdefault(part.tool_call_id, part.tool_name)
+    return tools
 
 
 def _resumed_calls(results: DeferredToolResults | None) -> list[str]:

@@ -981,6 +981,7 @@ class AgentMessageLogger:
         messages: Sequence[AgentMessage],
         *,
         user_id: str | None = None,
+        tool_names: Mapping[str, str] | None = None,
     ) -> dict[str, str]:
         """The `answers_to` of a turn of `messages`, as the conversation stands: for each call
         of an earlier turn it answers (a `tool` message, result or denial, naming a call no
@@ -998,7 +999,12 @@ class AgentMessageLogger:
         written. A call no answer takes that a turn still being written may make and leave
         open though `pending_calls` lost it (its bound pushed it off, `_pushed_off_maybe`) is
         left out (the turn is logged without it: its answer lands after that turn); any other
-        such call is `_UNMADE_CALL`, a turn in flight or not. None read for a
+        such call is `_UNMADE_CALL`, a turn in flight or not. `tool_names` (call id to the
+        tool's name, where the runtime says which tool a result is of): a result naming
+        another tool than the call of its id found here (listed, or its stored message) is
+        InvalidInput naming both tools and the call (`_refuse_other_tools`: a call id used
+        again, in another life of the conversation or by another run), nothing written; a call
+        not stored yet is paired by its id alone. None read for a
         turn answering no earlier call; the conversation, then, for a call not pending, its
         messages making it (one read more), and for a call no stored message makes, the
         messages answering it (one more)."""
@@ -1008,6 +1014,7 @@ class AgentMessageLogger:
             for m in messages
             if m.role == "tool" and m.tool_call_id and m.tool_call_id not in made
         }
+        names = _call_id_map(tool_names, "tool_names must map call ids to tool names")
         if not wanted:
             return {}
         scope = {"_id": validate_identifier(conversation_id, "conversation_id")}
@@ -1016,32 +1023,39 @@ class AgentMessageLogger:
         owner = found.get("user_id") if found is not None else None
         if found is None or (user_id is not None and owner not in (None, user_id)):
             return dict.fromkeys(wanted, _UNMADE_CALL)  # refused as the reservation refuses it
-        for call in found.get("pending_calls") or ():  # in the order made: the latest wins
-            if isinstance(call, Mapping) and call.get("tool_call_id") in wanted:
-                wanted[call["tool_call_id"]] = call.get("message_id") or ""
+        tools = _listed_makers(found, wanted)  # the tool of each call found, as stored
         if missing := sorted(c for c, m in wanted.items() if not m):
-            wanted.update(await self._made_by_stored(found, missing))
+            makers, made_with = await self._made_by_stored(found, missing)
+            wanted.update(makers)
+            tools.update(made_with)
+        _refuse_other_tools(conversation_id, names, tools)
         if unmade := sorted(c for c, m in wanted.items() if not m):
             wanted.update(await self._made_unstored(found, unmade))
         return {c: m for c, m in wanted.items() if isinstance(m, str) and m}
 
     async def _made_by_stored(
         self, conversation: Mapping[str, Any], call_ids: Sequence[str]
-    ) -> dict[str, str]:
+    ) -> tuple[dict[str, str], dict[str, str]]:
         """For `calls_answered`, the latest stored message of this life of `conversation`
         making each of `call_ids` (off `pending_calls`), never a late insert of an earlier
-        life of the id left to the delete's sweep. One read."""
+        life of the id left to the delete's sweep, and the tool each of those calls is of.
+        One read."""
         query = {"conversation_id": conversation["_id"], "tool_calls.id": {"$in": call_ids}}
+        read = {"tool_calls.id": 1, "tool_calls.function.name": 1, "epoch": 1}
         with storage_errors("read the messages making the calls answered"):
-            cursor = self._messages.find(query, {"tool_calls.id": 1, "epoch": 1})
-            making = await cursor.sort("seq", -1).to_list(None)
+            making = await self._messages.find(query, read).sort("seq", -1).to_list(None)
         makers: dict[str, str] = {}
+        tools: dict[str, str] = {}
         for doc in of_epoch(making, conversation.get("epoch")):  # the latest first
             for call in doc.get("tool_calls") or ():
                 call_id = call.get("id") if isinstance(call, Mapping) else None
-                if isinstance(call_id, str) and call_id in call_ids:
-                    makers.setdefault(call_id, str(doc["_id"]))
-        return makers
+                if isinstance(call_id, str) and call_id in call_ids and call_id not in makers:
+                    makers[call_id] = str(doc["_id"])
+                    function = call.get("function")
+                    name = function.get("name") if isinstance(function, Mapping) else None
+                    if isinstance(name, str):
+                        tools[call_id] = name
+        return makers, tools
 
     async def _made_unstored(
         self, conversation: Mapping[str, Any], call_ids: Sequence[str]
@@ -4904,6 +4918,37 @@ def _refused_prompts(refused: Mapping[str, str] | None) -> dict[str, str]:
         "refused_prompts must map tool call ids to the request ids of the refused prompts "
         "their denials answer",
     )
+
+
+def _listed_makers(conversation: Mapping[str, Any], wanted: dict[str, str]) -> dict[str, str]:
+    """For `calls_answered`: names each call of `wanted` (call id to "", in place) that
+    `pending_calls` lists by the message that made it (the latest of its id listed), and
+    answers the tool each of them is of."""
+    tools: dict[str, str] = {}
+    for call in conversation.get("pending_calls") or ():  # in the order made: the latest wins
+        if isinstance(call, Mapping) and call.get("tool_call_id") in wanted:
+            wanted[call["tool_call_id"]] = call.get("message_id") or ""
+            if isinstance(name := call.get("tool_name"), str):
+                tools[call["tool_call_id"]] = name
+    return tools
+
+
+def _refuse_other_tools(
+    conversation_id: str, named: Mapping[str, str], stored: Mapping[str, str]
+) -> None:
+    """InvalidInput for a result whose runtime names (`named`, call id to tool) another tool
+    than the call of its id `calls_answered` found in the conversation (`stored`): it is the
+    result of another call that used the same id (in an earlier life of the conversation, or
+    another run's), never this one's answer. Nothing for a call either does not name."""
+    for call_id in sorted(named.keys() & stored.keys()):
+        if named[call_id] != stored[call_id]:
+            raise InvalidInput(
+                f"invalid turn of conversation {conversation_id!r}: its result for call "
+                f"{call_id!r} is of tool {named[call_id]!r}, but call {call_id!r} of the "
+                f"conversation is of tool {stored[call_id]!r}: a result answers a call of its "
+                "own tool only (the id was used again by another run, or in an earlier life "
+                "of the conversation); nothing was stored"
+            )
 
 
 def _call_id_map(value: Mapping[str, str] | None, what: str) -> dict[str, str]:
