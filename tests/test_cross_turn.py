@@ -7707,6 +7707,111 @@ async def test_a_bridges_answer_to_a_call_the_list_may_have_pushed_off_is_left_o
     assert await logger.calls_answered(CID, stale) == {}
 
 
+_UNMADE_C0 = "no message of this conversation makes call 'c0'"
+
+
+async def _new_chat_after_a_paused_run(
+    logger: AgentMessageLogger, store: ConversationStore
+) -> None:
+    """Ada's run paused on c0, then her conversation deleted; grace starts a new chat under
+    its id (a service's runtime serves both)."""
+    await logger.log_messages(CID, [_user("Refund me."), _calls("c0")], turn_id="t0", user_id="u")
+    await store.delete(CID, user_id="u")
+    await logger.log_messages(CID, [_user("A new chat.")], turn_id="g0", user_id="grace")
+
+
+async def _refused_as_unmade(logger: AgentMessageLogger, store: ConversationStore) -> None:
+    """The paused run's late answer to c0, logged as a service's bridge logs it: refused
+    InvalidInput as answering a call no message of the conversation makes, nothing stored."""
+    before = await store.transcript(CID)
+    with pytest.raises(InvalidInput, match=_UNMADE_C0):
+        await _logged_by_a_bridge(logger, _LATE_RESULT, turn_id="late")
+    assert await store.transcript(CID) == before
+
+
+async def test_a_late_answer_is_refused_by_a_full_pending_list_made_before_the_turn_in_flight(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md "A run resumed after its conversation went": grace's new chat leaves
+    `PENDING_CALLS_KEPT` calls awaiting approval, all made before her turn still being
+    written (its insert lost, retried); nothing reserved after that turn pushed a call off
+    the list, so the old run's late answer to c0 is refused, nothing stored (was: the list
+    being full was taken as a call of the turn in flight pushed off, and ada's result and
+    reply stored in grace's chat)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _new_chat_after_a_paused_run(logger, store)
+    many = [f"b{n}" for n in range(PENDING_CALLS_KEPT)]
+    await logger.log_messages(CID, [_calls(*many)], turn_id="g1", user_id="grace")
+    hurry = partial(logger.log_messages, CID, [_user("Hurry.")], turn_id="g2", user_id="grace")
+    await reserved_insert_lost(logger, hurry)
+    assert len(await store.pending_calls(CID)) == PENDING_CALLS_KEPT
+
+    await _refused_as_unmade(logger, store)
+
+
+async def test_a_late_answer_is_refused_past_many_calls_answered_in_their_own_turns(
+    backend: Backend,
+) -> None:
+    """The same while grace's turn is still being written and her agent then logs turns
+    making `PENDING_CALLS_KEPT` calls in all, each answered in its own turn: none joined
+    `pending_calls`, none pushed a call off it, so the late answer to c0 is refused
+    (was: the calls made past the turn in flight counted as pushing one off, and ada's
+    result stored in grace's chat)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _new_chat_after_a_paused_run(logger, store)
+    hurry = partial(logger.log_messages, CID, [_user("Hurry.")], turn_id="g1", user_id="grace")
+    await reserved_insert_lost(logger, hurry)
+    for turn in range(PENDING_CALLS_KEPT // 10):
+        ids = [f"r{turn}-{n}" for n in range(10)]
+        work = [_calls(*ids), *(_answer(i) for i in ids)]
+        await logger.log_messages(CID, work, turn_id=f"w{turn}", user_id="grace")
+    assert await store.pending_calls(CID) == []
+
+    await _refused_as_unmade(logger, store)
+
+
+async def test_a_late_answer_is_refused_past_turns_popped_before_the_turn_in_flight(
+    backend: Backend,
+) -> None:
+    """The same user: a run paused on c0, the person writes on, then undoes both (two pops:
+    her message and the call's), and her next message is still being written. The pops'
+    records lie past that turn's block (`seq`s are given back and reserved again), but
+    they popped nothing after it: the late answer to c0 is refused, nothing stored (was:
+    a popped record past the turn in flight taken as calls pushed off, and the answer
+    stored as an orphan)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Book it."), _calls("c0")], turn_id="t0", user_id="u")
+    await logger.log_messages(CID, [_user("Wait.")], turn_id="t1", user_id="u")
+    await store.pop_last_message(CID, user_id="u")
+    await store.pop_last_message(CID, user_id="u")
+    again = partial(logger.log_messages, CID, [_user("Other.")], turn_id="t2", user_id="u")
+    await reserved_insert_lost(logger, again)
+
+    await _refused_as_unmade(logger, store)
+
+
+async def test_a_late_answer_to_a_call_the_turn_in_flight_left_off_the_list_itself_is_left_out(
+    backend: Backend,
+) -> None:
+    """A turn still being written that leaves more calls open than `pending_calls` keeps:
+    its oldest call was never listed, and an answer to it is left out of `answers_to` (its
+    answer lands after that turn), as one to a call a later turn pushed off is, also once
+    later turns pushed more calls off, or answered some, past it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    many = ["c0", *(f"b{n}" for n in range(PENDING_CALLS_KEPT))]
+    t0 = partial(logger.log_messages, CID, [_user("Book all."), _calls(*many)], turn_id="t0")
+    await logger.log_messages(CID, [_user("Hello.")], turn_id="before")
+    await reserved_insert_lost(logger, t0)
+    assert "c0" not in {c.tool_call_id for c in await store.pending_calls(CID)}
+    stale = messages_adapter.validate_python(_LATE_RESULT)
+    assert await logger.calls_answered(CID, stale) == {}
+
+    await logger.log_messages(CID, [_user("More."), _calls("d0")], turn_id="after")
+    assert await logger.calls_answered(CID, stale) == {}
+    await logger.log_messages(CID, [_answer("d0")], turn_id="answered", answers_to={})
+    assert await logger.calls_answered(CID, stale) == {}
+
+
 async def test_a_bridges_logged_answer_retried_once_its_call_left_pending_calls_is_a_replay(
     backend: Backend,
 ) -> None:

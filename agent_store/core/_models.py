@@ -1133,6 +1133,21 @@ class TurnRecord(_Model):
     while the name is still the one it set. None for a turn that set no runtime name."""
 
 
+class CallsPushedOff(_Model):
+    """The newest call the bound of a conversation's `pending_calls` (the newest
+    `PENDING_CALLS_KEPT`) pushed off in this life (extension; the store's bookkeeping, never
+    served): set by the update that pushed it off (a turn's reservation, or its move to a new
+    block), so an answer to a call off the list that a turn still being written may have
+    made and left open is told from one to a call no message makes."""
+
+    order: Count = Field(alias="o")
+    """How many turn records the conversation appended before that update: every turn
+    reserved before it has a lower `TurnRecord.order`."""
+    seq: Count | None = Field(default=None, alias="s")
+    """The `seq` of the message that made the call (None for a call listed before the list
+    recorded it, `PendingCall.seq`: every `seq` then)."""
+
+
 class PoppedMessage(_Model):
     """A message a pop removed, kept on its conversation (extension; the store's bookkeeping,
     never served) so that a tail reader whose `after` names it reads on from its `seq`, and
@@ -1326,6 +1341,9 @@ class Conversation(_Model):
     the store's bookkeeping, never served)."""
     turns_dropped: Count = Field(default=0, exclude=True)
     """How many of the oldest turn records were dropped to keep the document bounded."""
+    calls_pushed_off: CallsPushedOff | None = Field(default=None, exclude=True)
+    """The newest call the bound of `pending_calls` pushed off (the store's bookkeeping,
+    never served; absent while none was, or the list was cut by a build before it)."""
     owned_from: Count = Field(default=0, exclude=True)
     """The first `seq` of the turn that assigned an owner to this conversation, unowned until
     then (the store's bookkeeping, never served; absent, 0, when no turn did): its messages

@@ -41,6 +41,7 @@ from agent_store.core import (
     AgentMessage,
     AnsweredBefore,
     ApprovedCall,
+    CallsPushedOff,
     Conflict,
     Conversation,
     ForkCheck,
@@ -52,6 +53,7 @@ from agent_store.core import (
     StorageUnavailable,
     StoreError,
     TranscriptMoved,
+    TurnRecord,
     VersionMismatch,
     awaiting_results,
     conversation_version,
@@ -131,6 +133,7 @@ from agent_store.store._reservation import (
     FORK_CHECK,
     MIGRATING,
     NOT_BEING_DELETED,
+    PUSHED_OFF,
     REFOLD_OWED,
     RESERVED,
     STANDING,
@@ -1070,8 +1073,10 @@ class AgentMessageLogger:
         turn's only where `pending_calls` may have lost it (`_pushed_off_maybe`): a turn's
         reservation lists the calls it leaves open, so a turn still being written makes a
         call off the list, unanswered, only by answering it itself (an answer now would be a
-        second one) or when the list's bound pushed it off; left out then (the turn is logged
-        without it: its answer lands after that turn). Else no message of the conversation
+        second one) or when the list's bound pushed it off, which the update doing so marks
+        (`calls_pushed_off`: only a turn reserved before it, its block at or below the call
+        it marks, may have lost one); left out then (the turn is logged without it: its
+        answer lands after that turn). Else no message of the conversation
         makes it, whatever is being written: `_UNMADE_CALL`, the turn refused as naming a
         call no message makes (`_misnamed`). One read (the messages)."""
         named = dict.fromkeys(call_ids, _UNSTORED_CALL)
@@ -3824,9 +3829,12 @@ _PENDING_READ = {
     "message_count": 1,
     "turns": 1,
     "popped_seqs": 1,
+    "turns_dropped": 1,
+    PUSHED_OFF: 1,
 }
-"""What `AgentMessageLogger.calls_answered` reads of the conversation: its pending calls, and
-its `Gaps` (a call whose turn is still being written, `_made_unstored`)."""
+"""What `AgentMessageLogger.calls_answered` reads of the conversation: its pending calls, its
+`Gaps` (a call whose turn is still being written, `_made_unstored`), and what tells whether
+the list's bound pushed such a turn's call off (`_pushed_off_maybe`)."""
 _TAKEN = ("answered", "writing")
 """The `_answer_states` of a call another turn's answer takes (stored, or still to land)."""
 _UNSTORED_CALL = "msg-still-being-written"
@@ -4622,21 +4630,46 @@ def _pushed_off_maybe(
     conversation: Mapping[str, Any], found: Sequence[Mapping[str, Any]], written_from: int
 ) -> bool:
     """Whether `pending_calls` may have lost a call a turn still being written made and left
-    open (its reservation listed it; such turns write from `written_from` on): the list's
-    bound (the newest `PENDING_CALLS_KEPT`) pushes a call off only once that many calls were
-    made after it, so the list holds that many now, or the stored messages past
-    `written_from` (`found`, `answers_lookup`: every message of the blocks readers may not
-    pass yet) make that many, or a pop took such messages (and their calls) away since (a
-    turn reserved past `written_from` is marked popped). Neither a hold (it names the prompt
-    holding a call) nor any other pop takes such a call off the list: a pop reading the
-    messages below it refuses while a turn there is still being written, and else edits the
-    list as it stands."""
-    if len(conversation.get("pending_calls") or ()) >= PENDING_CALLS_KEPT:
-        return True
-    later = [d for d in found if int(d["seq"]) > written_from]
-    if sum(len(d.get("tool_calls") or ()) for d in later) >= PENDING_CALLS_KEPT:
-        return True
-    return any(r.popped and r.first_seq > written_from for r in Gaps.of(conversation).records)
+    open (its reservation listed it; such turns write from `written_from` on; `found`, the
+    stored messages from there, `answers_lookup`). Only the list's bound (the newest
+    `PENDING_CALLS_KEPT`) pushes such a call off, and the update that does marks the newest
+    call it pushed off (`calls_pushed_off`, `_reservation.PUSHED_OFF`): the turn's call may
+    be among those only if the turn reserved before that update (its record's order is
+    below the mark's) and its block starts at or below that call's `seq` (every call listed
+    after its own was made past its block's start). A full list, calls made and answered
+    since, or a turn popped since (its record past the block, its `seq`s reserved again)
+    push nothing off. Neither a hold (it names the prompt holding a call) nor any other pop
+    takes such a call off the list: a pop reading the messages below it refuses while a
+    turn there is still being written, and else edits the list as it stands. A
+    conversation whose list no update of this build cut holds no mark: no call is taken as
+    pushed off there (a call an earlier build pushed off is then refused as unmade)."""
+    if conversation.get(PUSHED_OFF) is None:
+        return False
+    mark = CallsPushedOff.model_validate(conversation[PUSHED_OFF])
+    count = int(conversation.get("message_count") or 0)
+    reach = count - 1 if mark.seq is None else min(count - 1, mark.seq)
+    stored = {int(d["seq"]) for d in found}
+    gaps = Gaps.of(conversation)
+    unwritten = [
+        s for s in range(written_from, reach + 1) if s not in stored and s not in gaps.popped
+    ]
+    records = [r for r in gaps.records if not r.popped and not r.moved]
+    dropped = bool(conversation.get("turns_dropped"))
+    return any(_reserved_before(records, s, mark.order, dropped=dropped) for s in unwritten)
+
+
+def _reserved_before(records: Sequence[TurnRecord], seq: int, order: int, *, dropped: bool) -> bool:
+    """Whether the turn whose block holds `seq` (the latest of `records` reserving it) was
+    reserved before the update whose order is `order` (`TurnRecord.order` below it; a record
+    kept before records said so counts as the oldest). With no record holding it, whether
+    records were `dropped` (a turn of those may hold it: every one reserved before)."""
+    holding = [
+        r for r in records if r.first_seq <= seq and (r.seqs is None or seq < r.first_seq + r.seqs)
+    ]
+    if not holding:
+        return dropped
+    latest = holding[-1]
+    return latest.order is None or latest.order < order
 
 
 def _written_after(

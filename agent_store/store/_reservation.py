@@ -1733,8 +1733,60 @@ def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
         held = {"$filter": {"input": answered(True), "as": "call", "cond": was_held}}
         hitl = {"$cond": [_answering(plan, {"$gt": [{"$size": held}, 0]}), None, hitl]}
     left = _holding_named(_held_by(answered(False), plan.holds_pending), plan.named_holds)
-    kept = {"$slice": [{"$concatArrays": [left, _opened(plan)]}, -PENDING_CALLS_KEPT]}
-    return {"pending_calls": _answering(plan, kept), "pending_hitl": hitl}
+    every = {"$concatArrays": [left, _opened(plan)]}
+    kept = {"$slice": [every, -PENDING_CALLS_KEPT]}
+    return {
+        "pending_calls": _answering(plan, kept),
+        "pending_hitl": hitl,
+        PUSHED_OFF: _answering(plan, _pushed_off_by(plan, every)),
+    }
+
+
+def _pushed_off_by(plan: TurnPlan, every: Any) -> dict[str, Any]:
+    """`calls_pushed_off` once the turn's reservation cuts `every` (the calls pending after
+    it, oldest first, the newest `PENDING_CALLS_KEPT` of its own among them) to the newest
+    `PENDING_CALLS_KEPT` (`pushed_off_mark`). A turn leaving more calls open than that pushes
+    its own older ones off (never listed): the mark then names the newest of those, made by
+    this turn (its record's order, `TurnRecord.order`, is below the mark's)."""
+    opened = plan.opened_calls
+    if len(opened) <= PENDING_CALLS_KEPT:
+        return pushed_off_mark(every)
+    places = {str(document["_id"]): i for i, document in enumerate(plan.documents)}
+    newest_unlisted = places.get(opened[-PENDING_CALLS_KEPT - 1].message_id, 0)
+    made_at = {"$add": [{"$ifNull": ["$message_count", 0]}, newest_unlisted]}
+    return {"o": int64({"$add": [_APPENDED_BEFORE, 1]}), "s": int64(made_at)}
+
+
+PUSHED_OFF = "calls_pushed_off"
+"""The conversation's mark of the newest call the bound of `pending_calls` pushed off in
+this life (the store's bookkeeping, never served; absent while none was): `o`, how many turn
+records were appended before the update that pushed it off (every turn reserved before it
+has a lower `TurnRecord.order`), and `s`, the `seq` of the message that made it (null for a
+call listed before the list recorded it: `PendingCall.seq`). A call a turn still being
+written left open is off the list by the bound only if that turn reserved before the mark
+and its block starts at or below `s` (`_logger._pushed_off_maybe`): every call listed after
+its own was made later, at a `seq` past its block's first while it is still being written
+(no pop reads below it then), and the mark only moves to calls listed later."""
+
+_APPENDED_BEFORE = int64(
+    {"$add": [{"$ifNull": ["$turns_dropped", 0]}, {"$size": {"$ifNull": ["$turns", []]}}]}
+)
+"""How many turn records the conversation appended before the update it is evaluated in
+(the order the next record appended gets, `TurnRecord.order`); built once, never changed in
+place."""
+
+
+def pushed_off_mark(every: Any) -> dict[str, Any]:
+    """`calls_pushed_off` once the pending calls `every` (an expression, oldest first) are cut
+    to the newest `PENDING_CALLS_KEPT`, as an expression: the mark of the newest call cut
+    off when some are (`PUSHED_OFF`), else the mark as it is (absent while absent)."""
+    cut = {"$subtract": [{"$size": "$$every"}, PENDING_CALLS_KEPT]}
+    newest = {"$arrayElemAt": ["$$every", {"$subtract": ["$$cut", 1]}]}
+    seq = {"$let": {"vars": {"call": newest}, "in": {"$ifNull": ["$$call.seq", None]}}}
+    mark = {"o": _APPENDED_BEFORE, "s": seq}
+    kept = absent_stays(PUSHED_OFF, f"${PUSHED_OFF}")
+    marked = {"$let": {"vars": {"cut": cut}, "in": {"$cond": [{"$gt": ["$$cut", 0]}, mark, kept]}}}
+    return {"$let": {"vars": {"every": every}, "in": marked}}
 
 
 def _opened(plan: TurnPlan) -> dict[str, Any]:

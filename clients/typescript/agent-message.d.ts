@@ -204,6 +204,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   turns_dropped?: number;
   /**
+   * The newest call the bound of `pending_calls` pushed off (the store's bookkeeping, never served; absent while none was, or the list was cut by a build before it).
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  calls_pushed_off?: Record<string, unknown> | null;
+  /**
    * The first `seq` of the turn that assigned an owner to this conversation, unowned until then (the store's bookkeeping, never served; absent, 0, when no turn did): its messages before that `seq` were logged unowned and move to the owner with that turn (a retry of it moves them again).
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
