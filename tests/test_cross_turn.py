@@ -3881,9 +3881,14 @@ async def test_a_fork_cut_before_a_turn_still_being_written_keeps_a_resolved_pro
 
 
 def _calls(*ids: str) -> dict[str, Any]:
+    return _tool_calls(*((i, "book") for i in ids))
+
+
+def _tool_calls(*calls: tuple[str, str]) -> dict[str, Any]:
+    """An assistant message making `calls` (id, tool name)."""
     return {
         "role": "assistant",
-        "tool_calls": [{"id": i, "function": {"name": "book", "arguments": "{}"}} for i in ids],
+        "tool_calls": [{"id": i, "function": {"name": n, "arguments": "{}"}} for i, n in calls],
     }
 
 
@@ -7567,6 +7572,73 @@ async def test_an_answer_naming_another_tool_than_the_call_of_its_id_is_refused(
     assert await logger.calls_answered(CID, late, tool_names={"other": "refund"}) == named
     assert await logger.calls_answered(CID, late) == named
     assert len(await store.transcript(CID)) == (2 if call == "pending" else 3)
+
+
+async def test_a_result_names_the_call_of_its_own_tool_among_calls_of_one_id(
+    backend: Backend,
+) -> None:
+    """Two calls use the id c0 (a provider numbering calls per response): `book_train`'s,
+    then `book_hotel`'s, both pending. A result the runtime says is `book_train`'s is named
+    by the train's call, not the latest of the id, and never refused as another tool's: the
+    store's pairing (an answer takes the latest pending call of its id) then asks for the
+    hotel's answer first (Conflict, nothing stored), after which the train's is logged and
+    answers the train's call."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    train = await logger.log_messages(
+        CID, [{"role": "user", "content": "train?"}, _tool_calls(("c0", "book_train"))]
+    )
+    await logger.log_messages(
+        CID, [{"role": "user", "content": "hotel?"}, _tool_calls(("c0", "book_hotel"))]
+    )
+    result = messages_adapter.validate_python([_answer("c0", "train booked")])
+
+    named = await logger.calls_answered(CID, result, tool_names={"c0": "book_train"})
+
+    assert named == {"c0": train.messages[1].id}
+    with pytest.raises(Conflict, match="answer the later call in a turn of its own first"):
+        await logger.log_messages(CID, result, turn_id="train-result", answers_to=named)
+    hotel = messages_adapter.validate_python([_answer("c0", "hotel booked")])
+    await logger.log_messages(
+        CID,
+        hotel,
+        turn_id="hotel-result",
+        answers_to=await logger.calls_answered(CID, hotel, tool_names={"c0": "book_hotel"}),
+    )
+    named = await logger.calls_answered(CID, result, tool_names={"c0": "book_train"})
+    await logger.log_messages(CID, result, turn_id="train-result", answers_to=named)
+    assert await store.pending_calls(CID) == []
+    exported = [m for m in chat_completions(await store.transcript(CID)) if m["role"] == "tool"]
+    assert [m["content"] for m in exported] == ["train booked", "hotel booked"]
+
+
+async def test_a_retry_of_a_logged_result_is_its_replay_after_the_id_is_used_again(
+    backend: Backend,
+) -> None:
+    """`book_train`'s call c0 is answered by a logged turn; a later turn makes c0 again, for
+    `book_hotel`, pending. The answer's retry (its reply was lost), named as the runtime says
+    (`book_train`), is named by the train's call and answered as the replay it is, nothing
+    stored twice, never refused as another tool's result."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(
+        CID, [{"role": "user", "content": "train?"}, _tool_calls(("c0", "book_train"))]
+    )
+    result = messages_adapter.validate_python([_answer("c0", "train booked")])
+    first = await logger.log_messages(
+        CID,
+        result,
+        turn_id="train-result",
+        answers_to=await logger.calls_answered(CID, result, tool_names={"c0": "book_train"}),
+    )
+    await logger.log_messages(
+        CID, [{"role": "user", "content": "hotel?"}, _tool_calls(("c0", "book_hotel"))]
+    )
+
+    named = await logger.calls_answered(CID, result, tool_names={"c0": "book_train"})
+    again = await logger.log_messages(CID, result, turn_id="train-result", answers_to=named)
+
+    assert again.replayed
+    assert [m.id for m in again.messages] == [m.id for m in first.messages]
+    assert len(await store.transcript(CID)) == 5
 
 
 # -- a bridge's answer to a call no message of the conversation makes -------------------

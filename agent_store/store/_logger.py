@@ -1003,8 +1003,9 @@ class AgentMessageLogger:
         open though `pending_calls` lost it (its bound pushed it off, `_pushed_off_maybe`) is
         left out (the turn is logged without it: its answer lands after that turn); any other
         such call is `_UNMADE_CALL`, a turn in flight or not. `tool_names` (call id to the
-        tool's name, where the runtime says which tool a result is of): a result naming
-        another tool than the call of its id found here (listed, or its stored message) is
+        tool's name, where the runtime says which tool a result is of): a result is named by
+        the latest call of its id of that tool (listed, else its stored message), never by
+        another tool's call of the same id; one whose id only another tool's calls use here is
         InvalidInput naming both tools and the call (`_refuse_other_tools`: a call id used
         again, in another life of the conversation or by another run), nothing written; a call
         not stored yet is paired by its id alone. None read for a
@@ -1026,39 +1027,43 @@ class AgentMessageLogger:
         owner = found.get("user_id") if found is not None else None
         if found is None or (user_id is not None and owner not in (None, user_id)):
             return dict.fromkeys(wanted, _UNMADE_CALL)  # refused as the reservation refuses it
-        tools = _listed_makers(found, wanted)  # the tool of each call found, as stored
+        others = _listed_makers(found, wanted, names)  # another tool's call of an id named
         if missing := sorted(c for c, m in wanted.items() if not m):
-            makers, made_with = await self._made_by_stored(found, missing)
+            makers, made_with = await self._made_by_stored(found, missing, names)
             wanted.update(makers)
-            tools.update(made_with)
-        _refuse_other_tools(conversation_id, names, tools)
+            others = made_with | others
+        _refuse_other_tools(conversation_id, names, {c: others[c] for c in others if not wanted[c]})
         if unmade := sorted(c for c, m in wanted.items() if not m):
             wanted.update(await self._made_unstored(found, unmade))
         return {c: m for c, m in wanted.items() if isinstance(m, str) and m}
 
     async def _made_by_stored(
-        self, conversation: Mapping[str, Any], call_ids: Sequence[str]
+        self, conversation: Mapping[str, Any], call_ids: Sequence[str], tools: Mapping[str, str]
     ) -> tuple[dict[str, str], dict[str, str]]:
         """For `calls_answered`, the latest stored message of this life of `conversation`
         making each of `call_ids` (off `pending_calls`), never a late insert of an earlier
-        life of the id left to the delete's sweep, and the tool each of those calls is of.
-        One read."""
+        life of the id left to the delete's sweep; for a call the runtime says is of a tool
+        (`tools`), the latest making a call of that id of that tool. Answers them, and for a
+        call none of that tool makes, the tool of the latest call of its id (another's). One
+        read."""
         query = {"conversation_id": conversation["_id"], "tool_calls.id": {"$in": call_ids}}
         read = {"tool_calls.id": 1, "tool_calls.function.name": 1, "epoch": 1}
         with storage_errors("read the messages making the calls answered"):
             making = await self._messages.find(query, read).sort("seq", -1).to_list(None)
         makers: dict[str, str] = {}
-        tools: dict[str, str] = {}
+        others: dict[str, str] = {}
         for doc in of_epoch(making, conversation.get("epoch")):  # the latest first
             for call in doc.get("tool_calls") or ():
                 call_id = call.get("id") if isinstance(call, Mapping) else None
-                if isinstance(call_id, str) and call_id in call_ids and call_id not in makers:
+                if not isinstance(call_id, str) or call_id not in call_ids or call_id in makers:
+                    continue
+                function = call.get("function")
+                name = function.get("name") if isinstance(function, Mapping) else None
+                if call_id in tools and name != tools[call_id]:
+                    others.setdefault(call_id, str(name))
+                else:
                     makers[call_id] = str(doc["_id"])
-                    function = call.get("function")
-                    name = function.get("name") if isinstance(function, Mapping) else None
-                    if isinstance(name, str):
-                        tools[call_id] = name
-        return makers, tools
+        return makers, {c: t for c, t in others.items() if c not in makers}
 
     async def _made_unstored(
         self, conversation: Mapping[str, Any], call_ids: Sequence[str]
@@ -4953,26 +4958,32 @@ def _refused_prompts(refused: Mapping[str, str] | None) -> dict[str, str]:
     )
 
 
-def _listed_makers(conversation: Mapping[str, Any], wanted: dict[str, str]) -> dict[str, str]:
+def _listed_makers(
+    conversation: Mapping[str, Any], wanted: dict[str, str], tools: Mapping[str, str]
+) -> dict[str, str]:
     """For `calls_answered`: names each call of `wanted` (call id to "", in place) that
-    `pending_calls` lists by the message that made it (the latest of its id listed), and
-    answers the tool each of them is of."""
-    tools: dict[str, str] = {}
+    `pending_calls` lists by the message that made it (the latest of its id listed; for a
+    call the runtime says is of a tool, `tools`, the latest of its id of that tool). Answers,
+    for a call listed only as another tool's, that tool."""
+    others: dict[str, str] = {}
     for call in conversation.get("pending_calls") or ():  # in the order made: the latest wins
-        if isinstance(call, Mapping) and call.get("tool_call_id") in wanted:
-            wanted[call["tool_call_id"]] = call.get("message_id") or ""
-            if isinstance(name := call.get("tool_name"), str):
-                tools[call["tool_call_id"]] = name
-    return tools
+        if not isinstance(call, Mapping) or (call_id := call.get("tool_call_id")) not in wanted:
+            continue
+        if call_id in tools and call.get("tool_name") != tools[call_id]:
+            others[call_id] = str(call.get("tool_name"))
+        else:
+            wanted[call_id] = call.get("message_id") or ""
+    return {c: t for c, t in others.items() if not wanted[c]}
 
 
 def _refuse_other_tools(
     conversation_id: str, named: Mapping[str, str], stored: Mapping[str, str]
 ) -> None:
     """InvalidInput for a result whose runtime names (`named`, call id to tool) another tool
-    than the call of its id `calls_answered` found in the conversation (`stored`): it is the
-    result of another call that used the same id (in an earlier life of the conversation, or
-    another run's), never this one's answer. Nothing for a call either does not name."""
+    than every call of its id `calls_answered` found in the conversation (`stored`: for a
+    call no call of the named tool makes, the tool of the latest of its id): it is the result
+    of another call that used the same id (in an earlier life of the conversation, or another
+    run's), never this one's answer. Nothing for a call either does not name."""
     for call_id in sorted(named.keys() & stored.keys()):
         if named[call_id] != stored[call_id]:
             raise InvalidInput(
