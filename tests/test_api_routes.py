@@ -123,6 +123,28 @@ async def test_delete_removes_the_conversation_its_messages_and_its_legacy_turns
     assert (missing.status_code, error_code(missing)) == (404, "not_found")
 
 
+@pytest.mark.parametrize("deleter", [OWNER, None], ids=["owner", "service"])
+async def test_delete_takes_and_counts_the_owners_late_legacy_turns(
+    api: Served, deleter: str | None
+) -> None:
+    """Late legacy turns an old-service writer logged under the id into
+    `agent_conversations` (naming the owner, or no user) go with the conversation and are
+    counted in `legacy_turns`; another user's stays."""
+    late = {**example_legacy_turns()[0], "created_at": "2026-03-02T09:00:00Z"}
+    await api.db["agent_conversations"].insert_many(
+        [{**late, "_id": "late-owner"}, {**late, "_id": "late-none", "user_id": None},
+         {**late, "_id": "late-other", "user_id": OTHER}]
+    )  # fmt: skip
+    headers = SERVICE if deleter is None else auth_headers(user=deleter)
+
+    response = await api.http.delete(CONV, headers=headers)
+
+    assert response.json() == {"conversations": 1, "messages": 12, "legacy_turns": 4 + 2}
+    turns = {"user_message": {"$exists": True}}
+    left = await api.db["agent_conversations"].find(turns).to_list(None)
+    assert [d["_id"] for d in left] == ["late-other"]
+
+
 # -- ETag and If-Match: a DELETE naming the conversation it read ------------------------
 
 AGAIN = {"turn_id": "t-again", "messages": [{"role": "user", "content": "started again"}]}

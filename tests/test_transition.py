@@ -637,6 +637,59 @@ async def test_erasing_a_user_takes_a_late_legacy_turn_naming_no_user_of_their_c
         assert await backend.db[name].count_documents({}) == 0, name
 
 
+def late_legacy_turn(turn_id: str, user_id: str | None, conversation_id: str) -> dict[str, Any]:
+    """A legacy turn an old-service writer logged into `agent_conversations` after the move,
+    naming `user_id` under `conversation_id`."""
+    late = {**example_legacy_turns()[0], "_id": turn_id, "user_id": user_id}
+    return {**late, "conversation_id": conversation_id, "created_at": "2026-03-02T09:00:00Z"}
+
+
+@pytest.mark.parametrize("legacy_only", [False, True], ids=["live", "legacy-only"])
+@pytest.mark.parametrize("deleter", [EXAMPLE_USER_ID, None], ids=["owner", "service"])
+async def test_deleting_a_conversation_takes_its_owners_late_legacy_turns_no_run_has_moved_aside(
+    backend: Backend, legacy_only: bool, deleter: str | None
+) -> None:
+    """The late legacy turns under the conversation's id in `agent_conversations` naming its
+    owner, or naming no user, are the owner's part of it, as for an erasure: the delete
+    takes them and counts them, so no later run brings the conversation back with the
+    deleted words. Another user's late turn under the id, and the owner's under another id,
+    stay."""
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    if not legacy_only:
+        await log_example(AgentMessageLogger(backend.db))
+    await backend.db[CONVERSATIONS].insert_many(
+        [late_legacy_turn("late-owner", EXAMPLE_USER_ID, EXAMPLE_CONVERSATION_ID),
+         late_legacy_turn("late-none", None, EXAMPLE_CONVERSATION_ID),
+         late_legacy_turn("late-other", "user-other", EXAMPLE_CONVERSATION_ID),
+         late_legacy_turn("late-elsewhere", EXAMPLE_USER_ID, "conv-elsewhere")]
+    )  # fmt: skip
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+    deleted = await store.delete(EXAMPLE_CONVERSATION_ID, user_id=deleter)
+
+    assert deleted.legacy_turns == 4 + 2
+    left = await backend.db[CONVERSATIONS].find({}, {"_id": 1}).to_list(None)
+    assert sorted(d["_id"] for d in left) == ["late-elsewhere", "late-other"]
+
+
+async def test_deleting_a_conversation_takes_a_late_legacy_turn_a_run_was_moving_aside(
+    backend: Backend,
+) -> None:
+    """A run moving a late legacy turn aside inserts it into the legacy collection before it
+    deletes it from `agent_conversations`: a delete meanwhile (here: the run stopped between
+    the two) takes it from both, so the resumed run has nothing of it to move back."""
+    await log_example(AgentMessageLogger(backend.db))
+    late = late_legacy_turn("late-owner", EXAMPLE_USER_ID, EXAMPLE_CONVERSATION_ID)
+    await backend.db[LEGACY_TURNS].insert_one(late)
+    await backend.db[CONVERSATIONS].insert_one(late)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+    await store.delete(EXAMPLE_CONVERSATION_ID, user_id=EXAMPLE_USER_ID)
+
+    for name in (CONVERSATIONS, MESSAGES, LEGACY_TURNS):
+        assert await backend.db[name].count_documents({}) == 0, name
+
+
 async def test_a_claim_moves_a_late_legacy_turn_and_counts_conversations_only(
     backend: Backend,
 ) -> None:

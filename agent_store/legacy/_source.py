@@ -253,11 +253,16 @@ class LegacyTurns:
         user's, under the same id, stay whoever deletes. The copies of a live conversation
         under the id go with it only, for its owner (`users_part`: one lookup more, only when
         there is a copy). A conversation migrated under a derived id reaches the turns and
-        prompts of the id they named (one more lookup, only for such ids).
+        prompts of the id they named (one more lookup, only for such ids). The late legacy
+        turns under the id no run has moved aside yet (`LATE_TURNS`) that are `owner`'s part
+        of the conversation (`_late_parts`, as an erasure tells them) go first, so a run moving
+        them aside meanwhile leaves them where the delete of the legacy collection finds them.
         """
         original = await self._original_id(conversation_id)
         turns, unnamed = await self._turns_of(conversation_id)
         with storage_errors("delete the legacy turns"):
+            late = await self._late_parts(owner, [conversation_id, original or conversation_id])
+            stranded = await self._conversations.delete_many(_late_of(late)) if late else None
             found = await self._turns.find(turns, _OWNERSHIP_FIELDS).to_list(None)
             parsed = parse_turns(found, unnamed.names)
             live = await self._live(conversation_id, parsed)
@@ -271,7 +276,7 @@ class LegacyTurns:
             theirs = [d["_id"] for d in found if prompt_part_of(d, owner, live, owns=owns)]
             if theirs:
                 await self._prompts.delete_many({"$and": [prompts, *_among_ids(theirs)]})
-        return int(deleted.deleted_count) if deleted is not None else 0
+        return sum(int(done.deleted_count) for done in (deleted, stranded) if done is not None)
 
     async def _turns_of(
         self, conversation_id: str, unnamed: Unnamed | None = None
@@ -324,38 +329,47 @@ class LegacyTurns:
         """Delete the user's part (`users_part`) of the legacy conversations the user owns,
         with their prompts, and every turn and prompt naming the user elsewhere, by any value
         read as the user (`_naming`); and the late legacy turns (`LATE_TURNS`) naming the
-        user, or naming no user in a conversation the user owns (`_late_unnamed`); how many
-        turns went."""
+        user, and the user's part of those of the conversations the user owns (`_late_parts`,
+        as the user's delete of each takes them), first, as a delete does; how many turns
+        went."""
         with storage_errors("erase the user's legacy turns"):
             naming = await _naming(self._turns, user_id, _OWNERSHIP_FIELDS)
             owned, part = await self._users_parts(user_id, naming)
+            late = await _ids_naming(self._conversations, user_id, within=LATE_TURNS)
+            late += await self._late_parts(user_id, await self._owned_names(user_id, list(owned)))
+            stranded = await self._conversations.delete_many(_late_of(late)) if late else None
             turns = [d["_id"] for d in naming] + part
             deleted = await self._turns.delete_many({"_id": {"$in": turns}}) if turns else None
-            late = await _ids_naming(self._conversations, user_id, within=LATE_TURNS)
-            late += await self._late_unnamed(user_id, list(owned))
-            stranded = await self._conversations.delete_many(_late_of(late)) if late else None
             prompts = await _users_prompts(self._prompts, user_id, owned)
             if prompts:
                 await self._prompts.delete_many({"_id": {"$in": prompts}})
         return sum(int(done.deleted_count) for done in (deleted, stranded) if done is not None)
 
-    async def _late_unnamed(self, user_id: str, owned: list[str]) -> list[Any]:
-        """The `_id`s of the late legacy turns (`LATE_TURNS`) naming no user in a conversation
-        the user owns: as legacy turns (`owned`, `_users_parts`), or in the store (by its id,
-        or the legacy id a derived id records): the user's part of it (`part_of`), as in the
-        legacy collection, which a later run would migrate back, unowned, with the user's
-        words. Two round trips."""
+    async def _owned_names(self, user_id: str, owned: Sequence[str]) -> list[str]:
+        """The ids of the conversations the user owns: as legacy turns (`owned`,
+        `_users_parts`), or in the store (by its id, and the legacy id a derived id records).
+        One round trip."""
         stored = await self._conversations.find(
             {"user_id": user_id, **CONVERSATION_DOCUMENT}, {"legacy_conversation_id": 1}
         ).to_list(None)
         names = {*owned, *(d["_id"] for d in stored)}
         names |= {legacy_id_of(d["_id"], d.get("legacy_conversation_id")) for d in stored} - {None}
-        if not names:
+        return sorted(str(name) for name in names if name is not None)
+
+    async def _late_parts(self, owner: str | None, conversation_ids: Sequence[str]) -> list[Any]:
+        """The `_id`s of the late legacy turns (`LATE_TURNS`) under `conversation_ids` (each
+        by every spelling of it, `named_filter`) that are `owner`'s part of the conversations
+        `owner` owns: those naming `owner`, and those naming no user, as in the legacy
+        collection, which a later run would migrate back with the owner's words; another
+        user's stay. The one rule the owner's delete and erasure share. One round trip, none
+        without ids."""
+        if not conversation_ids:
             return []
-        held = {"$or": [named_filter("conversation_id", name) for name in sorted(names)]}
+        named = sorted(set(conversation_ids))
+        held = {"$or": [named_filter("conversation_id", cid) for cid in named]}
         late = {"$and": [held, LATE_TURNS]}
         found = await self._conversations.find(late, {"user_id": 1}).to_list(None)
-        return [d["_id"] for d in found if user_named(d.get("user_id")) is None]
+        return [d["_id"] for d in found if user_named(d.get("user_id")) in (owner, None)]
 
     async def _users_parts(
         self, user_id: str, naming: list[dict[str, Any]]

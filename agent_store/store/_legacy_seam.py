@@ -98,8 +98,9 @@ class LegacySource(Protocol):
 
     async def delete(self, conversation_id: str, *, owner: str | None) -> int:
         """Delete `owner`'s part of the conversation's legacy turns and prompts: the legacy
-        conversation whole when `owner` owns it, else only what names `owner`; how many
-        turns went."""
+        conversation whole when `owner` owns it, else only what names `owner`, and the late
+        legacy turns under the id not moved aside yet that are `owner`'s part of it; how
+        many turns went."""
         ...
 
     async def delete_dual_writes(
