@@ -119,8 +119,9 @@ async def test_a_retried_turn_landing_after_a_delete_serves_nothing_of_the_conve
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A client retries POST /turns (its first answer lost); the retry's insert is held until
-    DELETE of the conversation has answered. The retry answers, and afterwards no read of
-    the id serves the deleted turn: the conversation and its transcript are 404 to the
+    DELETE of the conversation has answered. The retry is a 409 (nothing of the turn is
+    stored: the conversation was deleted since), and afterwards no read of the id serves the
+    deleted turn: the conversation and its transcript are 404 to the
     service and to the owner, and a conversation another user starts there holds only its
     own messages."""
     import asyncio
@@ -151,7 +152,8 @@ async def test_a_retried_turn_landing_after_a_delete_serves_nothing_of_the_conve
         retried = await retry
 
         assert deleted.status_code == 200
-        assert retried.status_code == 200
+        assert retried.status_code == 409, retried.text
+        assert "was deleted since" in retried.json()["error"]["message"]
         for headers in (auth_headers(), auth_headers(user=OWNER)):
             assert (await api.http.get(url, headers=headers)).status_code == 404
             assert (await api.http.get(f"{url}/transcript", headers=headers)).status_code == 404
@@ -159,6 +161,52 @@ async def test_a_retried_turn_landing_after_a_delete_serves_nothing_of_the_conve
         await api.http.post(f"{url}/turns", json=other, headers=auth_headers(user=OTHER))
         transcript = await api.http.get(f"{url}/transcript", headers=auth_headers())
         assert [m["content"] for m in transcript.json()["data"]] == ["hello"]
+
+
+async def test_a_turn_slower_than_its_conversations_delete_is_a_409(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first POST /turns reserves its place and its insert is held, slower than the
+    logger's `claim_grace`, until DELETE of the conversation has answered and the owner has
+    started it again: nothing of the turn is stored, and the client is told so (409
+    `conflict`, the conversation deleted since), never a 201 for `seq`s nobody holds."""
+    import asyncio
+    from dataclasses import replace
+    from datetime import timedelta
+    from typing import Any
+
+    from tests.api_harness import OWNER, auth_headers, serve
+
+    url = "/v1/conversations/c-slow"
+    first = {"turn_id": "t1", "messages": [{"role": "user", "content": "first"}]}
+    slow = {"turn_id": "t2", "messages": [{"role": "user", "content": "OWNER's secret"}]}
+    again = {"turn_id": "n1", "messages": [{"role": "user", "content": "again"}]}
+    owner = auth_headers(user=OWNER)
+    async with serve(backend.db, seeded=False) as api:
+        assert (await api.http.post(f"{url}/turns", json=first, headers=owner)).is_success
+        logger = api.store.logger
+        logger.rules = replace(logger.rules, claim_grace=timedelta(0))
+        insert_many, reached, go = logger._messages.insert_many, asyncio.Event(), asyncio.Event()
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            reached.set()
+            await go.wait()
+            return await insert_many(*args, **kwargs)
+
+        monkeypatch.setattr(logger._messages, "insert_many", held)
+        posted = asyncio.create_task(api.http.post(f"{url}/turns", json=slow, headers=owner))
+        await reached.wait()
+        assert (await api.http.delete(url, headers=owner)).status_code == 200
+        monkeypatch.setattr(logger._messages, "insert_many", insert_many)
+        assert (await api.http.post(f"{url}/turns", json=again, headers=owner)).status_code == 201
+        go.set()
+        answered = await posted
+
+        assert answered.status_code == 409, answered.text
+        assert answered.json()["error"]["code"] == "conflict"
+        assert "was deleted since" in answered.json()["error"]["message"]
+        transcript = await api.http.get(f"{url}/transcript", headers=owner)
+        assert [m["content"] for m in transcript.json()["data"]] == ["again"]
 
 
 IDEMPOTENCY_KEYS = ["4f1c2a9e-0d6b-4c1e-9a57-3f8e2b7d6c10", "key with spaces, $ and / (not an id)"]

@@ -1438,8 +1438,37 @@ async def _a_slow_turn_landing_in_a_recreated_id(
     await logger.log_messages("c-x", [{"role": "user", "content": "hello"}],
                               user_id=SOMEONE_ELSE, owner_only=True, turn_id="o1")  # fmt: skip
     go.set()
-    await turn
+    with pytest.raises(Conflict, match="was deleted since"):  # nothing of it is stored
+        await turn
     return logger, store
+
+
+@pytest.mark.parametrize("started_again", [False, True], ids=["deleted", "started again"])
+async def test_a_turn_slower_than_its_conversations_delete_is_refused_as_nothing_of_it_is_stored(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, started_again: bool
+) -> None:
+    """RELIABILITY.md: OWNER's turn "t2" reserves `seq` 1 of "c-x" and its writer stalls
+    inside its insert, slower than `claim_grace`; "c-x" is deleted (the delete has returned)
+    and perhaps OWNER starts it again (its turn at `seq` 0); then "t2"'s insert lands. Its
+    message goes with the conversation it was written to, so nothing of "t2" is stored, and
+    its writer is told so: `Conflict` (the conversation was deleted since), as when its
+    insert meets the new conversation's messages, never a turn at a `seq` nobody holds."""
+    slow, logger = AgentMessageLogger(backend.db, rules=NO_GRACE), AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db)
+    go, turn = await _owners_second_turn_in_flight(logger, slow, monkeypatch)
+    await store.delete("c-x", user_id=OWNER)
+    if started_again:
+        await logger.log_messages("c-x", [{"role": "user", "content": "again"}], user_id=OWNER,
+                                  turn_id="n1")  # fmt: skip
+    go.set()
+
+    with pytest.raises(Conflict, match="was deleted since this turn reserved its place"):
+        await turn
+
+    assert await backend.db.agent_messages.count_documents({"content": "OWNER's secret"}) == 0
+    if started_again:
+        assert [m.content for m in await store.transcript("c-x")] == ["again"]
+        assert (await store.get_conversation("c-x")).message_count == 1
 
 
 async def test_a_slow_turn_does_not_hand_its_messages_to_whoever_recreated_the_id(
@@ -1458,7 +1487,7 @@ async def test_a_slow_turn_hands_nothing_to_whoever_recreated_the_id_at_the_same
 ) -> None:
     """As above, with both conversations' first messages at the same `created_at` (the
     caller's): the slow turn tells the conversation it reserved on by its epoch, so its late
-    message goes with it, never to SOMEONE_ELSE's."""
+    message goes with it, never to SOMEONE_ELSE's, and it is refused (nothing of it stored)."""
     at = "2025-06-01T10:00:00.000Z"
     slow, logger = AgentMessageLogger(backend.db, rules=NO_GRACE), AgentMessageLogger(backend.db)
     store = ConversationStore(backend.db)
@@ -1467,7 +1496,8 @@ async def test_a_slow_turn_hands_nothing_to_whoever_recreated_the_id_at_the_same
     await logger.log_messages("c-x", [{"role": "user", "content": "hello", "created_at": at}],
                               user_id=SOMEONE_ELSE, owner_only=True, turn_id="o1")  # fmt: skip
     go.set()
-    await turn
+    with pytest.raises(Conflict, match="was deleted since"):
+        await turn
 
     seen = [m.content for m in await store.transcript("c-x", user_id=SOMEONE_ELSE)]
     assert seen == ["hello"]
@@ -1546,9 +1576,9 @@ async def test_a_retried_turn_landing_after_its_conversations_delete_leaves_noth
     and messages). The retry has read the turn's record when the delete runs, finds every
     reserved `seq` holding a message (no second sweep), and returns; the retry's insert, every
     message of the turn again, lands after it. The retry, having inserted messages the delete
-    may have swept past, looks the conversation up: it is gone, and so are the turn's messages.
-    Nothing of the deleted conversation is served, and the next holder of the id logs every
-    turn."""
+    may have swept past, looks the conversation up: it is gone, and so are the turn's messages,
+    so the retry is refused (`Conflict`: nothing of the turn is stored). Nothing of the deleted
+    conversation is served, and the next holder of the id logs every turn."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     await logger.ensure_indexes()
     said = [{"role": "user", "content": "OWNER's secret"}, {"role": "assistant", "content": "ok"}]
@@ -1561,10 +1591,10 @@ async def test_a_retried_turn_landing_after_its_conversations_delete_leaves_noth
 
     go, retried = await _a_retry_in_flight(backend, monkeypatch, retry)
     deleted = await store.delete("c-x", user_id=OWNER)
-    await landing(go, retried)
+    with pytest.raises(Conflict, match="was deleted since"):
+        await landing(go, retried)
 
     assert deleted.messages == 3
-    assert retried.result().replayed
     assert await backend.db.agent_messages.count_documents({"conversation_id": "c-x"}) == 0
     with pytest.raises(NotFound):
         await store.transcript("c-x", user_id=OWNER)
@@ -1575,7 +1605,7 @@ async def test_a_retried_fork_landing_after_the_forks_delete_leaves_nothing_behi
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same for a fork retried (its answer lost) whose copies land after the fork was
-    deleted: the retry takes them back, and the fork's id serves nothing."""
+    deleted: the retry takes them back and is refused, and the fork's id serves nothing."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     await logger.ensure_indexes()
     said = [{"role": "user", "content": "OWNER's secret"}, {"role": "assistant", "content": "ok"}]
@@ -1587,7 +1617,8 @@ async def test_a_retried_fork_landing_after_the_forks_delete_leaves_nothing_behi
 
     go, retried = await _a_retry_in_flight(backend, monkeypatch, retry)
     deleted = await store.delete("c-fork", user_id=OWNER)
-    await landing(go, retried)
+    with pytest.raises(Conflict, match="was deleted since"):
+        await landing(go, retried)
 
     assert deleted.messages == 2
     assert await backend.db.agent_messages.count_documents({"conversation_id": "c-fork"}) == 0
@@ -2817,8 +2848,9 @@ async def test_a_first_attempt_landing_after_a_delete_its_retry_filled_the_block
     `seq` holding a message and sweeps once; the first attempt, faster than `claim_grace`, then
     inserts the same messages again. The retry, having found the write reserved less than the
     grace ago, looks the conversation up only once the grace has passed (the delete and the
-    landing happen during that wait): it is gone, and the retry takes the messages back. The id
-    serves nothing of the deleted conversation, and the next holder logs every turn."""
+    landing happen during that wait): it is gone, and the retry takes the messages back and is
+    refused (`Conflict`: nothing of the write is stored). The id serves nothing of the deleted
+    conversation, and the next holder logs every turn."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     await logger.ensure_indexes()
     await logger.log_messages("c-x", [{"role": "user", "content": "mine"}], user_id=OWNER,
@@ -2837,7 +2869,8 @@ async def test_a_first_attempt_landing_after_a_delete_its_retry_filled_the_block
         await landing(go, landed)
 
     monkeypatch.setattr(retrying, "_wait_until", the_delete_and_the_landing_first)
-    assert await again(retrying)
+    with pytest.raises(Conflict, match="was deleted since"):
+        await again(retrying)
     if not deleted:  # the retry waited for nothing: the delete, then the first attempt, follow
         await the_delete_and_the_landing_first(0.0)
 
@@ -3194,7 +3227,8 @@ async def test_a_slow_assigning_turn_does_not_hand_a_recreated_conversation_to_i
 ) -> None:
     """An assigning turn (a service naming HANDED_TO) reserves on unowned "c-x", which is deleted
     and started again, unowned, under its id before the turn inserts: the new conversation's
-    messages are not handed to HANDED_TO (nor erased with HANDED_TO)."""
+    messages are not handed to HANDED_TO (nor erased with HANDED_TO), and the turn, nothing of
+    it stored, is refused."""
     slow, logger = AgentMessageLogger(backend.db, rules=NO_GRACE), AgentMessageLogger(backend.db)
     store = ConversationStore(backend.db)
     await logger.ensure_indexes()
@@ -3209,7 +3243,8 @@ async def test_a_slow_assigning_turn_does_not_hand_a_recreated_conversation_to_i
     await store.delete("c-x")
     await logger.log_messages("c-x", [{"role": "user", "content": "new chat"}], turn_id="n1")
     go.set()
-    await turn
+    with pytest.raises(Conflict, match="was deleted since"):
+        await turn
 
     assert (await store.get_conversation("c-x")).user_id is None
     assert await owned_messages(backend, "c-x") == [("new chat", None)]

@@ -1367,15 +1367,31 @@ class AgentMessageLogger:
         started = time.monotonic()
         reserved = await self._reserve(plan, owner, None, condition)
         # Its copies keep 0…n, which `forked_from.turn_starts` names: a fork never moves them.
-        stored, reserved = await self._store(plan, reserved, started, None)
-        # A replay checks the fork only if its `fork_check` is still there, read back.
-        created = None if reserved.replayed else _fork_as_created(reserved, source, origin)
-        followed = await self._unless_its_source_went(
-            conversation_id, plan.conversation_id, created
-        )
+        try:
+            stored, reserved = await self._store(plan, reserved, started, None)
+        except _DeletedSince:  # its copies went with its conversation: its check comes first
+            await self._fork_checked(conversation_id, plan, reserved, (source, origin))
+            raise
+        followed = await self._fork_checked(conversation_id, plan, reserved, (source, origin))
         if followed is not None:  # a claim moved its source first: the fork went with it
             stored, reserved = _followed_to(followed, stored, reserved)
         return await self._told(plan, reserved, stored)
+
+    async def _fork_checked(
+        self,
+        conversation_id: str,
+        plan: TurnPlan,
+        reserved: _Reserved,
+        read: tuple[Mapping[str, Any], ForkOrigin],
+    ) -> str | None:
+        """`_unless_its_source_went` for the fork `reserved` made from its source as `read`
+        (and its origin); a replay checks the fork only if its `fork_check` is still there,
+        read back. Also for an attempt whose copies went with its conversation (`_store`
+        refused it, `_DeletedSince`): a pop since its read makes the fork again as it would be
+        now (`PoppedWhileForked`), else its refusal stands."""
+        source, origin = read
+        created = None if reserved.replayed else _fork_as_created(reserved, source, origin)
+        return await self._unless_its_source_went(conversation_id, plan.conversation_id, created)
 
     async def _answers_kept(
         self, source: Mapping[str, Any], messages: Sequence[AgentMessage], end: int
@@ -3019,7 +3035,10 @@ class AgentMessageLogger:
         (`same_conversation`): deleted meanwhile, or deleted and created again under its id
         (by anyone, at whatever `created_at`), it is gone, and so are the turn's late
         messages, as the delete would have taken them; they never go to whoever holds the
-        id now.
+        id now. Nothing of the turn is then stored, and the attempt is refused as one whose
+        insert met the new conversation's messages is (`_deleted_since`, a `Conflict`): a
+        first attempt or a retry, however much of the turn it inserted, is never answered
+        with messages nobody holds.
         """
         conversation_id = plan.conversation_id
         with storage_errors("read the conversation"):
@@ -3051,7 +3070,7 @@ class AgentMessageLogger:
             await self._full_texts.forget_files(
                 [b for m in stored for b in kept_blob_ids(m).values()]
             )
-        return stored
+        raise _deleted_since(conversation_id)
 
     async def _delete_landed(
         self, plan: TurnPlan, reserved: _Reserved, messages: Sequence[AgentMessage], action: str
@@ -3493,10 +3512,7 @@ class AgentMessageLogger:
         # Its whole texts are under files naming its epoch: the conversation's under the id
         # now are not (`_truncation.blob_id`).
         await self._full_texts.forget_files([b for d in documents for b in stored_blob_ids(d)])
-        raise Conflict(
-            f"conversation {conversation_id!r} was deleted since this turn reserved its place "
-            "(and perhaps started again under its id): the turn was not logged"
-        )
+        raise _deleted_since(conversation_id)
 
     async def _left_by(self, conversation_id: str, epochs: list[str]) -> list[dict[str, Any]]:
         """Every message conversations of these epochs, deleted since, left under the id (one
@@ -4037,6 +4053,21 @@ class OtherContent(TurnConflict):
 class Corrected(TurnConflict):
     """A retry of a turn a pop removed a message of since it was logged: it is not logged
     again."""
+
+
+class _DeletedSince(Conflict):
+    """An attempt whose conversation was deleted (or a fork's, taken back) between its
+    reservation and its insert, perhaps started again under its id since: what it inserted
+    went with it, and nothing of the turn is stored (`_deleted_since`)."""
+
+
+def _deleted_since(conversation_id: str) -> Conflict:
+    """The refusal of an attempt whose conversation was deleted (and perhaps started again
+    under its id) between its reservation and its insert: what it inserted went with it."""
+    return _DeletedSince(
+        f"conversation {conversation_id!r} was deleted since this turn reserved its place "
+        "(and perhaps started again under its id): nothing of the turn is stored"
+    )
 
 
 def _corrected(plan: TurnPlan) -> Conflict:
