@@ -4182,8 +4182,9 @@ def _what_changed(
         )
     if isinstance(refused, OtherContent | InvalidInput):
         return (
-            f"{conversation_id!r} no longer holds up to seq {at} what it copied (a pop, or a "
-            "pop and a later turn, changed it)"
+            f"{conversation_id!r} no longer holds up to seq {at} what it copied (a pop, a "
+            "pop and a later turn, or a slow turn's insert landing in a block the fork "
+            "passed empty, changed it)"
         )
     if isinstance(refused, TurnConflict):
         return f"{fork['_id']!r} or {conversation_id!r} changed since"
