@@ -7821,6 +7821,26 @@ async def test_a_late_answer_is_refused_by_a_full_pending_list_made_before_the_t
     await _refused_as_unmade(logger, store)
 
 
+async def test_a_late_answer_is_refused_past_a_list_cut_after_a_turn_in_flight_leaving_none(
+    backend: Backend,
+) -> None:
+    """Grace's message still being written makes no call; her agent's next message then
+    leaves more calls open than `pending_calls` keeps, pushing its own oldest off. The turn
+    in flight left no call open, so it lost none to the cut (its record says so), and the
+    old run's late answer to c0 is refused, nothing stored (was: every turn in flight
+    reserved before the cut counted as having lost one, and ada's result was stored in
+    grace's chat)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _new_chat_after_a_paused_run(logger, store)
+    hurry = partial(logger.log_messages, CID, [_user("Hurry.")], turn_id="g1", user_id="grace")
+    await reserved_insert_lost(logger, hurry)
+    many = [f"b{n}" for n in range(PENDING_CALLS_KEPT + 1)]
+    await logger.log_messages(CID, [_calls(*many)], turn_id="g2", user_id="grace")
+    assert len(await store.pending_calls(CID)) == PENDING_CALLS_KEPT
+
+    await _refused_as_unmade(logger, store)
+
+
 async def test_a_late_answer_is_refused_past_many_calls_answered_in_their_own_turns(
     backend: Backend,
 ) -> None:

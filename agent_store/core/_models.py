@@ -1127,6 +1127,10 @@ class TurnRecord(_Model):
     packed into one integer when each fits (starts below 2**8 in the low bits, then each
     count below 2**22: at most 2**52), else the three. None on a record kept before records
     said so."""
+    opens_calls: bool | None = Field(default=None, alias="h")
+    """Whether the turn leaves calls open (pending until a later turn answers them): only
+    such a turn, still being written, may have lost a call to the bound of `pending_calls`
+    (`CallsPushedOff`). None on a record kept before records said so."""
     named: dict[str, str | None] | None = Field(default=None, alias="n")
     """The runtime name its reservation set (`t`) and the name it replaced (`b`, its
     `name_source` `s` and `name_message_id` `m`), restored when the turn is stored nowhere

@@ -4696,16 +4696,20 @@ def _pushed_off_maybe(
 
 
 def _reserved_before(records: Sequence[TurnRecord], seq: int, order: int, *, dropped: bool) -> bool:
-    """Whether the turn whose block holds `seq` (the latest of `records` reserving it) was
-    reserved before the update whose order is `order` (`TurnRecord.order` below it; a record
-    kept before records said so counts as the oldest). With no record holding it, whether
-    records were `dropped` (a turn of those may hold it: every one reserved before)."""
+    """Whether the turn whose block holds `seq` (the latest of `records` reserving it) left
+    calls open (`TurnRecord.opens_calls`) and was reserved before the update whose order is
+    `order` (`TurnRecord.order` below it): only such a turn may have lost a call to that
+    update. A record kept before records said so counts as leaving calls open, and as the
+    oldest. With no record holding it, whether records were `dropped` (a turn of those may
+    hold it: every one reserved before)."""
     holding = [
         r for r in records if r.first_seq <= seq and (r.seqs is None or seq < r.first_seq + r.seqs)
     ]
     if not holding:
         return dropped
     latest = holding[-1]
+    if latest.opens_calls is False:
+        return False
     return latest.order is None or latest.order < order
 
 

@@ -1280,11 +1280,13 @@ def _records(
     seqs: int,
     person: bool,
     counted: tuple[int, int, int] | None,
+    opens_calls: bool,
     named: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`turns` (the records as they stand, by default) with the record of a block of `seqs`
     reserved now appended (`person`: a user token logs the turn; `counted`: what its
-    reservation counted), the oldest dropped past the window (`_window`) and counted."""
+    reservation counted; `opens_calls`: it leaves calls open), the oldest dropped past the
+    window (`_window`) and counted."""
     turns = _TURNS if turns is None else turns
     record = {
         "k": literal(Int64(key)),
@@ -1300,6 +1302,8 @@ def _records(
         "c": literal(_packed(counted)),
         # Its block's extent: what the next record kept says no more, once one is dropped.
         "l": literal(Int64(seqs)),
+        # Whether it leaves calls open: only such a turn may lose one to the list's bound.
+        "h": literal(opens_calls),
         # A runtime name set: what it replaced (`_named_record`); null for a turn setting none.
         "n": literal(None) if named is None else named,
     }
@@ -1458,6 +1462,7 @@ def reservation(
             seqs=plan.count,
             person=actor.as_user,
             counted=counted(plan),
+            opens_calls=bool(plan.opened_calls),
             named=None if runtime_name is None else _named_record(runtime_name),
         ),
         **_names(plan, runtime_name),
@@ -2004,6 +2009,7 @@ def relocation(
             seqs=plan.count,
             person=block.by_person,
             counted=block.counted,
+            opens_calls=bool(plan.opened_calls),
         ),
     }
     if plan.raised_requests:  # an answer that came while it waited answered its prompts
