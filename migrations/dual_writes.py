@@ -308,7 +308,7 @@ def _content_unheld(
     if problems:
         kinds = ", ".join(sorted({p.kind for p in problems}))
         return f"it converts with problems: {kinds}"
-    legacy = from_legacy(turns, conversion.unplaced, markers)
+    legacy = from_legacy(turns, conversion.unplaced, markers, conversion.history_call_ids)
     transcript = from_messages(messages)
     if not contains(transcript, legacy):
         return "; ".join(transcript_differences(legacy, transcript)[:3])

@@ -43,7 +43,7 @@ from agent_store.legacy import (
 )
 from agent_store.store import CONVERSATIONS, only_duplicates
 from migrations.errors import MigrationError, WorkLeft
-from migrations.keys import id_key, identity
+from migrations.keys import id_key, matched_key, same_document
 
 _BAD_VALUE = 2
 """The server's code for a hint it does not know."""
@@ -209,14 +209,14 @@ def _copying(db: Database[dict[str, Any]]) -> bool:
     return COPYING in state
 
 
-def _in_flight(db: Database[dict[str, Any]]) -> set[bytes]:
-    """The turns (by `identity`) a copy recorded as under way was writing when it stopped
-    (`IN_FLIGHT`): none when no copy is."""
+def _in_flight(db: Database[dict[str, Any]]) -> set[str]:
+    """The turns (by `matched_key` of their `_id`) a copy recorded as under way was writing
+    when it stopped (`IN_FLIGHT`): none when no copy is."""
     fields = {COPYING: 1, IN_FLIGHT: 1}
     state = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, fields) or {}
     if COPYING not in state:
         return set()
-    return {identity({"_id": i}) for i in state.get(IN_FLIGHT) or []}
+    return {matched_key(i) for i in state.get(IN_FLIGHT) or []}
 
 
 def refuse_leftover(db: Database[dict[str, Any]]) -> None:
@@ -230,19 +230,20 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
     after a move (new `_id`s) and a collection standing empty or holding dual-written turns
     only are no leftover: a run copies the turns into it; a turn logged after the move under
     a moved turn's `_id` with other content is refused as such (`_other_content`), nothing
-    moved. One read of the state, then the turns' `_id`s a thousand at a time, up to the
-    first found in both."""
+    moved, whatever type of number either `_id` is (`5.0` is the turn `5` to the server's
+    `$in`: both are paired by `matched_key`). One read of the state, then the turns' `_id`s a
+    thousand at a time, up to the first found in both."""
     if not holds_turns(db, LEGACY_TURNS):
         return
     resumed = _in_flight(db)
     ids = (d["_id"] for d in db[CONVERSATIONS].find(TURN_FILTER, {"_id": 1}))
     while chunk := [i for _, i in zip(range(_OVERLAP_CHUNK), ids, strict=False)]:
         found = db[LEGACY_TURNS].find({"_id": {"$in": chunk}})
-        copies = [c for c in found if identity(c) not in resumed]
+        copies = [c for c in found if matched_key(c["_id"]) not in resumed]
         if not copies:
             continue
-        turns = {identity(t): t for t in db[CONVERSATIONS].find({"_id": {"$in": chunk}})}
-        same = [c for c in copies if bson.encode(c) == bson.encode(turns[identity(c)])]
+        turns = {matched_key(t["_id"]): t for t in db[CONVERSATIONS].find({"_id": {"$in": chunk}})}
+        same = [c for c in copies if same_document(c, turns.get(matched_key(c["_id"]), {}))]
         if not same:  # turns logged after the move under a moved turn's `_id`
             raise _other_content(copies[0]["_id"])
         raise WorkLeft(
@@ -405,14 +406,14 @@ def _accept_identical_copies(
     error: BulkWriteError, batch: list[dict[str, Any]], target: Any
 ) -> None:
     """A resumed copy meets documents it copied before; anything else is an error. The same
-    document is the same BSON: Python's `==` finds a NaN unequal to itself, and `0.0` equal
-    to `-0.0` and `120` to `120.0`, which BSON tells apart."""
+    document is the same BSON (`same_document`), its `_id` the same to the server
+    (`matched_key`: a turn logged under `5.0` after `5` was moved meets that turn)."""
     only_duplicates(error)
     failed = error.details.get("writeErrors", [])
-    wanted = {identity(batch[e["index"]]): batch[e["index"]] for e in failed}
+    wanted = {matched_key(batch[e["index"]]["_id"]): batch[e["index"]] for e in failed}
     ids = [document["_id"] for document in wanted.values()]
     for found in target.find({"_id": {"$in": ids}}):
-        if bson.encode(found) != bson.encode(wanted[identity(found)]):
+        if not same_document(found, wanted.get(matched_key(found["_id"]), {})):
             raise _other_content(found["_id"]) from error
 
 

@@ -6,8 +6,10 @@ visible text in the same order, every tool result attached to a call of the
 same tool. Tool results are compared as a multiset, since the migration moves
 each one right after its call; both sides name a result by the tool of the call it
 answers: the legacy side pairs results with calls by the converter's own rule
-(`CallPairing`, not a copy of it), and names a result whose id names a call of the
-tool it names by that tool, as its parts say, so a pairing at odds with them shows
+(`CallPairing`, not a copy of it), by the same ids (a call's own, else the one its turn's
+history gave it, which the conversion says: `LegacyConversion.history_call_ids`), and
+names a result whose id names a call of the tool it names by that tool, as its parts say,
+so a pairing at odds with them shows
 even were the rule wrong; the new side by the id each stored result carries. What a
 legacy value *says* (a part's kind and fields, the text of a number, a call's arguments) is
 read by the same functions the converter uses (`agent_store.legacy`), so the
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from typing import Any
@@ -189,8 +191,11 @@ class _Calls:
     called: set[tuple[str, str]] = field(default_factory=set)
     """(id, tool name) of each call its part names an id for, so far."""
     turns: int = 0
+    history_ids: Mapping[tuple[str, int], str] = field(default_factory=dict)
+    """The id each call naming none is paired by, its turn's history's, by its turn and part
+    index, as the converter gave it (`LegacyConversion.history_call_ids`)."""
 
-    def turn_results(self, parts: Sequence[tuple[int, LegacyPart]]) -> list[str]:
+    def turn_results(self, parts: Sequence[tuple[int, LegacyPart]], legacy_id: str) -> list[str]:
         """The turn's results as `tool -> content`, its calls added first: each result named
         by the tool it names itself when its id names a call of that tool (what the parts say
         it answers, whatever call the pairing gives it), else by the tool of the call it
@@ -200,8 +205,9 @@ class _Calls:
         for index, part in parts:
             if part.kind == "tool_call":
                 self.tools[(self.turns, index)] = part.tool_name
-                self.pairing.add_call((self.turns, index), part.tool_name, part.tool_call_id)
-                if part.tool_call_id is not None and isinstance(part.tool_name, str):
+                paired_by = self.history_ids.get((legacy_id, index), part.tool_call_id)
+                self.pairing.add_call((self.turns, index), part.tool_name, paired_by)
+                if part.tool_call_id and isinstance(part.tool_name, str):
                     self.called.add((part.tool_call_id, part.tool_name))
         results = [part for _, part in parts if part.kind == "tool_result"]
         answered = self.pairing.answer([(p.tool_name, p.tool_call_id) for p in results])
@@ -238,21 +244,24 @@ def _turn_lines(
     lines += _uploads(turn, legacy_id, skipped)
     parts = [(i, p) for i, p in turn_parts(turn) if _part(legacy_id, i) not in skipped.places]
     lines += [line for _, part in parts if (line := _part_line(part)) is not None]
-    return lines, calls.turn_results(parts)
+    return lines, calls.turn_results(parts, legacy_id)
 
 
 def from_legacy(
     turns: Iterable[LegacyTurn],
     unplaced: Sequence[Problem] = (),
     markers: RuntimeContextMarkers = DEFAULT_MARKERS,
+    history_ids: Mapping[tuple[str, int], str] | None = None,
 ) -> Transcript:
     """Render legacy turns; what the converter reported as not placed is left out (runtime
     context by the `markers` it stripped it by), each turn named as the converter names it
-    (`turn_names`: two turns whose ids read alike apart)."""
+    (`turn_names`: two turns whose ids read alike apart), each call naming no id paired by
+    the id its turn's history gave it (`history_ids`, the conversion's `history_call_ids`:
+    without them, by the ids the parts name)."""
     skipped = Skipped.of(unplaced, markers)
     lines: list[str] = []
     results: list[str] = []
-    calls = _Calls()
+    calls = _Calls(history_ids=history_ids or {})
     ordered = sort_turns(turns)
     legacy_ids = {key: name.legacy_id for key, name in turn_names(ordered).items()}
     for turn in ordered:
@@ -341,5 +350,6 @@ def not_held(
     others = sorted({repr(m.user_id) for m in live if m.user_id != owner})
     if others:
         return [f"its live messages are user {', '.join(others)}'s, its legacy turns {owner!r}'s"]
-    legacy, new = from_legacy(turns, conversion.unplaced, markers), from_messages(live)
+    legacy = from_legacy(turns, conversion.unplaced, markers, conversion.history_call_ids)
+    new = from_messages(live)
     return [] if contains(new, legacy) else differences(legacy, new)

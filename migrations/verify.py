@@ -100,7 +100,9 @@ def compare(item: Converted, stored: list[AgentMessage], popped: Collection[str]
         stored = sorted([*stored, *back], key=lambda m: m.seq or 0)
     migrated = [m for m in stored if (m.turn_id or "").startswith(MIGRATED_TURN_PREFIX)]
     if migrated or not stored:
-        legacy = from_legacy(item.turns, conversion.unplaced, item.markers)
+        legacy = from_legacy(
+            item.turns, conversion.unplaced, item.markers, conversion.history_call_ids
+        )
         found = differences(legacy, from_messages(migrated))
         return found + misdated(conversion.messages, migrated)
     # Logged to live where its legacy turns go: they were not merged.

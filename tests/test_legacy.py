@@ -607,6 +607,109 @@ def test_the_transcript_pairs_results_under_one_id_with_calls_as_the_converter_d
     assert differences(legacy, from_messages(conversion.messages)) == []
 
 
+def test_a_result_under_an_empty_id_before_its_calls_answers_its_tools_call_on_both_sides() -> None:
+    """An empty `tool_call_id` names no call, on a call as on a result: a `calc` result
+    written before a `search` call under `""` and a `calc` call naming no id answers the
+    `calc` call, in the stored messages and in the gate's transcript alike, so a right
+    migration shows no difference (was: the gate paired it with `search` by the empty id)."""
+    parts = [
+        {"type": "tool_result", "tool_name": "calc", "result": None, "tool_call_id": ""},
+        {"type": "tool_call", "tool_name": "search", "args": {"q": 1}, "tool_call_id": ""},
+        {"type": "tool_call", "tool_name": "calc", "args": {"q": 2}},
+    ]
+    conversion = convert([turn(1, parts)])
+
+    assert answered_by_tool(conversion.messages) == {"calc": "null"}
+    assert conversion.problems == []
+    legacy = from_legacy(parse_turns([turn(1, parts)]), conversion.unplaced)
+    assert legacy.results == ("calc -> null",)
+    assert differences(legacy, from_messages(conversion.messages)) == []
+
+
+PAIRING_IDS = [None, "", "a", "b"]
+"""The ids a generated call or result names: none, empty, or one of two shared by several."""
+
+
+@st.composite
+def calls_and_results(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Legacy turns of tool calls and results in any order (results before their calls too),
+    naming ids missing, empty or repeated, results naming the tool of one call of several,
+    another tool or none; a turn's `message_history_json` may give its calls ids of the pool,
+    of their tool or not, and return results under them."""
+    turns = []
+    for n in range(1, draw(st.integers(1, 3)) + 1):
+        parts: list[dict[str, Any]] = []
+        for k in range(draw(st.integers(1, 6))):
+            call_id = draw(st.sampled_from(PAIRING_IDS))
+            if draw(st.booleans()):
+                part = {"type": "tool_call", "tool_name": draw(st.sampled_from(TOOLS)),
+                        "args": {"k": f"{n}.{k}"}}  # fmt: skip
+            else:
+                part = {"type": "tool_result", "result": f"r{n}.{k}"}
+                if (tool := draw(st.sampled_from([*TOOLS, None]))) is not None:
+                    part["tool_name"] = tool
+            if call_id is not None:
+                part["tool_call_id"] = call_id
+            parts.append(part)
+        history: list[dict[str, Any]] = []
+        for part in parts if draw(st.booleans()) else ():
+            if part["type"] == "tool_call" or draw(st.booleans()):
+                history.append(history_part(part, draw(st.sampled_from(TOOLS)),
+                                            draw(st.sampled_from(["a", "b", "h"]))))  # fmt: skip
+        fields = {"message_history_json": json.dumps([{"parts": history}])} if history else {}
+        turns.append(turn(n, parts, **fields))
+    return turns
+
+
+def history_part(part: dict[str, Any], tool: str, call_id: str) -> dict[str, Any]:
+    """A history's call of `tool` under `call_id` with a call part's arguments, or its return
+    of a result part's value, of the tool the part names."""
+    if part["type"] == "tool_call":
+        return {"part_kind": "tool-call", "tool_name": tool, "args": part["args"],
+                "tool_call_id": call_id}  # fmt: skip
+    return {"part_kind": "tool-return", "tool_name": part.get("tool_name", tool),
+            "content": part["result"], "tool_call_id": call_id}  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(calls_and_results())
+def test_the_gate_pairs_every_tool_result_with_the_call_the_converter_stores_it_under(
+    turns: list[dict[str, Any]],
+) -> None:
+    """The converter and the gate's transcript pair results with calls by one rule: however
+    ids are missing, empty or repeated, results come before their calls or name the tool of
+    one call of several, a conversion shows no difference to `verify`."""
+    conversion = convert(turns)
+    legacy = from_legacy(
+        parse_turns(turns), conversion.unplaced, history_ids=conversion.history_call_ids
+    )
+    assert differences(legacy, from_messages(conversion.messages)) == []
+
+
+def test_a_result_its_id_pairs_with_a_call_only_the_history_names_is_so_on_both_sides() -> None:
+    """Turn 1's history gives its `f` call, naming no id, the id `a`; turn 2's result of `g`
+    under `a` is paired by that id alone with that call (a guess, `ambiguous_tool_result`,
+    which an operator accepts): `verify` pairs it with the same call, by the ids the
+    conversion says the histories gave, so once accepted nothing holds the drop (was: the
+    gate, knowing no id `a`, named it by `g`, a difference no acceptance cleared)."""
+    history = [{"parts": [{"part_kind": "tool-call", "tool_name": "f", "args": {"k": 1},
+                           "tool_call_id": "a"}]}]  # fmt: skip
+    turns = [
+        turn(1, [{"type": "tool_call", "tool_name": "f", "args": {"k": 1}}],
+             message_history_json=json.dumps(history)),
+        turn(2, [tool_result("g", "a", "G")]),
+    ]  # fmt: skip
+    conversion = convert(turns)
+
+    assert answered_by_tool(conversion.messages) == {"f": "G"}
+    assert [p.kind for p in conversion.unplaced] == ["ambiguous_tool_result"]
+    legacy = from_legacy(
+        parse_turns(turns), conversion.unplaced, history_ids=conversion.history_call_ids
+    )
+    assert legacy.results == ("f -> G",)
+    assert differences(legacy, from_messages(conversion.messages)) == []
+
+
 BALANCE = "BALANCE: 120 EUR"
 TRANSFER = "TRANSFER OK: 100 EUR to Bob"
 

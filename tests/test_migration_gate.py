@@ -6295,6 +6295,89 @@ def test_a_turn_logged_after_the_move_under_a_moved_turns_id_is_work_left_never_
     assert moved["conversation_id"] == "A"
 
 
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    "late_id", [5.0, bson.Int64(5), bson.Decimal128("5")], ids=["double", "int64", "decimal128"]
+)
+def test_a_late_turn_under_a_moved_turns_number_id_of_another_type_is_named_and_refused(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    late_id: Any,
+) -> None:
+    """`5.0`, `Int64(5)` and `Decimal128("5")` are the `_id` 5 to MongoDB: a turn an old-service
+    writer logs after the move under one of them, a moved turn being 5, is that moved turn's
+    `_id` with other content: `run` names it and exits 1, every time, nothing overwritten or
+    deleted (was: a KeyError traceback on every run, naming nothing)."""
+    database[CONVERSATIONS].insert_one(legacy_turn(5, "A", 0, "EARLY"))
+    assert cli(wire_uri, database, "run") == 0
+    late = legacy_turn(late_id, "A", 5, "LATE")
+    database[CONVERSATIONS].insert_one(late)
+    capsys.readouterr()
+
+    for _ in range(2):
+        assert cli(wire_uri, database, "run") == 1
+        captured = capsys.readouterr()
+        said = captured.out + captured.err
+        assert "Traceback" not in said
+        assert "5 exists in agent_conversations_deprecated with other content" in said
+        assert "give the turn in agent_conversations another _id" in said
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+    assert database[CONVERSATIONS].find_one({"_id": 5}) == late
+    moved = database[LEGACY_TURNS].find_one({"_id": 5})
+    assert moved is not None
+    assert moved["user_message"] == "EARLY question"
+
+
+def pairing_turns(history_ids: bool) -> list[dict[str, Any]]:
+    """One conversation the converter and `verify` once paired apart: a `calc` result under
+    an empty id before a `search` call under `""` and a `calc` call naming none; or a `g`
+    result under `a` in turn 2, `a` the id turn 1's history gives its `f` call."""
+    if not history_ids:
+        return [
+            legacy_turn("t-1", "c-1", 0, "ONE")
+            | {"response_parts": [
+                {"type": "tool_result", "tool_name": "calc", "result": None, "tool_call_id": ""},
+                {"type": "tool_call", "tool_name": "search", "args": {"q": 1}, "tool_call_id": ""},
+                {"type": "tool_call", "tool_name": "calc", "args": {"q": 2}}]},
+        ]  # fmt: skip
+    call = {"type": "tool_call", "tool_name": "f", "args": {"k": 1}}
+    history = [{"parts": [{"part_kind": "tool-call", "tool_name": "f", "args": {"k": 1},
+                           "tool_call_id": "a"}]}]  # fmt: skip
+    return [
+        legacy_turn("t-1", "c-1", 0, "ONE")
+        | {"response_parts": [call], "message_history_json": json.dumps(history)},
+        legacy_turn("t-2", "c-1", 1, "TWO")
+        | {"response_parts": [{"type": "tool_result", "tool_name": "g", "result": "G",
+                               "tool_call_id": "a"}]},
+    ]  # fmt: skip
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("history_ids", [False, True], ids=["empty id", "history's id"])
+def test_verify_pairs_a_tool_result_as_run_stored_it_so_finish_can_pass(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    history_ids: bool,
+) -> None:
+    """`verify` pairs each result with the call `run` stored it answering (one rule, the same
+    ids): the conversation shows no difference, and `finish` passes once the operator
+    accepted what the conversion left unplaced (the guessed pairing of the `g` result), as
+    the runbook says (was: `verify` exited 1 on every run and `finish --accept` could not
+    clear it)."""
+    database[CONVERSATIONS].insert_many(pairing_turns(history_ids))
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
+    if history_ids:
+        assert cli(wire_uri, database, "finish") == 1
+        assert cli(wire_uri, database, "finish", "--accept", "c-1", "--note", "checked") == 0
+    assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
+
+
 NON_JSON_TEXTS: dict[str, Any] = {
     "user_message": bson.Binary.from_uuid(uuid.UUID("12345678-1234-5678-1234-567812345678")),
     "text": datetime(2024, 2, 29, 12, tzinfo=UTC),

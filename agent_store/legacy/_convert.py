@@ -201,6 +201,10 @@ class LegacyConversion:
     users: dict[str, list[str]] = field(default_factory=dict)
     """The turns naming each user, by the name each goes by (`turn_names`): with the users
     its prompts name, whether it is a `mixed_user_ids` problem (`with_session_prompts`)."""
+    history_call_ids: dict[tuple[str, int], str] = field(default_factory=dict)
+    """The id its turn's `message_history_json` gives each call naming none (an empty id
+    names none), by its turn (`legacy_id`) and part index: the id results are paired with
+    it by (`CallPairing`), which the migration's transcript pairs by too."""
 
     @property
     def unplaced(self) -> list[Problem]:
@@ -376,6 +380,8 @@ class _Converter:
         self.histories = _Histories()
         self.calls_made: Counter[tuple[str, str]] = Counter()
         """How many calls of each tool with each arguments (`_arguments`) the turns made."""
+        self.history_ids: dict[tuple[str, int], str] = {}
+        """`LegacyConversion.history_call_ids`."""
 
     def problem(
         self,
@@ -471,6 +477,10 @@ class _Converter:
             self.used_call_ids,
             self.calls_made,
         )
+        legacy_id = self.names[id(turn)].legacy_id
+        for (index, part), found in zip(calls, real, strict=True):
+            if found is not None and not part.tool_call_id:
+                self.history_ids[(legacy_id, index)] = found
         self.pairing.start_turn()
         state = _TurnState(
             turn=turn,
@@ -1297,6 +1307,7 @@ def convert(
         full_texts=[full for plan in plans for full in plan.full_texts],
         owner=owner,
         users=_turns_by_user(converter, turns),
+        history_call_ids=converter.history_ids,
     )
 
 

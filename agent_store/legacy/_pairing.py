@@ -9,7 +9,9 @@ A turn's `message_history_json` names the real ids of calls whose parts name non
 (`history_call_ids`): by what identifies a call, its tool and its arguments, never by
 position alone. What the history says a call returned then tells which call a result naming
 no id answers (`told_calls`), always one of the result's own tool, so the transcript, which
-names a result by its call's tool, needs no history; `CallPairing` pairs the rest. A return
+names a result by its call's tool, needs no more of the history than the ids it gave calls
+(`LegacyConversion.history_call_ids`); `CallPairing` pairs the rest. An empty id names no
+call, on a call as on a result, as a missing one. A return
 names its call by the latest call of that id in the turn's own part of the history
 (`returns_here`), so ids a provider numbers per response never reach across responses.
 Of the calls an id names, the tool a result names decides before position, across turns as
@@ -46,14 +48,17 @@ class CallPairing(Generic[K]):
         self._turn = []
 
     def add_call(self, key: K, tool_name: Any, call_id: str | None) -> None:
+        """A call of the turn, known by `key`; `call_id` is the id its legacy part names: an
+        empty one names none (`names_a_call`), as a missing one."""
         self._turn.append((key, tool_name))
         self._tools[key] = tool_name
-        if call_id is not None:
+        if call_id:
             self._by_id[call_id].append(key)
 
     def names_a_call(self, call_id: str | None) -> bool:
-        """Whether an id names a call of the conversation so far."""
-        return call_id is not None and call_id in self._by_id
+        """Whether an id names a call of the conversation so far: never a missing or empty
+        one, whatever parts named `""` (an empty id names no call, whoever reads it)."""
+        return bool(call_id) and call_id in self._by_id
 
     def unanswered(self, call_id: str) -> bool:
         """Whether an id names a call of the conversation so far that no result answers yet."""
