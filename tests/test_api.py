@@ -168,7 +168,7 @@ async def test_a_turn_slower_than_its_conversations_delete_is_a_409(
 ) -> None:
     """A first POST /turns reserves its place and its insert is held, slower than the
     logger's `claim_grace`, until DELETE of the conversation has answered and the owner has
-    started it again: nothing of the turn is stored, and the client is told so (409
+    started it again: nothing this attempt inserted is stored, and the client is told so (409
     `conflict`, the conversation deleted since), never a 201 for `seq`s nobody holds."""
     import asyncio
     from dataclasses import replace

@@ -1577,8 +1577,8 @@ async def test_a_retried_turn_landing_after_its_conversations_delete_leaves_noth
     reserved `seq` holding a message (no second sweep), and returns; the retry's insert, every
     message of the turn again, lands after it. The retry, having inserted messages the delete
     may have swept past, looks the conversation up: it is gone, and so are the turn's messages,
-    so the retry is refused (`Conflict`: nothing of the turn is stored). Nothing of the deleted
-    conversation is served, and the next holder of the id logs every turn."""
+    so the retry is refused (`Conflict`: nothing this attempt inserted is stored). Nothing of
+    the deleted conversation is served, and the next holder of the id logs every turn."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     await logger.ensure_indexes()
     said = [{"role": "user", "content": "OWNER's secret"}, {"role": "assistant", "content": "ok"}]

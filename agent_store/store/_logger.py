@@ -4058,7 +4058,7 @@ class Corrected(TurnConflict):
 class _DeletedSince(Conflict):
     """An attempt whose conversation was deleted (or a fork's, taken back) between its
     reservation and its insert, perhaps started again under its id since: what it inserted
-    went with it, and nothing of the turn is stored (`_deleted_since`)."""
+    went with it (`_deleted_since`); a retry may have logged the turn in the new one."""
 
 
 def _deleted_since(conversation_id: str) -> Conflict:
@@ -4066,7 +4066,9 @@ def _deleted_since(conversation_id: str) -> Conflict:
     under its id) between its reservation and its insert: what it inserted went with it."""
     return _DeletedSince(
         f"conversation {conversation_id!r} was deleted since this turn reserved its place "
-        "(and perhaps started again under its id): nothing of the turn is stored"
+        "(and perhaps started again under its id): nothing this attempt inserted is stored. "
+        "Another attempt of the turn may have logged it in the conversation under the id "
+        "now: sending the turn again answers with it if so"
     )
 
 
