@@ -1271,25 +1271,23 @@ def _capped(field: str, amount: int) -> dict[str, Any]:
 
 
 def _records(
-    key: int,
+    plan: TurnPlan,
     digest: int,
     rules: TurnRules,
     now: datetime,
     turns: Any = None,
     *,
-    seqs: int,
     person: bool,
     counted: tuple[int, int, int] | None,
-    opens_calls: bool,
     named: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """`turns` (the records as they stand, by default) with the record of a block of `seqs`
-    reserved now appended (`person`: a user token logs the turn; `counted`: what its
-    reservation counted; `opens_calls`: it leaves calls open), the oldest dropped past the
+    """`turns` (the records as they stand, by default) with the record of the block of
+    `plan`'s turn reserved now appended (`person`: a user token logs the turn; `counted`:
+    what its reservation counted; whether it leaves calls open), the oldest dropped past the
     window (`_window`) and counted."""
     turns = _TURNS if turns is None else turns
     record = {
-        "k": literal(Int64(key)),
+        "k": literal(Int64(plan.key)),
         "f": int64({"$ifNull": ["$message_count", 0]}),
         "d": literal(Int64(digest)),
         "a": literal(now),
@@ -1301,9 +1299,9 @@ def _records(
         "o": int64({"$add": [_kept("turns_dropped", 0), {"$size": _TURNS}]}),
         "c": literal(_packed(counted)),
         # Its block's extent: what the next record kept says no more, once one is dropped.
-        "l": literal(Int64(seqs)),
+        "l": literal(Int64(plan.count)),
         # Whether it leaves calls open: only such a turn may lose one to the list's bound.
-        "h": literal(opens_calls),
+        "h": literal(bool(plan.opened_calls)),
         # A runtime name set: what it replaced (`_named_record`); null for a turn setting none.
         "n": literal(None) if named is None else named,
     }
@@ -1455,14 +1453,12 @@ def reservation(
         **_KEPT_OR_NULL,
         **_appended(plan, _released(plan)),
         **_records(
-            plan.key,
+            plan,
             plan.digest,
             rules,
             now,
-            seqs=plan.count,
             person=actor.as_user,
             counted=counted(plan),
-            opens_calls=bool(plan.opened_calls),
             named=None if runtime_name is None else _named_record(runtime_name),
         ),
         **_names(plan, runtime_name),
@@ -1472,7 +1468,7 @@ def reservation(
     }
     superseded = _superseded(plan)
     after = [RECORDS_DROPPED, {"$set": superseded}] if superseded else [RECORDS_DROPPED]
-    return [{"$set": stage}, *after]
+    return [{"$set": stage}, *calls_cut(plan), *after]
 
 
 _KEPT_OR_NULL: dict[str, Any] = {
@@ -1738,24 +1734,34 @@ def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
         held = {"$filter": {"input": answered(True), "as": "call", "cond": was_held}}
         hitl = {"$cond": [_answering(plan, {"$gt": [{"$size": held}, 0]}), None, hitl]}
     left = _holding_named(_held_by(answered(False), plan.holds_pending), plan.named_holds)
-    every = {"$concatArrays": [left, _opened(plan)]}
-    kept = {"$slice": [every, -PENDING_CALLS_KEPT]}
-    return {
-        "pending_calls": _answering(plan, kept),
-        "pending_hitl": hitl,
-        PUSHED_OFF: _answering(plan, _pushed_off_by(plan, every)),
-    }
+    every = {"$concatArrays": [left, _opened(plan)]}  # cut by the next stage (`calls_cut`)
+    state = {"pending_calls": _answering(plan, every), "pending_hitl": hitl}
+    if len(plan.opened_calls) > PENDING_CALLS_KEPT:
+        state[PUSHED_OFF] = _pushed_off_by(plan)
+    return state
 
 
-def _pushed_off_by(plan: TurnPlan, every: Any) -> dict[str, Any]:
-    """`calls_pushed_off` once the turn's reservation cuts `every` (the calls pending after
-    it, oldest first, the newest `PENDING_CALLS_KEPT` of its own among them) to the newest
-    `PENDING_CALLS_KEPT` (`pushed_off_mark`). A turn leaving more calls open than that pushes
-    its own older ones off (never listed): the mark then names the newest of those, made by
-    this turn (its record's order, `TurnRecord.order`, is below the mark's)."""
+def calls_cut(plan: TurnPlan) -> list[dict[str, Any]]:
+    """The stage that follows the one setting a turn's pending state (`_pending_state`, in
+    its reservation or its move): the calls pending after it, listed whole there (oldest
+    first), cut to the newest `PENDING_CALLS_KEPT`, and `calls_pushed_off` marking the newest
+    cut (`pushed_off_mark`), unless the turn itself leaves more calls open than that (its
+    own older ones pushed off, marked by that stage: `_pushed_off_by`). None for a turn
+    leaving no call open: the list does not grow. A stage of its own, so the command names
+    the calls a turn answers no more often than the list needs."""
+    if not plan.opened_calls:
+        return []
+    cut: dict[str, Any] = {"pending_calls": {"$slice": ["$pending_calls", -PENDING_CALLS_KEPT]}}
+    if len(plan.opened_calls) <= PENDING_CALLS_KEPT:
+        cut[PUSHED_OFF] = pushed_off_mark("$pending_calls")
+    return [{"$set": cut}]
+
+
+def _pushed_off_by(plan: TurnPlan) -> dict[str, Any]:
+    """`calls_pushed_off` for a turn leaving more calls open than `PENDING_CALLS_KEPT`: it
+    pushes its own older ones off (never listed), and the mark names the newest of those,
+    made by this turn (its record's order, `TurnRecord.order`, is below the mark's)."""
     opened = plan.opened_calls
-    if len(opened) <= PENDING_CALLS_KEPT:
-        return pushed_off_mark(every)
     places = {str(document["_id"]): i for i, document in enumerate(plan.documents)}
     newest_unlisted = places.get(opened[-PENDING_CALLS_KEPT - 1].message_id, 0)
     made_at = {"$add": [{"$ifNull": ["$message_count", 0]}, newest_unlisted]}
@@ -1783,12 +1789,15 @@ place."""
 
 def pushed_off_mark(every: Any) -> dict[str, Any]:
     """`calls_pushed_off` once the pending calls `every` (an expression, oldest first) are cut
-    to the newest `PENDING_CALLS_KEPT`, as an expression: the mark of the newest call cut
-    off when some are (`PUSHED_OFF`), else the mark as it is (absent while absent)."""
+    to the newest `PENDING_CALLS_KEPT`, as an expression evaluated after the turn's record
+    was appended (`calls_cut`): the mark of the newest call cut off when some are
+    (`PUSHED_OFF`; its order the record's, the last), else the mark as it is (absent while
+    absent)."""
     cut = {"$subtract": [{"$size": "$$every"}, PENDING_CALLS_KEPT]}
     newest = {"$arrayElemAt": ["$$every", {"$subtract": ["$$cut", 1]}]}
     seq = {"$let": {"vars": {"call": newest}, "in": {"$ifNull": ["$$call.seq", None]}}}
-    mark = {"o": _APPENDED_BEFORE, "s": seq}
+    order = {"$let": {"vars": {"record": {"$arrayElemAt": ["$turns", -1]}}, "in": "$$record.o"}}
+    mark = {"o": int64(order), "s": seq}
     kept = absent_stays(PUSHED_OFF, f"${PUSHED_OFF}")
     marked = {"$let": {"vars": {"cut": cut}, "in": {"$cond": [{"$gt": ["$$cut", 0]}, mark, kept]}}}
     return {"$let": {"vars": {"every": every}, "in": marked}}
@@ -2001,15 +2010,13 @@ def relocation(
         "popped_seqs": _left_behind(block.first_seq, plan.count),
         **_appended(plan, _without_calls_of(plan)),
         **_records(
-            plan.key,
+            plan,
             block.digest,
             rules,
             now,
             turns,
-            seqs=plan.count,
             person=block.by_person,
             counted=block.counted,
-            opens_calls=bool(plan.opened_calls),
         ),
     }
     if plan.raised_requests:  # an answer that came while it waited answered its prompts
@@ -2020,7 +2027,7 @@ def relocation(
         stage["pending_hitl"] = {"$cond": [resolved, kept, stage["pending_hitl"]]}
     if assigned:
         stage["owned_from"] = int64({"$ifNull": ["$message_count", 0]})
-    return query, [{"$set": stage}, RECORDS_DROPPED]
+    return query, [{"$set": stage}, *calls_cut(plan), RECORDS_DROPPED]
 
 
 def _moved_reach(plan: TurnPlan, first: int, asked: Mapping[str, int]) -> dict[str, Any]:
