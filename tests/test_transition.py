@@ -2132,6 +2132,25 @@ async def test_a_legacy_turn_naming_no_user_beside_a_live_conversation_is_its_ow
     assert await backend.db[SESSION_HITL].count_documents({}) == 0
 
 
+@LIVE_HOLDERS
+async def test_another_users_delete_leaves_the_late_legacy_turn_naming_no_user_beside_it(
+    backend: Backend, holder: str | None
+) -> None:
+    """A late legacy turn naming no user, not moved aside yet, beside a live conversation is
+    its owner's part, as one moved aside is: Mallory's delete of the id, which takes her own
+    turn, leaves it; the live conversation's delete takes it."""
+    store, _ = await live_beside_a_late_legacy_turn(backend, holder)
+    late = late_legacy_turn("late-none", None, "conv-x")
+    await backend.db[CONVERSATIONS].insert_one(late)
+
+    erased = await store.delete("conv-x", user_id=MALLORY)
+
+    assert erased.legacy_turns == 1
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "late-none"}) is not None
+    await store.delete("conv-x", user_id=holder)
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "late-none"}) is None
+
+
 async def test_a_rename_naming_another_version_of_an_unmigrated_conversation_is_refused(
     backend: Backend,
 ) -> None:

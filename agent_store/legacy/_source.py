@@ -255,22 +255,27 @@ class LegacyTurns:
         there is a copy). A conversation migrated under a derived id reaches the turns and
         prompts of the id they named (one more lookup, only for such ids). The late legacy
         turns under the id no run has moved aside yet (`LATE_TURNS`) that are `owner`'s part
-        of the conversation (`_late_parts`, as an erasure tells them) go first, so a run moving
-        them aside meanwhile leaves them where the delete of the legacy collection finds them.
+        of the conversation (`_late_parts`, as an erasure tells them; those naming no user only
+        when `owner` owns it) go before the legacy collection's, read again then, so a run
+        moving them aside meanwhile leaves them where that delete finds them.
         """
         original = await self._original_id(conversation_id)
         turns, unnamed = await self._turns_of(conversation_id)
         with storage_errors("delete the legacy turns"):
-            late = await self._late_parts(owner, [conversation_id, original or conversation_id])
-            stranded = await self._conversations.delete_many(_late_of(late)) if late else None
             found = await self._turns.find(turns, _OWNERSHIP_FIELDS).to_list(None)
             parsed = parse_turns(found, unnamed.names)
             live = await self._live(conversation_id, parsed)
+            owns = owns_legacy(parsed, owner, live)
+            names = [conversation_id, original or conversation_id]
+            late = await self._late_parts(owner, names, unnamed=owns)
+            stranded = await self._conversations.delete_many(_late_of(late)) if late else None
+            if late:  # a run may have moved some aside since the read: read them again
+                found = await self._turns.find(turns, _OWNERSHIP_FIELDS).to_list(None)
+                parsed = parse_turns(found, unnamed.names)
             ids = [found[i]["_id"] for i in users_part(parsed, owner, live)]
             among = {"$and": [turns, *_among_ids(ids)]}
             deleted = await self._turns.delete_many(among) if ids else None
             prompts = _prompts_filter(conversation_id, original)
-            owns = owns_legacy(parsed, owner, live)
             fields = {"user_id": 1, "dual_write": 1}
             found = await self._prompts.find(prompts, fields).to_list(None)
             theirs = [d["_id"] for d in found if prompt_part_of(d, owner, live, owns=owns)]
@@ -356,20 +361,23 @@ class LegacyTurns:
         names |= {legacy_id_of(d["_id"], d.get("legacy_conversation_id")) for d in stored} - {None}
         return sorted(str(name) for name in names if name is not None)
 
-    async def _late_parts(self, owner: str | None, conversation_ids: Sequence[str]) -> list[Any]:
+    async def _late_parts(
+        self, owner: str | None, conversation_ids: Sequence[str], *, unnamed: bool = True
+    ) -> list[Any]:
         """The `_id`s of the late legacy turns (`LATE_TURNS`) under `conversation_ids` (each
-        by every spelling of it, `named_filter`) that are `owner`'s part of the conversations
-        `owner` owns: those naming `owner`, and those naming no user, as in the legacy
-        collection, which a later run would migrate back with the owner's words; another
-        user's stay. The one rule the owner's delete and erasure share. One round trip, none
-        without ids."""
+        by every spelling of it, `named_filter`) that are `owner`'s part of them: those naming
+        `owner`, and, where `owner` owns the conversations (`unnamed`: `owns_legacy`), those
+        naming no user, as in the legacy collection, which a later run would migrate back
+        with the owner's words; another user's stay. The one rule the delete and the erasure
+        share. One round trip, none without ids."""
         if not conversation_ids:
             return []
         named = sorted(set(conversation_ids))
         held = {"$or": [named_filter("conversation_id", cid) for cid in named]}
         late = {"$and": [held, LATE_TURNS]}
         found = await self._conversations.find(late, {"user_id": 1}).to_list(None)
-        return [d["_id"] for d in found if user_named(d.get("user_id")) in (owner, None)]
+        parts = (owner, None) if unnamed else (owner,)
+        return [d["_id"] for d in found if user_named(d.get("user_id")) in parts]
 
     async def _users_parts(
         self, user_id: str, naming: list[dict[str, Any]]
