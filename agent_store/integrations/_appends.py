@@ -229,8 +229,9 @@ class Appends:
         at the place of the one that raised is its retry (`_at_place`). An append answering
         a call of an earlier turn names it (`AgentMessageLogger.calls_answered`, one read
         more, only then): answered first by another append (another tab), it is refused
-        `AnsweredBefore`, nothing written; naming, for a result, another tool than the call
-        of its id (`tool_names`, call id to tool, where the runtime says), InvalidInput."""
+        `AnsweredBefore`, nothing written. A result whose tool the runtime says (`tool_names`,
+        call id to tool) answers the latest call of its id of that tool; one whose id only
+        another tool's calls use is InvalidInput."""
         by = adder()
         done = _Done(_digest(messages), None, _opening(messages))
         turn_id = self._turn_id(by, done)

@@ -1129,9 +1129,10 @@ async def log_run(
     (`AgentMessageLogger.calls_answered`, one read more, only then), so when another run
     answered one of them first (two tabs resuming one paused run) it is refused
     (`AnsweredBefore`), nothing stored; its retry is still a replay. Each result names its
-    tool (`ToolReturnPart.tool_name`): one naming another tool than the conversation's call
-    of its id (a provider numbering calls per response, the conversation deleted and started
-    again since) is refused InvalidInput, nothing stored. Pass the run's
+    tool (`ToolReturnPart.tool_name`) and answers the latest call of its id of that tool; one
+    whose id only another tool's calls use (a provider numbering calls per response, the
+    conversation deleted and started again since) is refused InvalidInput, nothing stored.
+    Pass the run's
     `deferred_tool_results`: a resumed run cut off while the approved tools ran holds no
     response of its own, and its messages alone do not say which calls it resumed; given
     them, it closes those that returned nothing (`interrupted`), as Pydantic AI does. Pass
