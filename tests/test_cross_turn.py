@@ -7574,6 +7574,40 @@ async def test_an_answer_naming_another_tool_than_the_call_of_its_id_is_refused(
     assert len(await store.transcript(CID)) == (2 if call == "pending" else 3)
 
 
+@pytest.mark.parametrize("tool", ["another tool", "the call's tool", "no tool named"])
+async def test_a_runtime_acting_for_a_user_learns_nothing_of_an_unowned_conversations_calls(
+    backend: Backend, tool: str
+) -> None:
+    """RUNTIMES.md: a runtime acting for a user (`strict_owner`) reads and writes her own
+    conversations only; a service's unowned one is not hers. A result she sends for its call
+    c0 is answered as one for a conversation that does not exist (`calls_answered` names
+    nothing, the turn is NotFound, nothing written), whatever tool she names: a result
+    naming another tool than the stored call's was InvalidInput naming the call's tool,
+    telling her the conversation exists, its call ids and its tools."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "wire"}, _calls("c0")])
+    named = {"another tool": {"c0": "refund"}, "the call's tool": {"c0": "book"}}.get(tool)
+    late = messages_adapter.validate_python([_answer("c0", "refund R-77")])
+
+    answers = {}
+    for conversation_id in (CID, "never-created"):
+        answers[conversation_id] = await logger.calls_answered(
+            conversation_id, late, user_id="mallory", tool_names=named, strict_owner=True
+        )
+        with pytest.raises(NotFound) as refused:
+            await logger.log_messages(
+                conversation_id,
+                late,
+                user_id="mallory",
+                answers_to=answers[conversation_id],
+                strict_owner=True,
+            )
+        assert str(refused.value) == f"conversation {conversation_id!r} was not found"
+
+    assert answers[CID] == answers["never-created"]
+    assert len(await store.transcript(CID)) == 2
+
+
 async def test_a_result_names_the_call_of_its_own_tool_among_calls_of_one_id(
     backend: Backend,
 ) -> None:

@@ -872,6 +872,30 @@ async def test_a_late_result_naming_another_tool_than_the_call_of_its_id_is_refu
     assert [m.content for m in await store.transcript(CID) if m.role == "tool"] == ["table booked"]
 
 
+async def test_a_chain_acting_for_a_user_learns_no_tool_of_an_unowned_conversations_call(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md: a service's chain paused on its `transfer_funds` call_0 (no user's). A
+    chain acting for mallory, given that conversation's id, adds a result naming another tool:
+    NotFound in the words of a conversation that does not exist, nothing stored (was:
+    InvalidInput naming the call and its tool, telling her the conversation exists)."""
+    store = ConversationStore(backend.db)
+    service = ConversationChatHistory(CID, backend.db)
+    await service.aadd_messages(
+        [HumanMessage("wire 5000 EUR"), AIMessage("", tool_calls=[_call("transfer_funds")])]
+    )
+    before = await store.transcript(CID)
+    guess = ToolMessage("x", tool_call_id="call_0", name="guess")
+
+    for conversation_id in (CID, "never-created"):
+        mallory = ConversationChatHistory(conversation_id, backend.db, user_id="mallory")
+        with pytest.raises(NotFound) as refused:
+            await mallory.aadd_messages([guess])
+        assert str(refused.value) == f"conversation {conversation_id!r} was not found"
+
+    assert await store.transcript(CID) == before
+
+
 async def test_a_late_result_naming_no_tool_is_paired_by_its_call_id_as_before(
     backend: Backend,
 ) -> None:

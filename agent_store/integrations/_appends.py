@@ -239,7 +239,11 @@ class Appends:
         run = self._runs[by] = [*run[-(RUN_APPENDS_KEPT - 1) :], replace(done, turn_id=turn_id)]
         try:
             answers_to = await self.logger.calls_answered(
-                self.conversation_id, messages, user_id=self.user_id, tool_names=tool_names
+                self.conversation_id,
+                messages,
+                user_id=self.user_id,
+                tool_names=tool_names,
+                strict_owner=self.user_id is not None,
             )
             return await self.logger.log_messages(
                 self.conversation_id,

@@ -1156,7 +1156,11 @@ async def log_run(
         turn_id=turn_id,
         name=name,
         answers_to=await logger.calls_answered(
-            conversation_id, stored, user_id=user_id, tool_names=_tools_returned(messages)
+            conversation_id,
+            stored,
+            user_id=user_id,
+            tool_names=_tools_returned(messages),
+            strict_owner=user_id is not None,
         ),
         strict_owner=user_id is not None,
     )

@@ -985,6 +985,7 @@ class AgentMessageLogger:
         *,
         user_id: str | None = None,
         tool_names: Mapping[str, str] | None = None,
+        strict_owner: bool = False,
     ) -> dict[str, str]:
         """The `answers_to` of a turn of `messages`, as the conversation stands: for each call
         of an earlier turn it answers (a `tool` message, result or denial, naming a call no
@@ -998,9 +999,10 @@ class AgentMessageLogger:
         land (`_UNSTORED_CALL`), and refused as one naming a call no message of the
         conversation makes when no such turn may make it (`_UNMADE_CALL`: InvalidInput), as
         is every call it answers in a conversation that does not exist (never created: the
-        404 to a user, a Conflict to a service, `_absent`) or is another user's, nothing
-        written. A call no answer takes that a turn still being written may make and leave
-        open though `pending_calls` lost it (its bound pushed it off, `_pushed_off_maybe`) is
+        404 to a user, a Conflict to a service, `_absent`) or is another user's (with
+        `strict_owner`, as `log_messages` takes it, an unowned one too: nothing of its calls
+        or their tools is told), nothing written. A call no answer takes that a turn still
+        being written may make and leave open though `pending_calls` lost it (its bound pushed it off, `_pushed_off_maybe`) is
         left out (the turn is logged without it: its answer lands after that turn); any other
         such call is `_UNMADE_CALL`, a turn in flight or not. `tool_names` (call id to the
         tool's name, where the runtime says which tool a result is of): a result is named by
@@ -1025,7 +1027,7 @@ class AgentMessageLogger:
         with storage_errors("read the pending calls"):
             found = await self._conversations.find_one(scope, _PENDING_READ)
         owner = found.get("user_id") if found is not None else None
-        if found is None or (user_id is not None and owner not in (None, user_id)):
+        if found is None or not _reaches(owner, user_id, strict_owner=strict_owner):
             return dict.fromkeys(wanted, _UNMADE_CALL)  # refused as the reservation refuses it
         others = _listed_makers(found, wanted, names)  # another tool's call of an id named
         if missing := sorted(c for c, m in wanted.items() if not m):
@@ -5012,6 +5014,16 @@ def _listed_makers(
         else:
             wanted[call_id] = call.get("message_id") or ""
     return {c: t for c, t in others.items() if not wanted[c]}
+
+
+def _reaches(owner: str | None, user_id: str | None, *, strict_owner: bool) -> bool:
+    """Whether a turn for `user_id` (None: a service's) may name the calls of a conversation
+    `owner` holds (None: unowned), as its reservation decides: a service reaches every one, a
+    user her own, and an unowned one unless `strict_owner` (a runtime acting for her, which
+    adopts nothing)."""
+    if user_id is None or owner == user_id:
+        return True
+    return owner is None and not strict_owner
 
 
 def _refuse_other_tools(
