@@ -7938,6 +7938,58 @@ async def test_a_late_answer_to_a_call_the_turn_in_flight_left_off_the_list_itse
     assert await logger.calls_answered(CID, stale) == {}
 
 
+async def test_a_late_answer_to_another_call_is_refused_while_a_call_in_flight_is_pushed_off(
+    backend: Backend,
+) -> None:
+    """Grace's turn still being written leaves a call of its own open (look-1), and her
+    agent's next message leaves `PENDING_CALLS_KEPT` calls open, pushing look-1 off
+    `pending_calls`. The store may have lost look-1, and only look-1: the old run's late
+    answer to c0, a call no message of this life makes and none pushed off, is refused,
+    nothing stored (was: left out of `answers_to` as a call the bound may have pushed off,
+    and ada's result stored in grace's chat), while an answer to look-1 is left out."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _new_chat_after_a_paused_run(logger, store)
+    opens = [_user("Hurry."), _calls("look-1")]
+    hurry = partial(logger.log_messages, CID, opens, turn_id="g1", user_id="grace")
+    await reserved_insert_lost(logger, hurry)
+    many = [f"b{n}" for n in range(PENDING_CALLS_KEPT)]
+    await logger.log_messages(CID, [_calls(*many)], turn_id="g2", user_id="grace")
+    assert "look-1" not in {c.tool_call_id for c in await store.pending_calls(CID)}
+
+    await _refused_as_unmade(logger, store)
+    looked = messages_adapter.validate_python([_answer("look-1")])
+    assert await logger.calls_answered(CID, looked, user_id="grace") == {}
+
+
+@pytest.mark.parametrize("pushed_by", ["later turns", "the turn itself"])
+async def test_an_answer_to_a_call_pushed_off_past_the_calls_the_mark_keeps_is_refused_as_unmade(
+    backend: Backend, pushed_by: str
+) -> None:
+    """The conversation keeps the ids of the newest `PENDING_CALLS_KEPT` calls the bound of
+    `pending_calls` pushed off (`calls_pushed_off`). A call of a turn still being written
+    pushed off before that many more were (by later turns, or by the turn itself leaving
+    more than twice that many open) can no longer be told from a call no message makes:
+    its late answer is refused as unmade, InvalidInput naming it, nothing stored, never
+    stored as an answer to a call of another life."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    if pushed_by == "later turns":
+        opens = [_user("Book it."), _calls("c0")]
+    else:
+        opens = [
+            _user("Book all."),
+            _calls("c0", *(f"a{n}" for n in range(2 * PENDING_CALLS_KEPT))),
+        ]
+    t0 = partial(logger.log_messages, CID, opens, turn_id="t0")
+    await reserved_insert_lost(logger, t0)
+    if pushed_by == "later turns":
+        for turn in range(2):
+            many = [f"p{turn}-{n}" for n in range(PENDING_CALLS_KEPT)]
+            await logger.log_messages(CID, [_calls(*many)], turn_id=f"t{turn + 1}")
+    assert "c0" not in {c.tool_call_id for c in await store.pending_calls(CID)}
+
+    await _refused_as_unmade(logger, store)
+
+
 async def test_a_bridges_logged_answer_retried_once_its_call_left_pending_calls_is_a_replay(
     backend: Backend,
 ) -> None:

@@ -1139,10 +1139,11 @@ class TurnRecord(_Model):
 
 class CallsPushedOff(_Model):
     """The newest call the bound of a conversation's `pending_calls` (the newest
-    `PENDING_CALLS_KEPT`) pushed off in this life (extension; the store's bookkeeping, never
-    served): set by the update that pushed it off (a turn's reservation, or its move to a new
-    block), so an answer to a call off the list that a turn still being written may have
-    made and left open is told from one to a call no message makes."""
+    `PENDING_CALLS_KEPT`) pushed off in this life, and the ids of the newest it pushed off
+    (extension; the store's bookkeeping, never served): set by the update that pushed it off
+    (a turn's reservation, or its move to a new block), so an answer to a call off the list
+    that a turn still being written may have made and left open is told from one to a call
+    no message makes."""
 
     order: Count = Field(alias="o")
     """How many turn records the conversation appended before that update: every turn
@@ -1150,6 +1151,14 @@ class CallsPushedOff(_Model):
     seq: Count | None = Field(default=None, alias="s")
     """The `seq` of the message that made the call (None for a call listed before the list
     recorded it, `PendingCall.seq`: every `seq` then)."""
+    call_ids: list[str] | None = Field(default=None, alias="i")
+    """The ids of the calls the bound pushed off in this life, oldest first, the newest
+    `PENDING_CALLS_KEPT` of them (appended by each update pushing calls off; a turn leaving
+    more calls open than the list keeps names its own it never listed, from its plan): only
+    an answer to one of these may answer a call a turn still being written lost to the
+    bound. A call pushed off before that many more were is no longer named, and an answer
+    to it is refused as one to a call no message makes. None on a mark set before marks
+    named them: no call is taken as pushed off there."""
 
 
 class PoppedMessage(_Model):

@@ -1083,19 +1083,21 @@ class AgentMessageLogger:
         call off the list, unanswered, only by answering it itself (an answer now would be a
         second one) or when the list's bound pushed it off, which the update doing so marks
         (`calls_pushed_off`: only a turn reserved before it, its block at or below the call
-        it marks, may have lost one); left out then (the turn is logged without it: its
-        answer lands after that turn). Else no message of the conversation
-        makes it, whatever is being written: `_UNMADE_CALL`, the turn refused as naming a
-        call no message makes (`_misnamed`). One read (the messages)."""
+        it marks, may have lost one, and only one of the calls it names); left out then (the
+        turn is logged without it: its answer lands after that turn). Else no message of the
+        conversation makes it, whatever is being written: `_UNMADE_CALL`, the turn refused
+        as naming a call no message makes (`_misnamed`). One read (the messages)."""
         named = dict.fromkeys(call_ids, _UNSTORED_CALL)
         found, landed, written = await self._answers_landing(
             conversation, named, "read the messages answering the calls"
         )
         states = _answer_states(named, call_ids, landed, written)
         first = landed.written_from
-        lost = first >= 0 and _pushed_off_maybe(conversation, found, first)
-        unmade = None if lost else _UNMADE_CALL
-        told = {c: _UNSTORED_CALL if state in _TAKEN else unmade for c, state in states.items()}
+        lost = _pushed_off_maybe(conversation, found, first) if first >= 0 else frozenset()
+        told = {
+            c: _UNSTORED_CALL if state in _TAKEN else None if c in lost else _UNMADE_CALL
+            for c, state in states.items()
+        }
         return {c: m for c, m in told.items() if m is not None}
 
     async def _answers_landing(
@@ -4670,15 +4672,19 @@ def _answer_states(
 
 def _pushed_off_maybe(
     conversation: Mapping[str, Any], found: Sequence[Mapping[str, Any]], written_from: int
-) -> bool:
-    """Whether `pending_calls` may have lost a call a turn still being written made and left
-    open (its reservation listed it; such turns write from `written_from` on; `found`, the
-    stored messages from there, `answers_lookup`). Only the list's bound (the newest
-    `PENDING_CALLS_KEPT`) pushes such a call off, and the update that does marks the newest
-    call it pushed off (`calls_pushed_off`, `_reservation.PUSHED_OFF`): the turn's call may
-    be among those only if the turn reserved before that update (its record's order is
+) -> frozenset[str]:
+    """The ids of the calls `pending_calls` may have lost that a turn still being written
+    made and left open (its reservation listed it; such turns write from `written_from` on;
+    `found`, the stored messages from there, `answers_lookup`); none when it can have lost
+    none. Only the list's bound (the newest `PENDING_CALLS_KEPT`) pushes such a call off,
+    and the update that does marks the newest call it pushed off (`calls_pushed_off`,
+    `_reservation.PUSHED_OFF`) and names the calls pushed off (the newest
+    `PENDING_CALLS_KEPT` of them in this life, `CallsPushedOff.call_ids`): the turn's call
+    may be among those only if the turn reserved before that update (its record's order is
     below the mark's) and its block starts at or below that call's `seq` (every call listed
-    after its own was made past its block's start). A full list, calls made and answered
+    after its own was made past its block's start), and only a call the mark names (a call
+    pushed off before as many more were, or by an earlier build, is no longer told from one
+    no message makes). A full list, calls made and answered
     since, or a turn popped since (its record past the block, its `seq`s reserved again)
     push nothing off. Neither a hold (it names the prompt holding a call) nor any other pop
     takes such a call off the list: a pop reading the messages below it refuses while a
@@ -4686,7 +4692,7 @@ def _pushed_off_maybe(
     conversation whose list no update of this build cut holds no mark: no call is taken as
     pushed off there (a call an earlier build pushed off is then refused as unmade)."""
     if conversation.get(PUSHED_OFF) is None:
-        return False
+        return frozenset()
     mark = CallsPushedOff.model_validate(conversation[PUSHED_OFF])
     count = int(conversation.get("message_count") or 0)
     reach = count - 1 if mark.seq is None else min(count - 1, mark.seq)
@@ -4697,7 +4703,9 @@ def _pushed_off_maybe(
     ]
     records = [r for r in gaps.records if not r.popped and not r.moved]
     dropped = bool(conversation.get("turns_dropped"))
-    return any(_reserved_before(records, s, mark.order, dropped=dropped) for s in unwritten)
+    if any(_reserved_before(records, s, mark.order, dropped=dropped) for s in unwritten):
+        return frozenset(mark.call_ids or ())
+    return frozenset()
 
 
 def _reserved_before(records: Sequence[TurnRecord], seq: int, order: int, *, dropped: bool) -> bool:

@@ -1746,7 +1746,8 @@ def calls_cut(plan: TurnPlan) -> list[dict[str, Any]]:
     its reservation or its move): the calls pending after it, listed whole there (oldest
     first), cut to the newest `PENDING_CALLS_KEPT`, and `calls_pushed_off` marking the newest
     cut (`pushed_off_mark`), unless the turn itself leaves more calls open than that (its
-    own older ones pushed off, marked by that stage: `_pushed_off_by`). None for a turn
+    own older ones pushed off, marked by that stage, `_pushed_off_by`, the ids of those
+    pushed off named here: `_own_cut_named`). None for a turn
     leaving no call open: the list does not grow. A stage of its own, so the command names
     the calls a turn answers no more often than the list needs."""
     if not plan.opened_calls:
@@ -1754,26 +1755,66 @@ def calls_cut(plan: TurnPlan) -> list[dict[str, Any]]:
     cut: dict[str, Any] = {"pending_calls": {"$slice": ["$pending_calls", -PENDING_CALLS_KEPT]}}
     if len(plan.opened_calls) <= PENDING_CALLS_KEPT:
         cut[PUSHED_OFF] = pushed_off_mark("$pending_calls")
+    else:
+        cut[PUSHED_OFF] = _own_cut_named(plan)
     return [{"$set": cut}]
 
 
 def _pushed_off_by(plan: TurnPlan) -> dict[str, Any]:
     """`calls_pushed_off` for a turn leaving more calls open than `PENDING_CALLS_KEPT`: it
     pushes its own older ones off (never listed), and the mark names the newest of those,
-    made by this turn (its record's order, `TurnRecord.order`, is below the mark's)."""
+    made by this turn (its record's order, `TurnRecord.order`, is below the mark's). The ids
+    it named are kept here, those pushed off appended by the next stage (`_own_cut_named`)."""
     opened = plan.opened_calls
     places = {str(document["_id"]): i for i, document in enumerate(plan.documents)}
     newest_unlisted = places.get(opened[-PENDING_CALLS_KEPT - 1].message_id, 0)
     made_at = {"$add": [{"$ifNull": ["$message_count", 0]}, newest_unlisted]}
-    return {"o": int64({"$add": [_APPENDED_BEFORE, 1]}), "s": int64(made_at)}
+    order = int64({"$add": [_APPENDED_BEFORE, 1]})
+    return {"o": order, "s": int64(made_at), "i": {"$ifNull": [f"${PUSHED_OFF}.i", literal([])]}}
+
+
+def _own_cut_named(plan: TurnPlan) -> dict[str, Any]:
+    """`calls_pushed_off` set by `_pushed_off_by`, in the stage cutting `pending_calls` (still
+    whole there, `calls_cut`), with the ids of the calls the turn pushed off appended
+    (`_ids_kept`): every call listed before its own (the list's oldest, past the newest
+    `PENDING_CALLS_KEPT`), then its own it never listed, from its plan (the newest
+    `PENDING_CALLS_KEPT` of those at most: the command names no more of them)."""
+    unlisted = plan.opened_calls[-2 * PENDING_CALLS_KEPT : -PENDING_CALLS_KEPT]
+    own = literal([call.tool_call_id for call in unlisted])
+    mark = {"o": f"${PUSHED_OFF}.o", "s": f"${PUSHED_OFF}.s"}
+    return {**mark, "i": _ids_kept({"$concatArrays": [_cut_ids("$pending_calls"), own]})}
+
+
+def _cut_ids(every: Any) -> dict[str, Any]:
+    """The ids of the pending calls `every` (an expression, oldest first) that cutting them
+    to the newest `PENDING_CALLS_KEPT` takes off, oldest first: those no call kept has (an id
+    listed again is named by the list: its answer never asks what the bound pushed off).
+    Told by id, not by place: some servers (mongomock) take no computed count for `$slice`."""
+    newest = {"$slice": [every, -PENDING_CALLS_KEPT]}
+    kept = {"$map": {"input": newest, "as": "call", "in": "$$call.tool_call_id"}}
+    ids = {"$map": {"input": every, "as": "call", "in": "$$call.tool_call_id"}}
+    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+    off = {"$eq": [{"$in": ["$$id", "$$kept"]}, False]}
+    cut = {"$filter": {"input": ids, "as": "id", "cond": off}}
+    return {"$let": {"vars": {"kept": kept}, "in": cut}}
+
+
+def _ids_kept(cut: Any) -> dict[str, Any]:
+    """The ids `calls_pushed_off` keeps once the calls whose ids are `cut` (an expression,
+    oldest first) are pushed off: appended to those it named (none on a mark set before marks
+    named them), the newest `PENDING_CALLS_KEPT` kept."""
+    named = {"$ifNull": [f"${PUSHED_OFF}.i", literal([])]}
+    return {"$slice": [{"$concatArrays": [named, cut]}, -PENDING_CALLS_KEPT]}
 
 
 PUSHED_OFF = "calls_pushed_off"
 """The conversation's mark of the newest call the bound of `pending_calls` pushed off in
 this life (the store's bookkeeping, never served; absent while none was): `o`, how many turn
 records were appended before the update that pushed it off (every turn reserved before it
-has a lower `TurnRecord.order`), and `s`, the `seq` of the message that made it (null for a
-call listed before the list recorded it: `PendingCall.seq`). A call a turn still being
+has a lower `TurnRecord.order`), `s`, the `seq` of the message that made it (null for a
+call listed before the list recorded it: `PendingCall.seq`), and `i`, the ids of the newest
+`PENDING_CALLS_KEPT` calls pushed off in this life, oldest first (`CallsPushedOff`): only an
+answer to one of those may be to a call a turn still being written lost. A call a turn still being
 written left open is off the list by the bound only if that turn reserved before the mark
 and its block starts at or below `s` (`_logger._pushed_off_maybe`): every call listed after
 its own was made later, at a `seq` past its block's first while it is still being written
@@ -1791,13 +1832,13 @@ def pushed_off_mark(every: Any) -> dict[str, Any]:
     """`calls_pushed_off` once the pending calls `every` (an expression, oldest first) are cut
     to the newest `PENDING_CALLS_KEPT`, as an expression evaluated after the turn's record
     was appended (`calls_cut`): the mark of the newest call cut off when some are
-    (`PUSHED_OFF`; its order the record's, the last), else the mark as it is (absent while
-    absent)."""
+    (`PUSHED_OFF`; its order the record's, the last; the ids of those cut off appended to
+    those it named, `_ids_kept`), else the mark as it is (absent while absent)."""
     cut = {"$subtract": [{"$size": "$$every"}, PENDING_CALLS_KEPT]}
     newest = {"$arrayElemAt": ["$$every", {"$subtract": ["$$cut", 1]}]}
     seq = {"$let": {"vars": {"call": newest}, "in": {"$ifNull": ["$$call.seq", None]}}}
     order = {"$let": {"vars": {"record": {"$arrayElemAt": ["$turns", -1]}}, "in": "$$record.o"}}
-    mark = {"o": int64(order), "s": seq}
+    mark = {"o": int64(order), "s": seq, "i": _ids_kept(_cut_ids("$$every"))}
     kept = absent_stays(PUSHED_OFF, f"${PUSHED_OFF}")
     marked = {"$let": {"vars": {"cut": cut}, "in": {"$cond": [{"$gt": ["$$cut", 0]}, mark, kept]}}}
     return {"$let": {"vars": {"every": every}, "in": marked}}
