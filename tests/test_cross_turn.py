@@ -37,6 +37,7 @@ from agent_store.core import (
     messages_adapter,
 )
 from agent_store.integrations.exports import (
+    as_messages,
     chat_completions,
     check_chat_completions,
     responses_items,
@@ -5875,6 +5876,37 @@ async def test_a_prompt_answered_before_its_request_id_was_asked_again_stays_ans
     cid = await _cut_at(logger, store, cut, 4)
 
     assert await held_state(store, cid) == answered
+
+
+@CUT_BY
+async def test_an_approval_of_a_call_asked_about_again_goes_with_the_question_it_answered(
+    backend: Backend, cut: str
+) -> None:
+    """STREAMING.md: c1 asked about by r1, then again by r2; the person approves r2, then r2
+    is popped (or left out of a fork). A pop removes the question and its answer: the
+    approval goes with r2 (`approved_calls`), c1 is held by r1 again, r1 pending, and a
+    refusal of r1 denies c1 (it is stored), as before the second question was asked."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    asked = await logger.log_messages(CID, _asks_for("Pay invoice A", "c1", "r1"), turn_id="t1")
+    before_r2 = await held_state(store)
+    assert before_r2 == ([("c1", "r1")], "r1")
+    await logger.log_messages(CID, [_asks_about("r2", "c1")], turn_id="t2")
+    await store.resolve_hitl(CID, "r2")
+    assert await held_state(store) == ([("c1", None)], None)
+
+    cid = await _cut_at(logger, store, cut, asked.messages[-1].seq)
+
+    assert await held_state(store, cid) == before_r2
+    denial = [_user("No."), _denial_of("c1")]
+    refused = {"c1": "r1"}
+    answers_to = await logger.calls_answered(cid, as_messages(denial))
+    await logger.check_turn(
+        cid, denial, turn_id="deny", refused_prompts=refused, answers_to=answers_to
+    )
+    await logger.log_messages(
+        cid, denial, turn_id="deny", refused_prompts=refused, answers_to=answers_to
+    )
+    assert await held_state(store, cid) == ([], None)
 
 
 @CUT_BY

@@ -70,6 +70,7 @@ from agent_store import (
 )
 from agent_store.core import (
     INTERRUPTED_RESULT,
+    PENDING_RESULT,
     AssistantMessage,
     FunctionCall,
     MessageError,
@@ -290,19 +291,31 @@ def test_deprecated_retry_prompts_are_stored_as_the_parts_they_stand_for() -> No
     assert isinstance(rebuilt[1], RetryFeedbackPart)
 
 
-def test_unanswered_call_comes_back_answered_as_interrupted() -> None:
+def test_unanswered_call_stays_open_until_a_later_response_goes_past_it() -> None:
+    """A call without a result followed by a user message only is left open (Pydantic AI
+    sends that message after the call's results, `deferred_tool_results` included); once a
+    later response went past it, it is answered by the pending stand-in."""
     stored = messages_from_run(
         [
             ModelRequest(parts=[UserPromptPart("Book it")]),
             ModelResponse(parts=[ToolCallPart("book", {"id": 7}, tool_call_id="call_b")]),
         ]
     )
-    history = history_from_messages([*stored, {"role": "user", "content": "Still there?"}])
+    asked = [*stored, {"role": "user", "content": "Still there?"}]
+    history = history_from_messages(asked)
     last = history[-1]
     assert isinstance(last, ModelRequest)
-    first, second = last.parts
+    [prompt] = last.parts
+    assert isinstance(prompt, UserPromptPart)
+
+    history = history_from_messages([*asked, {"role": "assistant", "content": "Yes."}])
+    first, second = history[2].parts
     assert isinstance(first, ToolReturnPart)
-    assert (first.tool_call_id, first.outcome) == ("call_b", "interrupted")
+    assert (first.tool_call_id, first.outcome, first.content) == (
+        "call_b",
+        "failed",
+        PENDING_RESULT,
+    )
     assert isinstance(second, UserPromptPart)
 
 
@@ -2545,3 +2558,115 @@ async def test_a_late_result_of_another_tools_call_of_the_same_id_in_a_new_life_
         logger, CID, resumed_grace.new_messages(), turn_id="g-run-2", deferred_tool_results=results
     )  # the same tool's result: stored as before
     assert [m.content for m in await store.transcript(CID) if m.role == "tool"] == ["table booked"]
+
+
+# -- the person writes while a run is paused --------------------------------------------
+
+
+def _booking_agent(received: list[list[ModelMessage]]) -> Agent[None, str | DeferredToolRequests]:
+    """An agent that books the 09:04 (a call needing approval, `tc-0`), answers a question
+    with text, and, given the booking's result, says what it returned. Every history the
+    model is given is recorded."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        received.append(list(messages))
+        returns = [p for p in messages[-1].parts if isinstance(p, ToolReturnPart)]
+        if any(r.outcome == "success" for r in returns):
+            return ModelResponse(parts=[TextPart("Done: " + returns[0].model_response_str())])
+        if not any(isinstance(m, ModelResponse) for m in messages):
+            return ModelResponse(parts=[ToolCallPart("book", {"t": "09:04"}, tool_call_id="tc-0")])
+        return ModelResponse(parts=[TextPart("Yes, it is refundable.")])
+
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        FunctionModel(respond), output_type=[str, DeferredToolRequests]
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def book(t: str) -> str:
+        return f"booked {t}"
+
+    return agent
+
+
+async def _paused_then_she_writes(
+    backend: Backend, agent: Agent[None, str | DeferredToolRequests]
+) -> tuple[AgentMessageLogger, ConversationStore]:
+    """Run 1 paused on `tc-0`, logged; then the person writes over HTTP (her token's turn)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    paused = await agent.run("Book the 09:04.")
+    await log_run(logger, CID, paused.new_messages(), turn_id="run-1", user_id="u1")
+    asked = [{"role": "user", "content": "Is it refundable?"}]
+    await logger.log_messages(CID, asked, user_id="u1", owner_only=True, turn_id="p-1")
+    return logger, store
+
+
+def _returns(history: list[ModelMessage]) -> list[tuple[str, str, str]]:
+    """Each tool return of a history: its call, outcome and content."""
+    return [
+        (p.tool_call_id, p.outcome, p.content)
+        for m in history
+        for p in m.parts
+        if isinstance(p, ToolReturnPart)
+    ]
+
+
+async def test_a_call_awaiting_approval_stays_open_when_the_person_writes_meanwhile(
+    backend: Backend,
+) -> None:
+    """A run paused on `tc-0`; the person writes before she approves. `pending_calls` offers
+    the call, and the history leaves it open too (no later response went past it), so the
+    approval resumes it with `deferred_tool_results` on the store's history: the model is
+    given the booking's result, then her message (was: the history closed the call
+    `interrupted`, and Pydantic AI refused the resume: "Tool call 'tc-0' was already
+    executed")."""
+    received: list[list[ModelMessage]] = []
+    agent = _booking_agent(received)
+    logger, store = await _paused_then_she_writes(backend, agent)
+    assert [c.tool_call_id for c in await store.pending_calls(CID, user_id="u1")] == ["tc-0"]
+
+    history = history_from_messages(await store.transcript(CID, user_id="u1"))
+
+    assert _returns(history) == []
+    approved = DeferredToolResults(approvals={"tc-0": True})
+    resumed = await agent.run(message_history=history, deferred_tool_results=approved)
+    sent = received[-1][-1].parts
+    assert [type(p).__name__ for p in sent] == ["ToolReturnPart", "UserPromptPart"]
+    assert (sent[0].content, sent[1].content) == ("booked 09:04", "Is it refundable?")
+    await log_run(
+        logger,
+        CID,
+        resumed.new_messages(),
+        turn_id="run-2",
+        user_id="u1",
+        deferred_tool_results=approved,
+        user_prompt=None,
+    )
+    assert await store.pending_calls(CID, user_id="u1") == []
+    assert await _answers(store) == [("tc-0", "booked 09:04")]
+
+
+async def test_a_call_the_model_went_on_past_reads_as_still_awaiting_its_result(
+    backend: Backend,
+) -> None:
+    """The runtime answers her message before the approval: a later response goes past
+    `tc-0`, which `pending_calls` still offers. The history answers it as the other bridges
+    do, by the stand-in saying it still awaits approval or its result (`PENDING_RESULT`,
+    failed; was: `interrupted`, "the run ended before this tool call returned", which no
+    result could change), never stored; its real result, logged later, takes its place."""
+    received: list[list[ModelMessage]] = []
+    agent = _booking_agent(received)
+    logger, store = await _paused_then_she_writes(backend, agent)
+    history = history_from_messages(await store.transcript(CID, user_id="u1"))
+    answered = await agent.run(message_history=history)
+    assert answered.output == "Yes, it is refundable."
+    await log_run(logger, CID, answered.new_messages(), turn_id="run-2", user_id="u1")
+    assert [c.tool_call_id for c in await store.pending_calls(CID, user_id="u1")] == ["tc-0"]
+
+    history = history_from_messages(await store.transcript(CID, user_id="u1"))
+
+    assert _returns(history) == [("tc-0", "failed", PENDING_RESULT)]
+    booked = [{"role": "tool", "tool_call_id": "tc-0", "content": "booked 09:04"}]
+    await logger.log_messages(CID, booked, user_id="u1", turn_id="approved-1")
+    assert await store.pending_calls(CID, user_id="u1") == []
+    history = history_from_messages(await store.transcript(CID, user_id="u1"))
+    assert _returns(history) == [("tc-0", "success", "booked 09:04")]

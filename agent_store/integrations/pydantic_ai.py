@@ -94,7 +94,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from agent_store.core import (
-    INTERRUPTED_RESULT,
     MAX_PARAMS_DEPTH,
     AgentMessage,
     AssistantMessage,
@@ -117,7 +116,12 @@ from agent_store.core import (
     whole_millis,
 )
 from agent_store.integrations._native import kept_form, native_form, runtime_json, with_native
-from agent_store.integrations._pairing import CallKey, answers_to_calls, unique_call_id
+from agent_store.integrations._pairing import (
+    CallKey,
+    answers_to_calls,
+    pending_stand_in,
+    unique_call_id,
+)
 from agent_store.integrations.exports import as_messages
 from agent_store.store import (
     DEFAULT_MARKERS,
@@ -654,11 +658,13 @@ def history_from_messages(
     stream stores a call or text after a prompt in a new message): its parts in
     stored order. Each call is answered right after its response by the result stored
     for it, wherever it was stored (a real result wins over an `interrupted` stand-in); a
-    tool message answering no earlier call is left out. A call with no stored result gets
-    an `interrupted` return when the conversation went on after it (a later response, or
-    a user or system message of a turn that answers none of its response's calls); else
-    it is left open, as Pydantic AI leaves a call awaiting approval, so that a run given
-    `deferred_tool_results` resumes it from this history alone.
+    tool message answering no earlier call is left out. A call of the last response with
+    no stored result is left open, whatever user or system messages follow it (the person
+    wrote while the run was paused), as `pending_calls` lists it: a run given
+    `deferred_tool_results` resumes it from this history alone, Pydantic AI sending those
+    messages after the call's results. A call a later response went past is answered by
+    the stand-in every replay gives a call still awaiting approval or its result
+    (`PENDING_RESULT`, failed), never stored: its real result, logged later, takes its place.
     """
     messages = as_messages(stored)
     answers = answers_to_calls(messages)
@@ -670,8 +676,7 @@ def history_from_messages(
     """The messages of the last response, whose calls the next request answers."""
 
     def flush_request(*, at_end: bool = False) -> None:
-        leave_open = at_end and _resumes(answering, answers, said)
-        request_parts = [*_returns(answering, answers, leave_open=leave_open), *parts]
+        request_parts = [*_returns(answering, answers, leave_open=at_end), *parts]
         kept = _request_kept([*_answers_of(answering, answers), *said])
         answering.clear()
         parts.clear()
@@ -724,39 +729,23 @@ def _responses_gathered(
     return items
 
 
-def _resumes(
-    responses: Sequence[tuple[int, AssistantMessage]],
-    answers: Mapping[CallKey, ToolMessage],
-    said: Sequence[AgentMessage],
-) -> bool:
-    """Whether what follows the last response leaves its unanswered calls open: nothing, or
-    its calls' results and the prompt of the turn that gave them (a run resumed with
-    `deferred_tool_results` and a `user_prompt`: Pydantic AI sends them in one request). A
-    message of another turn went on past the calls."""
-    resuming = {
-        answer.turn_id
-        for index, message in responses
-        for call in message.tool_calls or ()
-        if (answer := answers.get((index, call.id))) is not None and answer.turn_id is not None
-    }
-    return all(message.turn_id in resuming for message in said)
-
-
 def _returns(
     responses: Sequence[tuple[int, AssistantMessage]],
     answers: Mapping[CallKey, ToolMessage],
     *,
     leave_open: bool,
 ) -> list[pai.ToolReturnPart]:
-    """The returns of a response's calls, in call order; unanswered ones as `interrupted`."""
+    """The returns of a response's calls, in call order; an unanswered one, unless left open,
+    as the stand-in every replay gives a call still awaiting approval or its result that the
+    conversation went on after (`pending_stand_in`: `PENDING_RESULT`, failed), never stored."""
     returns = []
     for index, message in responses:
         for call in message.tool_calls or ():
             answer = answers.get((index, call.id))
+            if answer is None and not leave_open:
+                answer = pending_stand_in(call.id, message.created_at)
             if answer is not None:
                 returns.append(_to_tool_return(answer, call.function.name))
-            elif not leave_open:
-                returns.append(_interrupted_return(call.function.name, call.id, message.created_at))
     return returns
 
 
@@ -1014,16 +1003,6 @@ def _prompt_items(message: UserMessage, text: str) -> list[str | pai.TextContent
         else str(item["text"])
         for item in kept
     ]
-
-
-def _interrupted_return(tool_name: str, tool_call_id: str, at: datetime) -> pai.ToolReturnPart:
-    return pai.ToolReturnPart(
-        tool_name,
-        INTERRUPTED_RESULT,
-        tool_call_id=tool_call_id,
-        timestamp=at,
-        outcome="interrupted",
-    )
 
 
 def _arguments(text: str) -> Any:
