@@ -1298,6 +1298,68 @@ async def test_another_question_after_a_lost_insert_is_no_retry_of_it(backend: B
     assert contents == ["Hello", "Hi!", "And 3+3?", "6"]
 
 
+def paused_on(call_id: str, asked: str) -> list[BaseMessage]:
+    """A question whose answer calls a tool (`call_id`) that awaits a person's approval."""
+    return [
+        HumanMessage(asked),
+        AIMessage("", tool_calls=[{"name": "book_train", "args": {}, "id": call_id}]),
+    ]
+
+
+def resumed(call_id: str, result: str, reply: str, tokens: int = 10) -> list[BaseMessage]:
+    """A paused call's result, once approved, and the model's answer to it: one add."""
+    return [ToolMessage(result, tool_call_id=call_id, name="book_train"), answer(reply, tokens)]
+
+
+@pytest.mark.parametrize("lost", ["reply", "insert"])
+async def test_an_add_answering_another_call_after_a_failed_add_is_no_retry_of_it(
+    backend: Backend, lost: str
+) -> None:
+    """RUNTIMES.md (Retries): one worker task, one history, resumes two paused calls in
+    turn. X's add fails (stored and its reply lost, or its insert lost); Y's add answers
+    another call: not X's retry, so it is stored and Y is answered."""
+    await ConversationChatHistory(CID, backend.db).aadd_messages(paused_on("call_x", "09:04?"))
+    await ConversationChatHistory(CID, backend.db).aadd_messages(paused_on("call_y", "17:30?"))
+    worker = ConversationChatHistory(CID, backend.db)
+    network_back = losing_the_insert(worker) if lost == "insert" else lambda: None
+    if lost == "reply":
+        losing_the_replies(worker, 1)
+    with pytest.raises(StorageUnavailable):
+        await worker.aadd_messages(resumed("call_x", "booked 09:04", "Booked the 09:04."))
+    network_back()
+
+    await worker.aadd_messages(resumed("call_y", "booked 17:30", "Booked the 17:30."))
+
+    history = await worker.aget_messages()
+    results = {m.tool_call_id: m.content for m in history if isinstance(m, ToolMessage)}
+    assert results["call_y"] == "booked 17:30"
+    assert history[-1].content == "Booked the 17:30."
+    pending = [c.tool_call_id for c in await worker.store.pending_calls(CID)]
+    assert "call_y" not in pending
+
+
+async def test_an_add_answering_the_same_call_otherwise_after_a_lost_insert_is_its_retry(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md (Retries): a worker's add resuming X loses its insert; it resumes X again,
+    its tool answering otherwise: the same call answered, at the failed add's place, so its
+    retry, and the empty block it reserved is given back (the call answered once, counted
+    once)."""
+    await ConversationChatHistory(CID, backend.db).aadd_messages(paused_on("call_x", "09:04?"))
+    history = ConversationChatHistory(CID, backend.db, rules=PASSED)
+    network_back = losing_the_insert(history)
+    with pytest.raises(StorageUnavailable):
+        await history.aadd_messages(resumed("call_x", "seat 1", "Seat 1 is yours.", 100))
+    network_back()
+
+    await history.aadd_messages(resumed("call_x", "seat 2", "Seat 2 is yours.", 120))
+
+    contents = [m.content for m in await history.aget_messages()]
+    assert contents == ["09:04?", "", "seat 2", "Seat 2 is yours."]
+    assert await counted(history) == (1, 120, 120)
+    assert await history.store.pending_calls(CID) == []
+
+
 def numbered_step() -> list[BaseMessage]:
     """A step as a provider numbering its calls per response words it: another chain's step
     may be the very same messages."""

@@ -862,6 +862,94 @@ async def test_a_resumed_run_retried_after_a_lost_reply_answers_its_call_once(
     check_chat_completions(chat_completions(await ConversationStore(backend.db).transcript(CID)))
 
 
+def failing_the_first_add(session: ConversationSession, db: Any, lost: str) -> None:
+    """The session's first add fails: stored and its reply lost (`lost` "reply"), or its insert
+    lost after the turn reserved its place ("insert")."""
+    if lost == "reply":
+        session.logger = session._appends.logger = LosesTheReplies(db, 1)
+    else:
+        messages = session.logger._messages
+        messages.insert_many = _lost_once(messages.insert_many, after=0)
+
+
+async def approved_pauses(agent: Agent[Any], db: Any, *prompts: str) -> list[RunState[Any]]:
+    """One run per prompt on the conversation, each paused on its call, the call approved."""
+    states = []
+    for prompt in prompts:
+        paused = await Runner.run(agent, prompt, session=ConversationSession(CID, db))
+        state = paused.to_state()
+        state.approve(state.get_interruptions()[0])
+        states.append(state)
+    return states
+
+
+@pytest.mark.parametrize("lost", ["reply", "insert"])
+async def test_a_worker_resuming_another_call_after_a_failed_resume_stores_that_calls_output(
+    backend: Backend, lost: str
+) -> None:
+    """RUNTIMES.md (Retries): one approval worker (one task, one session object) resumes two
+    paused runs in turn. Run X's add of its tool's output fails; the worker goes on to run
+    Y, whose add answers another call: no retry of X's add (the calls a tool's output
+    answers are part of what it is), so Y's output is stored and its call answered."""
+    model = ScriptedModel()
+    model.steps = [
+        [call("book_train", {"train": "09:04"}, "call_x")],
+        [call("book_train", {"train": "17:30"}, "call_y")],
+        [text("Booked the 17:30.", "msg_y")],
+    ]
+    agent = Agent(name="assistant", model=model, tools=[book_train])
+    x, y = await approved_pauses(agent, backend.db, "Book the 09:04.", "Book the 17:30.")
+    worker = ConversationSession(CID, backend.db)
+    failing_the_first_add(worker, backend.db, lost)
+
+    with pytest.raises(StorageUnavailable):
+        await Runner.run(agent, x, session=worker)
+    resumed = await Runner.run(agent, y, session=worker)
+
+    assert resumed.final_output == "Booked the 17:30."
+    outputs = [i for i in await worker.get_items() if i.get("type") == "function_call_output"]
+    x_output = "booked 09:04" if lost == "reply" else PENDING_RESULT
+    assert [(o["call_id"], o["output"]) for o in outputs] == [
+        ("call_x", x_output), ("call_y", "booked 17:30"),
+    ]  # fmt: skip
+    pending = [c.tool_call_id for c in await worker.store.pending_calls(CID)]
+    assert "call_y" not in pending
+
+
+async def test_a_resume_whose_tool_answers_otherwise_after_a_lost_reply_is_told_the_first_is_kept(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md (Retries): the resumed run's add of its tool's output is stored and its
+    reply lost; resumed again from the saved state, the tool answers the same call otherwise.
+    That add is the failed one's retry (the same call answered): refused, saying the add
+    that raised was stored and the history holds its answer, nothing written."""
+    seats: list[str] = []
+
+    @function_tool(needs_approval=True)
+    def book_seat(train: str) -> str:
+        """Book a seat on a train."""
+        seats.append(train)
+        return f"seat {len(seats)} on {train}"
+
+    model = ScriptedModel()
+    model.steps = [[call("book_seat", {"train": "09:04"}, "call_s")]]
+    agent = Agent(name="assistant", model=model, tools=[book_seat])
+    (paused,) = await approved_pauses(agent, backend.db, "A seat on the 09:04.")
+    saved = paused.to_string()
+    worker = ConversationSession(CID, backend.db)
+    failing_the_first_add(worker, backend.db, "reply")
+    with pytest.raises(StorageUnavailable):
+        await Runner.run(agent, paused, session=worker)
+
+    again = await RunState.from_string(agent, saved)
+    with pytest.raises(Conflict, match=r"raised before .* was stored .* history holds") as refused:
+        await Runner.run(agent, again, session=worker)
+
+    assert "new turn_id" not in str(refused.value)
+    outputs = [i for i in await worker.get_items() if i.get("type") == "function_call_output"]
+    assert [o["output"] for o in outputs] == ["seat 1 on 09:04"]
+
+
 async def test_a_call_the_person_rejects_in_the_sdk_is_stored_as_the_sdks_output_text(
     backend: Backend,
 ) -> None:

@@ -7,13 +7,16 @@ raised (its outcome unknown): a runtime that runs again saves again what the
 failed run saved, from its input on, the appends that succeeded included. Each
 of those appends, repeated in order, is a retry: it reuses its turn id, and the
 logger stores it at most once. The append at the place of the one that raised
-(every append before it repeated, and its first user or system messages the
-same: the same input) reuses that turn id even with other content (the model
-words its answer otherwise): the logger then gives back the block the lost
-attempt reserved and stored nothing in, or refuses the append (Conflict) when
-that attempt was stored. The first other append that repeats none of them
-ends the retry. An append the logger refused (InvalidInput, Conflict: nothing
-written) is no outcome in doubt: it is not retried.
+(every append before it repeated, and the same input: its first user or system
+messages the same, and its results answering the same calls of earlier appends)
+reuses that turn id even with other content (the model words its answer
+otherwise, the tool run again answers otherwise): the logger then gives back the
+block the lost attempt reserved and stored nothing in, or refuses the append
+(Conflict, saying the history holds what that attempt stored) when that attempt
+was stored. The first other append that repeats none of them ends the retry: one
+answering other calls (another paused call resumed) is no retry of the failed
+one. An append the logger refused (InvalidInput, Conflict: nothing written) is
+no outcome in doubt: it is not retried.
 
 Runs that share one history object are told apart by the asyncio task that
 appends (`adder`): each failed run is remembered with its task, several at once,
@@ -41,7 +44,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 from agent_store.core import AgentMessage, Conflict, InvalidInput
-from agent_store.store import AgentMessageLogger, LoggedTurn
+from agent_store.store import AgentMessageLogger, LoggedTurn, OtherContent
 
 _NOT_COMPARED = {"created_at"}
 RUN_APPENDS_KEPT = 256
@@ -102,6 +105,9 @@ class _Done:
     """None once a pop removed a message of its turn: repeated, it is a new turn."""
     opening: str
     """The digest of its first user or system messages (its input), "" for none."""
+    answers: frozenset[str] = frozenset()
+    """The calls its results answer that it does not make itself (an earlier append's): with
+    `opening`, what it answers, which its retry answers again whatever the content."""
     raised: bool = False
     """It raised, its outcome unknown: an append at its place retries it, whatever its
     content."""
@@ -121,6 +127,19 @@ def _opening(messages: Sequence[AgentMessage]) -> str:
     count = next((i for i, m in enumerate(messages) if m.role not in ("user", "system")), None)
     opening = messages[: len(messages) if count is None else count]
     return _digest(opening) if opening else ""
+
+
+def _answers(messages: Sequence[AgentMessage]) -> frozenset[str]:
+    """The calls the results among `messages` answer that no message before them makes: an
+    earlier append's calls (a call made and answered in one append is the model's step, whose
+    call ids a run again may draw otherwise)."""
+    made: set[str] = set()
+    answered: set[str] = set()
+    for message in messages:
+        if message.role == "tool" and message.tool_call_id and message.tool_call_id not in made:
+            answered.add(message.tool_call_id)
+        made.update(call.id for call in message.tool_calls or ())
+    return frozenset(answered)
 
 
 def _digest(messages: Sequence[AgentMessage]) -> str:
@@ -174,9 +193,10 @@ class Appends:
                 return retry
         return None
 
-    def _turn_id(self, by: Adder, done: _Done) -> str:
+    def _turn_id(self, by: Adder, done: _Done) -> tuple[str, bool]:
         """The turn id of the append `done` (its own not drawn yet): the one of the append
-        it repeats in `by`'s retry, or of the one that raised at its place; else a new one."""
+        it repeats in `by`'s retry, or of the one that raised at its place; else a new one.
+        And whether it retries that one with other content (at its place)."""
         retry = self._retry_of(by, done)
         if retry is not None:
             index = next(
@@ -188,9 +208,10 @@ class Appends:
                 del retry.appends[: index + 1]
                 if not retry.appends:
                     self._retries.remove(retry)
-                return retried.turn_id or self._new_turn_id()
+                otherwise = retried.digest != done.digest and retried.turn_id is not None
+                return retried.turn_id or self._new_turn_id(), otherwise
             self._retries.remove(retry)
-        return self._new_turn_id()
+        return self._new_turn_id(), False
 
     def _new_turn_id(self) -> str:
         return f"{self._prefix}-{uuid.uuid4().hex}"
@@ -231,10 +252,11 @@ class Appends:
         more, only then): answered first by another append (another tab), it is refused
         `AnsweredBefore`, nothing written. A result whose tool the runtime says (`tool_names`,
         call id to tool) answers the latest call of its id of that tool; one whose id only
-        another tool's calls use is InvalidInput."""
+        another tool's calls use is InvalidInput. The retry at the place of an append that
+        was stored, its reply lost, is refused `OtherContent` saying so (`_stored_otherwise`)."""
         by = adder()
-        done = _Done(_digest(messages), None, _opening(messages))
-        turn_id = self._turn_id(by, done)
+        done = _Done(_digest(messages), None, _opening(messages), _answers(messages))
+        turn_id, otherwise = self._turn_id(by, done)
         run = [] if messages and messages[0].role in ("user", "system") else self._runs.get(by, [])
         run = self._runs[by] = [*run[-(RUN_APPENDS_KEPT - 1) :], replace(done, turn_id=turn_id)]
         try:
@@ -255,14 +277,31 @@ class Appends:
             )
         except BaseException as exc:
             self._failed(by, run, refused=isinstance(exc, InvalidInput | Conflict))
+            if otherwise and isinstance(exc, OtherContent):
+                raise _stored_otherwise(turn_id) from exc
             raise
 
 
 def _at_place(retry: _Retry, done: _Done) -> bool:
     """Whether the append `done` is at the place of one that raised: the retry has repeated
-    every append before that one, and `done` opens with the same user or system messages
-    (the same input; none for a model's step). Its content may differ (the model worded its
-    answer otherwise): it retries that append, under its turn id."""
-    return (
-        bool(retry.appends) and retry.appends[0].raised and retry.appends[0].opening == done.opening
+    every append before that one, and `done` has its input: it opens with the same user or
+    system messages (none for a model's step or a tool's result), and its results answer the
+    same calls of earlier appends (none for a model's step alone). Its content may differ
+    (the model worded its answer otherwise, the tool answered otherwise): it retries that
+    append, under its turn id. An append answering other calls (another paused call
+    resumed by the same task) is none."""
+    if not retry.appends or not retry.appends[0].raised:
+        return False
+    failed = retry.appends[0]
+    return failed.opening == done.opening and failed.answers == done.answers
+
+
+def _stored_otherwise(turn_id: str) -> OtherContent:
+    """The refusal of an append at the place of one that raised (`_at_place`) whose attempt
+    was stored with other content, its reply lost: the history holds that attempt's."""
+    return OtherContent(
+        f"this add retries the add that raised before it at its place (turn {turn_id!r}: "
+        "the same input, answering the same calls), which was stored with other content, "
+        "its reply lost; nothing of this add was written. The history holds what the first "
+        "add stored: read it and go on from there (the same add again is a new turn)"
     )

@@ -61,7 +61,7 @@ from agent_store.store._legacy_seam import (
     is_derived_id,
     refuse_derived_user,
 )
-from agent_store.store._logger import AgentMessageLogger, LoggedTurn, TurnObserver
+from agent_store.store._logger import AgentMessageLogger, LoggedTurn, OtherContent, TurnObserver
 from agent_store.store._naming import NAMED_WINDOW, Named, first_named, named_window, renamed
 from agent_store.store._reads import (
     EXPORT_READS,
@@ -222,6 +222,7 @@ __all__ = [
     "LegacySource",
     "LoggedTurn",
     "Named",
+    "OtherContent",
     "RetryPolicy",
     "RuntimeContextMarkers",
     "SearchHit",
