@@ -4,7 +4,10 @@ A rename is one atomic command. Where the server refuses it (some
 MongoDB-compatible servers, or a target that already exists) or where
 `agent_conversations` already holds new conversation documents, the turns are
 copied instead, batch by batch: insert into `agent_conversations_deprecated`,
-check every document arrived, then delete the batch from the source. A copy
+check every document arrived, read which of the batch's turns the source still holds
+and take back the copies of the others (deleted there since the batch was read, by their
+owner's delete or an erasure, which look in the deprecated collection after they delete
+there: `_still_in_source`), then delete the rest from the source. A copy
 killed part-way resumes where it stopped; nothing is deleted before its copy
 is confirmed. Each batch's writes, and the rename, are fenced as a run's batches are
 (`fence`): a run paused past its lease moves nothing it read before the pause. A copy is
@@ -12,7 +15,9 @@ recorded in the migration's state while it goes on (`COPYING`), so a copy killed
 is told apart from a collection a rollback left standing (`refuse_leftover`): before each
 batch's writes, the copy adds that batch's `_id`s to those recorded (`IN_FLIGHT`), and
 takes them out once the batch's delete returned: the only turns killed copies leave in both
-collections, whatever batch sizes a resumed copy takes. A move made while an earlier run's
+collections, whatever batch sizes a resumed copy takes; those it found still in the source
+are recorded as confirmed (`CONFIRMED`) before their delete, so a resumed copy tells a turn
+it moved from one deleted since (`_settle_killed_batch`). A move made while an earlier run's
 ranges of ids stand unfinished (`late`: the old service logged turns after that run's move)
 brings in turns whose ids may sort before a range's checkpoint, where the resuming run would
 never reach them: each copy batch records the conversations its turns name (`LATE`) in the
@@ -54,6 +59,11 @@ IN_FLIGHT = "copying_batch"
 """The field of the migration's state holding the `_id`s of the batch a copy is writing, set
 before its insert: a copy killed part-way leaves these turns, and no other, in both
 collections (inserted, not yet deleted)."""
+CONFIRMED = "copying_confirmed"
+"""The field of the migration's state holding the `_id`s of the batch in flight the copy found
+still in `agent_conversations` once their copies stood, set before it deletes them there: a
+turn in flight that the source no longer holds was moved when confirmed, else deleted by
+someone else after the copy read it (its copy goes, `_settle_killed_batch`)."""
 _OVERLAP_CHUNK = 1000
 LATE = "late_conversations"
 """The field of the migration's state listing the conversation ids (as the turns hold them)
@@ -297,12 +307,13 @@ def relocate(
     state holds or when this run cuts new ranges anyway (`start_over`: `--restart`), that the
     next run cuts them again (`LATE_OVERFLOW`)."""
     source, target = db[CONVERSATIONS], db[LEGACY_TURNS]
+    state = _write_state(db) if write_state is None else write_state
+    _settle_killed_batch(db, fence, state)
     if not holds_turns(db, CONVERSATIONS):
         if holds_turns(db, LEGACY_TURNS):
             return Relocation("already moved")
         return Relocation("nothing to move")
     refuse_leftover(db)
-    state = _write_state(db) if write_state is None else write_state
     mixed = source.find_one(CONVERSATION_FILTER, {"_id": 1}) is not None
     target_exists = LEGACY_TURNS in db.list_collection_names()
     reason = ""
@@ -330,7 +341,7 @@ def relocate(
     )
     recorded = _late(db, start_over=start_over) if late else None
     moved = _copy_all(source, batch_size, functools.partial(copy, late=recorded))
-    state({"$unset": {COPYING: "", IN_FLIGHT: ""}})
+    state({"$unset": {COPYING: "", IN_FLIGHT: "", CONFIRMED: ""}})
     return Relocation("copied", moved, reason)
 
 
@@ -374,13 +385,19 @@ def _copy_batch(
     state: Callable[[dict[str, Any]], None],
     late: _Late | None = None,
 ) -> int:
-    """Insert the batch into the target, check every document arrived, then delete it from
-    the source; how many moved. A document a killed copy inserted already is accepted.
+    """Insert the batch into the target, take back the copies of the turns deleted from the
+    source since the batch was read, check the copy of every other arrived (`_arrived`),
+    then delete those from the source; how many moved. A document a killed copy inserted
+    already is accepted.
     `fence` first: the batch read may be stale (`relocate`); then the batch is added to the
-    turns in flight (`IN_FLIGHT`), and taken out of them once its delete returned (two more
-    writes a batch): turns of a killed copy's batch a resumed copy with a smaller batch has
-    not reached yet stay recorded, whatever it is killed at; with them, the conversations
-    the batch's turns name, when the move is `late`."""
+    turns in flight (`IN_FLIGHT`), with the conversations its turns name when the move is
+    `late`. Once its copies stand, the turns still in the source are read again
+    (`_still_in_source`): one deleted there since the read (by its owner's delete or an
+    erasure, which take late turns there before they look in the target) loses its copy;
+    the others are recorded as confirmed (`CONFIRMED`) before their delete, and taken out
+    of both records once it returned (three more writes a batch): a copy killed part-way
+    leaves in both collections only turns still recorded, and a resumed copy tells a turn
+    it moved from one deleted since (`_settle_killed_batch`)."""
     fence()
     ids = [doc["_id"] for doc in batch]
     in_flight = {"$addToSet": {IN_FLIGHT: {"$each": ids}}}
@@ -389,17 +406,79 @@ def _copy_batch(
         target.insert_many(batch, ordered=False)
     except BulkWriteError as exc:
         _accept_identical_copies(exc, batch, target)
-    copied = target.count_documents({"_id": {"$in": ids}})
-    if copied != len(ids):
-        raise MigrationError(
-            f"copy check failed: {copied} of {len(ids)} turn documents arrived in "
-            f"{LEGACY_TURNS}; nothing was deleted from {CONVERSATIONS}"
-        )
-    source.delete_many({"_id": {"$in": ids}, **TURN_FILTER})
-    state({"$pullAll": {IN_FLIGHT: ids}})  # moved: none of it is to be found in both now
+    still = _arrived(_still_in_source(batch, source, target), source, target)
+    state({"$addToSet": {CONFIRMED: {"$each": still}}})
+    if still:
+        source.delete_many({"_id": {"$in": still}, **TURN_FILTER})
+    state({"$pullAll": {IN_FLIGHT: ids, CONFIRMED: still}})  # none of it is in both now
     if progress is not None:
-        progress(len(ids))
-    return len(ids)
+        progress(len(still))
+    return len(still)
+
+
+def _still_in_source(batch: list[dict[str, Any]], source: Any, target: Any) -> list[Any]:
+    """The `_id`s of the batch's turns the source still holds, read once their copies stand;
+    the copies of the others (deleted since the batch was read) deleted from the target, and
+    the copy of a turn the old service edited since the read made the turn as read now (an
+    edit after this read is still lost, as before any move). One read of the batch's turns,
+    and a write only for those deleted or edited."""
+    ids = [doc["_id"] for doc in batch]
+    now = {matched_key(d["_id"]): d for d in source.find({"_id": {"$in": ids}, **TURN_FILTER})}
+    gone = [doc["_id"] for doc in batch if matched_key(doc["_id"]) not in now]
+    if gone:
+        target.delete_many({"_id": {"$in": gone}})
+    for doc in batch:
+        current = now.get(matched_key(doc["_id"]))
+        if current is not None and not same_document(current, doc):
+            target.replace_one({"_id": doc["_id"]}, current)
+    return [doc["_id"] for doc in batch if matched_key(doc["_id"]) in now]
+
+
+def _arrived(still: list[Any], source: Any, target: Any) -> list[Any]:
+    """Of the turns the source still held (`still`), those whose copies stand in the target:
+    a copy missing is one a delete or an erasure took with its turn since the source was
+    read (the source no longer holds it either: left out), else the copy check fails,
+    nothing deleted. One read of the copies, and of the source only when one is missing."""
+    found = target.find({"_id": {"$in": still}}, {"_id": 1})
+    standing = {matched_key(d["_id"]) for d in found}
+    missing = [i for i in still if matched_key(i) not in standing]
+    if not missing:
+        return still
+    held = source.find({"_id": {"$in": missing}, **TURN_FILTER}, {"_id": 1})
+    if lost := [d["_id"] for d in held]:
+        raise MigrationError(
+            f"copy check failed: {len(lost)} of {len(still)} turn documents did not arrive "
+            f"in {LEGACY_TURNS}; nothing was deleted from {CONVERSATIONS}"
+        )
+    gone = {matched_key(i) for i in missing}
+    return [i for i in still if matched_key(i) not in gone]
+
+
+def _settle_killed_batch(
+    db: Database[dict[str, Any]], fence: Callable[[], None], state: Callable[[dict[str, Any]], None]
+) -> None:
+    """Before a copy resumes: the turns a killed copy was writing (`IN_FLIGHT`) that the
+    source no longer holds. Those it confirmed (`CONFIRMED`) it deleted there itself: moved,
+    their copies stay. The others were deleted there by someone else (their owner's delete,
+    an erasure) after the copy read them: their copies go, as a running copy's do
+    (`_still_in_source`). Both are taken out of the records. One read of the state, and,
+    while a copy is recorded with turns in flight, one of the source."""
+    fields = {COPYING: 1, IN_FLIGHT: 1, CONFIRMED: 1}
+    found = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, fields) or {}
+    in_flight = list(found.get(IN_FLIGHT) or []) if COPYING in found else []
+    if not in_flight:
+        return
+    held = db[CONVERSATIONS].find({"_id": {"$in": in_flight}, **TURN_FILTER}, {"_id": 1})
+    still = {matched_key(d["_id"]) for d in held}
+    moved = [i for i in in_flight if matched_key(i) not in still]
+    if not moved:
+        return
+    confirmed = {matched_key(i) for i in found.get(CONFIRMED) or []}
+    deleted = [i for i in moved if matched_key(i) not in confirmed]
+    fence()
+    if deleted:
+        db[LEGACY_TURNS].delete_many({"_id": {"$in": deleted}})
+    state({"$pullAll": {IN_FLIGHT: moved, CONFIRMED: moved}})
 
 
 def _accept_identical_copies(

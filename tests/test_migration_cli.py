@@ -632,16 +632,17 @@ class KilledRun(BaseException):
     catches a SIGKILL."""
 
 
-COPY_STEPS = ("recorded", "inserted", "deleted", "released")
+COPY_STEPS = ("recorded", "inserted", "confirmed", "deleted", "released")
 
 
 class _StepsOf:
     """A collection, or the state's writer, that kills the run right after the step named:
-    the state's first write in a batch records it, its second releases it."""
+    the state's first write in a batch records it, its second confirms the turns the source
+    still holds, its third releases it."""
 
     def __init__(self, wrapped: Any, kill_after: str) -> None:
         self.wrapped, self.kill_after = wrapped, kill_after
-        self.state_steps = iter(("recorded", "released"))
+        self.state_steps = iter(("recorded", "confirmed", "released"))
 
     def __call__(self, update: dict[str, Any]) -> None:
         self.wrapped(update)
@@ -786,6 +787,28 @@ def test_move_aside_copies_only_turns_when_conversations_are_mixed_in() -> None:
     assert relocate.COPYING not in db[lease.STATE].find_one({"_id": lease.STATE_ID})
 
 
+def test_a_turn_the_old_service_edits_while_its_batch_is_copied_is_moved_as_edited(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The old service edits a turn after the copy read its batch, before the copy's insert:
+    the copy reads the batch's turns again once their copies stand and moves the edit, not
+    the turn as first read."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[CONVERSATIONS].insert_many(corpus())
+    edited = corpus()[0]["_id"]
+    copy_batch = relocate._copy_batch
+
+    def edited_meanwhile(batch: Any, *args: Any, **kwargs: Any) -> int:
+        db[CONVERSATIONS].update_one({"_id": edited}, {"$set": {"user_message": "EDITED"}})
+        return copy_batch(batch, *args, **kwargs)
+
+    monkeypatch.setattr(relocate, "_copy_batch", edited_meanwhile)
+    relocate.relocate(db, allow_rename=False)
+
+    assert db[LEGACY_TURNS].find_one({"_id": edited})["user_message"] == "EDITED"
+    assert db[LEGACY_TURNS].count_documents({}) == len(corpus())
+
+
 def test_move_aside_moves_every_legacy_turn_whatever_fields_it_holds_or_lacks() -> None:
     """A document of `agent_conversations` is a conversation document when it holds the
     counters the store writes on every one (`message_count`, `turn_count`); every other
@@ -807,7 +830,9 @@ def test_move_aside_moves_every_legacy_turn_whatever_fields_it_holds_or_lacks() 
 
 @pytest.mark.wire
 def test_the_copy_scans_the_collection_once_whatever_is_mixed_in(wire_uri: str) -> None:
-    """With conversation documents mixed in, a scan from the start per batch is quadratic."""
+    """With conversation documents mixed in, a scan from the start per batch is quadratic.
+    Beside the one scan, each batch reads its own turns again by their `_id`s (which the
+    source still holds once their copies stand), never more."""
     log = Finds()
     client: MongoClient[dict[str, Any]] = MongoClient(wire_uri, event_listeners=[log])
     db = client[f"copy_{uuid.uuid4().hex[:8]}"]
@@ -816,7 +841,11 @@ def test_the_copy_scans_the_collection_once_whatever_is_mixed_in(wire_uri: str) 
         db[CONVERSATIONS].insert_many(corpus())
         log.filters.clear()
         relocate.relocate(db, batch_size=5, allow_rename=False)
-        assert log.filters == [relocate.TURN_FILTER]
+        scans = [f for f in log.filters if "_id" not in f]
+        by_ids = [f for f in log.filters if "_id" in f]
+        assert scans == [relocate.TURN_FILTER]
+        assert len(by_ids) == -(-len(corpus()) // 5)
+        assert all(len(f["_id"]["$in"]) <= 5 for f in by_ids)
         assert db[LEGACY_TURNS].count_documents({}) == len(corpus())
     finally:
         client.drop_database(db.name)

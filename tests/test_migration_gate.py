@@ -69,7 +69,7 @@ from migrations.lease import Lease
 from migrations.problems import PROBLEMS
 from scripts.legacy_corpus import BIG_RESULT_CHARS, NOT_AN_IDENTIFIER, messy_corpus
 from tests.conftest import COUNTED, CommandLog
-from tests.test_migration_cli import cli, corpus, digest
+from tests.test_migration_cli import cli, corpus, digest, killed_copy
 from tests.turn_shapes import NATIVE_SHAPE, TURN_SHAPES
 
 MARK = re.compile(r"«m\d+»")
@@ -4546,6 +4546,100 @@ def test_a_copy_paused_past_its_lease_moves_nothing_it_read_before_the_pause(
     assert database[LEGACY_TURNS].count_documents({"conversation_id": "c-1"}) == 0
     assert database[CONVERSATIONS].find_one({"_id": "c-1"}) is None
     assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) == 0
+
+
+def _late_turns_of_a_migrated_conversation(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> int:
+    """Ada's conversation c-x migrated, then four turns the old service logged under it into
+    `agent_conversations` after the move (one naming no user, hers as its owner): how many
+    legacy turns are hers."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-x", 0, "Legacy") | {"user_id": "ada"})
+    assert cli(wire_uri, database, "run") == 0
+    late = [
+        legacy_turn(f"late-{n}", "c-x", 1 + n, f"Late {n}") | {"user_id": "ada"} for n in range(4)
+    ]
+    del late[0]["user_id"]
+    database[CONVERSATIONS].insert_many(late)
+    return 1 + len(late)
+
+
+def _meanwhile_at(
+    monkeypatch: pytest.MonkeyPatch, step: str, meanwhile: Callable[[], None]
+) -> None:
+    """`meanwhile` happens once, in the first copy batch of the move aside, at `step`: before
+    the batch's writes (after its read), or once the copy read which of its turns the source
+    still holds (before it deletes them there)."""
+    seam = "_copy_batch" if step == "before-the-insert" else "_still_in_source"
+    original = getattr(relocate, seam)
+    done: list[bool] = []
+
+    def at_the_step(*args: Any, **kwargs: Any) -> Any:
+        if step == "before-the-insert" and not done:
+            done.append(True)
+            meanwhile()
+        result = original(*args, **kwargs)
+        if step == "after-the-check" and not done:
+            done.append(True)
+            meanwhile()
+        return result
+
+    monkeypatch.setattr(relocate, seam, at_the_step)
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("step", ["before-the-insert", "after-the-check"])
+@pytest.mark.parametrize("forget", ["delete", "erase"])
+def test_a_delete_or_erasure_while_a_run_moves_late_turns_aside_brings_none_back(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    step: str,
+    forget: str,
+) -> None:
+    """Ada deletes her conversation, or is erased, while a run moves the late turns the old
+    service logged under it aside, after the run read them: no copy of them is left in the
+    legacy collection, the next run brings nothing of the conversation back, and each of her
+    turns is counted once in `legacy_turns`."""
+    hers = _late_turns_of_a_migrated_conversation(wire_uri, database)
+    counted: list[int] = []
+
+    async def forgotten(store: ConversationStore) -> None:
+        if forget == "delete":
+            counted.append((await store.delete("c-x", user_id="ada")).legacy_turns)
+        else:
+            counted.append((await store.erase_user("ada")).legacy_turns)
+
+    _meanwhile_at(monkeypatch, step, lambda: _as_a_person(wire_uri, database, forgotten))
+    assert cli(wire_uri, database, "run") == 0
+    monkeypatch.undo()
+
+    assert counted == [hers]
+    assert database[LEGACY_TURNS].count_documents({}) == 0
+    assert database[CONVERSATIONS].count_documents({}) == 0
+    assert cli(wire_uri, database, "run") == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-x"}) is None
+    assert database[MESSAGES].count_documents({}) == 0
+
+
+@pytest.mark.wire
+def test_a_copy_killed_after_its_insert_drops_the_copies_of_turns_deleted_before_it_resumed(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A copy killed once its batch stands in both collections, before it checked which turns
+    the source still holds; the owner deletes her conversation meanwhile (its late turns go
+    from `agent_conversations`, the copies were not there yet when her delete looked). The
+    resumed run takes the copies back: nothing of the conversation comes back."""
+    _late_turns_of_a_migrated_conversation(wire_uri, database)
+    late = list(database[CONVERSATIONS].find(relocate.TURN_FILTER))
+    _as_a_person(wire_uri, database, lambda s: s.delete("c-x", user_id="ada"))
+    killed_copy(database, *late)  # read before the delete, inserted after its look
+
+    assert cli(wire_uri, database, "run") == 0
+    assert database[LEGACY_TURNS].count_documents({}) == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-x"}) is None
+    state = database[lease.STATE].find_one({"_id": lease.STATE_ID}) or {}
+    assert not state.get(relocate.IN_FLIGHT)
 
 
 @pytest.mark.wire

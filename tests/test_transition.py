@@ -690,6 +690,88 @@ async def test_deleting_a_conversation_takes_a_late_legacy_turn_a_run_was_moving
         assert await backend.db[name].count_documents({}) == 0, name
 
 
+class _MovedAsideAfterTheFirstLook:
+    """The legacy collection, whose first read is followed by a run moving every late legacy
+    turn aside whole (copied, then deleted from `agent_conversations`) before the caller goes
+    on."""
+
+    def __init__(self, db: Any) -> None:
+        self.db, self.wrapped, self.moved = db, db[LEGACY_TURNS], False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.wrapped, name)
+
+    def find(self, *args: Any, **kwargs: Any) -> Any:
+        cursor, outer = self.wrapped.find(*args, **kwargs), self
+
+        class Then:
+            async def to_list(self, length: int | None) -> Any:
+                found = await cursor.to_list(length)
+                if not outer.moved:
+                    outer.moved = True
+                    late = (
+                        await outer.db[CONVERSATIONS]
+                        .find({"_id": {"$regex": "^late-"}})
+                        .to_list(None)
+                    )
+                    await outer.wrapped.insert_many(late)
+                    ids = [turn["_id"] for turn in late]
+                    await outer.db[CONVERSATIONS].delete_many({"_id": {"$in": ids}})
+                return found
+
+        return Then()
+
+
+@pytest.mark.parametrize("forget", ["delete", "erase"])
+async def test_late_legacy_turns_a_run_moves_aside_between_two_looks_of_a_delete_all_go(
+    backend: Backend, forget: str
+) -> None:
+    """A run moves the late legacy turns aside whole (copies, then the turns deleted from
+    `agent_conversations`) right after a delete, or an erasure, first read the legacy
+    collection: it takes them from the legacy collection all the same, so no later run brings
+    them back; each counted once."""
+    await log_example(AgentMessageLogger(backend.db))
+    await backend.db[CONVERSATIONS].insert_many(
+        [late_legacy_turn("late-owner", EXAMPLE_USER_ID, EXAMPLE_CONVERSATION_ID),
+         late_legacy_turn("late-none", None, EXAMPLE_CONVERSATION_ID)]
+    )  # fmt: skip
+    legacy = LegacyTurns(backend.db)
+    legacy._turns = _MovedAsideAfterTheFirstLook(backend.db)
+    store = ConversationStore(backend.db, legacy=legacy)
+
+    if forget == "delete":
+        done = await store.delete(EXAMPLE_CONVERSATION_ID, user_id=EXAMPLE_USER_ID)
+    else:
+        done = await store.erase_user(EXAMPLE_USER_ID)
+
+    assert done.legacy_turns == 2
+    for name in (CONVERSATIONS, MESSAGES, LEGACY_TURNS):
+        assert await backend.db[name].count_documents({}) == 0, name
+
+
+@pytest.mark.parametrize("forget", ["delete", "erase"])
+async def test_a_late_legacy_turn_a_run_was_moving_aside_is_counted_once(
+    backend: Backend, forget: str
+) -> None:
+    """A late turn a run copied and has not deleted from `agent_conversations` yet is taken
+    from both collections by a delete, or an erasure: one turn, counted once in
+    `legacy_turns`, beside a late turn the run had not reached."""
+    await log_example(AgentMessageLogger(backend.db))
+    late = late_legacy_turn("late-owner", EXAMPLE_USER_ID, EXAMPLE_CONVERSATION_ID)
+    await backend.db[LEGACY_TURNS].insert_one(late)
+    await backend.db[CONVERSATIONS].insert_many(
+        [late, late_legacy_turn("late-unread", EXAMPLE_USER_ID, EXAMPLE_CONVERSATION_ID)]
+    )
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+    if forget == "delete":
+        done = await store.delete(EXAMPLE_CONVERSATION_ID, user_id=EXAMPLE_USER_ID)
+    else:
+        done = await store.erase_user(EXAMPLE_USER_ID)
+
+    assert done.legacy_turns == 2
+
+
 async def test_a_claim_moves_a_late_legacy_turn_and_counts_conversations_only(
     backend: Backend,
 ) -> None:

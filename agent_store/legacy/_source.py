@@ -246,7 +246,7 @@ class LegacyTurns:
 
     async def delete(self, conversation_id: str, *, owner: str | None) -> int:
         """Delete `owner`'s part of the conversation's legacy turns and prompts; how many
-        turns went.
+        turns went, each once.
 
         The legacy conversation goes whole when its turns name `owner` as its owner (as the
         read fallback tells it); else only the turns and prompts naming `owner` go: another
@@ -254,20 +254,24 @@ class LegacyTurns:
         under the id go with it only, for its owner (`users_part`: one lookup more, only when
         there is a copy). A conversation migrated under a derived id reaches the turns and
         prompts of the id they named (one more lookup, only for such ids). The late legacy
-        turns under the id no run has moved aside yet (`LATE_TURNS`) that are `owner`'s part
-        of the conversation (`_late_parts`, as an erasure tells them; those naming no user only
-        when `owner` owns it) go before the legacy collection's, read again then, so a run
-        moving them aside meanwhile leaves them where that delete finds them.
+        turns under the id no run has moved aside yet (`LATE_TURNS`) are read first, and
+        those that are `owner`'s part of the conversation (`_late_parts`, as an erasure tells
+        them; those naming no user only when `owner` owns it) go before the legacy
+        collection's, read again then: a run moving them aside meanwhile inserts its copies
+        before it deletes them from `agent_conversations`, and takes back the copies of those
+        deleted there since it read them, so each is taken from wherever it stands. One taken
+        from both (copied, not yet deleted by the run) counts once (`_counted_once`).
         """
         original = await self._original_id(conversation_id)
         turns, unnamed = await self._turns_of(conversation_id)
+        names = [conversation_id, original or conversation_id]
         with storage_errors("delete the legacy turns"):
+            standing = await self._late_turns(names)
             found = await self._turns.find(turns, _OWNERSHIP_FIELDS).to_list(None)
             parsed = parse_turns(found, unnamed.names)
             live = await self._live(conversation_id, parsed)
             owns = owns_legacy(parsed, owner, live)
-            names = [conversation_id, original or conversation_id]
-            late = await self._late_parts(owner, names, unnamed=owns)
+            late = _parts_of(standing, owner, unnamed=owns)
             stranded = await self._conversations.delete_many(_late_of(late)) if late else None
             if late:  # a run may have moved some aside since the read: read them again
                 found = await self._turns.find(turns, _OWNERSHIP_FIELDS).to_list(None)
@@ -281,7 +285,7 @@ class LegacyTurns:
             theirs = [d["_id"] for d in found if prompt_part_of(d, owner, live, owns=owns)]
             if theirs:
                 await self._prompts.delete_many({"$and": [prompts, *_among_ids(theirs)]})
-        return sum(int(done.deleted_count) for done in (deleted, stranded) if done is not None)
+        return _counted_once(deleted, stranded, late, ids)
 
     async def _turns_of(
         self, conversation_id: str, unnamed: Unnamed | None = None
@@ -336,19 +340,27 @@ class LegacyTurns:
         read as the user (`_naming`); and the late legacy turns (`LATE_TURNS`) naming the
         user, and the user's part of those of the conversations the user owns (`_late_parts`,
         as the user's delete of each takes them), first, as a delete does; how many turns
-        went."""
+        went, each once (`_counted_once`). The legacy collection is read again once the late
+        turns went (a run moving them aside meanwhile: see `delete`), whether or not any
+        stood, as a run may have moved them all between the two reads (an erasure is rare:
+        two reads of it)."""
         with storage_errors("erase the user's legacy turns"):
-            naming = await _naming(self._turns, user_id, _OWNERSHIP_FIELDS)
-            owned, part = await self._users_parts(user_id, naming)
             late = await _ids_naming(self._conversations, user_id, within=LATE_TURNS)
+            owned, _ = await self._users_parts(user_id, await self._naming_user(user_id))
             late += await self._late_parts(user_id, await self._owned_names(user_id, list(owned)))
             stranded = await self._conversations.delete_many(_late_of(late)) if late else None
+            naming = await self._naming_user(user_id)
+            owned_now, part = await self._users_parts(user_id, naming)
             turns = [d["_id"] for d in naming] + part
             deleted = await self._turns.delete_many({"_id": {"$in": turns}}) if turns else None
-            prompts = await _users_prompts(self._prompts, user_id, owned)
+            prompts = await _users_prompts(self._prompts, user_id, {**owned, **owned_now})
             if prompts:
                 await self._prompts.delete_many({"_id": {"$in": prompts}})
-        return sum(int(done.deleted_count) for done in (deleted, stranded) if done is not None)
+        return _counted_once(deleted, stranded, late, turns)
+
+    async def _naming_user(self, user_id: str) -> list[dict[str, Any]]:
+        """The legacy turns naming the user (`_naming`), with the fields telling their owner."""
+        return await _naming(self._turns, user_id, _OWNERSHIP_FIELDS)
 
     async def _owned_names(self, user_id: str, owned: Sequence[str]) -> list[str]:
         """The ids of the conversations the user owns: as legacy turns (`owned`,
@@ -364,20 +376,23 @@ class LegacyTurns:
     async def _late_parts(
         self, owner: str | None, conversation_ids: Sequence[str], *, unnamed: bool = True
     ) -> list[Any]:
-        """The `_id`s of the late legacy turns (`LATE_TURNS`) under `conversation_ids` (each
-        by every spelling of it, `named_filter`) that are `owner`'s part of them: those naming
-        `owner`, and, where `owner` owns the conversations (`unnamed`: `owns_legacy`), those
-        naming no user, as in the legacy collection, which a later run would migrate back
-        with the owner's words; another user's stay. The one rule the delete and the erasure
+        """The `_id`s of the late legacy turns (`LATE_TURNS`) under `conversation_ids` that
+        are `owner`'s part of them (`_parts_of`): the one rule the delete and the erasure
         share. One round trip, none without ids."""
+        return _parts_of(await self._late_turns(conversation_ids), owner, unnamed=unnamed)
+
+    async def _late_turns(self, conversation_ids: Sequence[str]) -> list[dict[str, Any]]:
+        """The late legacy turns (`LATE_TURNS`) under `conversation_ids` (each by every
+        spelling of it, `named_filter`), with the user each names. One round trip, none
+        without ids."""
         if not conversation_ids:
             return []
         named = sorted(set(conversation_ids))
         held = {"$or": [named_filter("conversation_id", cid) for cid in named]}
         late = {"$and": [held, LATE_TURNS]}
-        found = await self._conversations.find(late, {"user_id": 1}).to_list(None)
-        parts = (owner, None) if unnamed else (owner,)
-        return [d["_id"] for d in found if user_named(d.get("user_id")) in parts]
+        cursor = self._conversations.find(late, {"user_id": 1})
+        found: list[dict[str, Any]] = await cursor.to_list(None)
+        return found
 
     async def _users_parts(
         self, user_id: str, naming: list[dict[str, Any]]
@@ -728,6 +743,28 @@ after the migration's move (or before it, with the service started early), where
 moves them aside. Every document with neither counter of a conversation document, as the
 migration tells them (`TURN_FILTER`): an erasure takes those naming the user, a claim moves
 them, as it does the legacy collection's."""
+
+
+def _parts_of(late: list[dict[str, Any]], owner: str | None, *, unnamed: bool) -> list[Any]:
+    """The `_id`s of the `late` legacy turns that are `owner`'s part of their conversation:
+    those naming `owner`, and, where `owner` owns the conversation (`unnamed`:
+    `owns_legacy`), those naming no user, as in the legacy collection, which a later run
+    would migrate back with the owner's words; another user's stay."""
+    parts = (owner, None) if unnamed else (owner,)
+    return [d["_id"] for d in late if user_named(d.get("user_id")) in parts]
+
+
+def _counted_once(deleted: Any, stranded: Any, late: list[Any], taken: list[Any]) -> int:
+    """How many legacy turns went: those deleted from the legacy collection (of `taken`),
+    and those of the `late` ones (each `_id` once, however often listed) deleted from
+    `agent_conversations` that the legacy collection did not hold too (a run moving them
+    aside had copied them, not yet deleted them: one turn, taken from both, counted once)."""
+    gone = 0 if deleted is None else int(deleted.deleted_count)
+    if stranded is None:
+        return gone
+    copied = {bson.encode({"_id": i}) for i in taken}
+    apart = {bson.encode({"_id": i}) for i in late} - copied  # an `_id` listed twice: once
+    return gone + min(int(stranded.deleted_count), len(apart))
 
 
 def _late_of(ids: list[Any]) -> dict[str, Any]:
