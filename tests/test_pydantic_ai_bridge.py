@@ -2563,18 +2563,24 @@ async def test_a_late_result_of_another_tools_call_of_the_same_id_in_a_new_life_
 # -- the person writes while a run is paused --------------------------------------------
 
 
-def _booking_agent(received: list[list[ModelMessage]]) -> Agent[None, str | DeferredToolRequests]:
-    """An agent that books the 09:04 (a call needing approval, `tc-0`), answers a question
-    with text, and, given the booking's result, says what it returned. Every history the
-    model is given is recorded."""
+def _booking_agent(
+    received: list[list[ModelMessage]], *, looks_first: bool = False
+) -> Agent[None, str | DeferredToolRequests]:
+    """An agent that books the 09:04 (a call needing approval, `tc-0`; `looks_first`: beside
+    a call of `look`, `tc-look`, which runs at once), answers a question with text, and,
+    given the booking's result, says what it returned. Every history the model is given is
+    recorded."""
 
     def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
         received.append(list(messages))
         returns = [p for p in messages[-1].parts if isinstance(p, ToolReturnPart)]
-        if any(r.outcome == "success" for r in returns):
-            return ModelResponse(parts=[TextPart("Done: " + returns[0].model_response_str())])
+        booked = [r for r in returns if r.tool_name == "book" and r.outcome == "success"]
+        if booked:
+            return ModelResponse(parts=[TextPart("Done: " + booked[0].model_response_str())])
         if not any(isinstance(m, ModelResponse) for m in messages):
-            return ModelResponse(parts=[ToolCallPart("book", {"t": "09:04"}, tool_call_id="tc-0")])
+            look = [ToolCallPart("look", {}, tool_call_id="tc-look")] if looks_first else []
+            book = ToolCallPart("book", {"t": "09:04"}, tool_call_id="tc-0")
+            return ModelResponse(parts=[*look, book])
         return ModelResponse(parts=[TextPart("Yes, it is refundable.")])
 
     agent: Agent[None, str | DeferredToolRequests] = Agent(
@@ -2584,6 +2590,10 @@ def _booking_agent(received: list[list[ModelMessage]]) -> Agent[None, str | Defe
     @agent.tool_plain(requires_approval=True)
     def book(t: str) -> str:
         return f"booked {t}"
+
+    @agent.tool_plain
+    def look() -> str:
+        return "the 09:04 has seats"
 
     return agent
 
@@ -2643,6 +2653,46 @@ async def test_a_call_awaiting_approval_stays_open_when_the_person_writes_meanwh
     )
     assert await store.pending_calls(CID, user_id="u1") == []
     assert await _answers(store) == [("tc-0", "booked 09:04")]
+
+
+@pytest.mark.parametrize("next_run", ["her message answered", "a new prompt", "the approval"])
+async def test_a_run_paused_beside_a_call_that_ran_goes_on_however_the_runtime_answers(
+    backend: Backend, next_run: str
+) -> None:
+    """A response called `look`, which ran at once, and `book`, which awaits approval: the run
+    paused, its request holding look's result and Pydantic AI's mark of a pause. The person
+    writes meanwhile. The history sends her message in a request of its own after that one,
+    so a run given it answers her, with or without a new prompt, and the approval resumes
+    the booking (was: her message joined the paused request, which kept the mark, so a run
+    answering her paused again with no new message, and a new prompt was refused, "unprocessed
+    tool calls")."""
+    received: list[list[ModelMessage]] = []
+    agent = _booking_agent(received, looks_first=True)
+    logger, store = await _paused_then_she_writes(backend, agent)
+    history = history_from_messages(await store.transcript(CID, user_id="u1"))
+    approved = DeferredToolResults(approvals={"tc-0": True})
+
+    if next_run == "the approval":
+        run = await agent.run(message_history=history, deferred_tool_results=approved)
+        assert run.output == "Done: booked 09:04"
+    else:
+        prompt = "And the price?" if next_run == "a new prompt" else None
+        run = await agent.run(prompt, message_history=history)
+        assert run.output == "Yes, it is refundable."
+
+    await log_run(
+        logger,
+        CID,
+        run.new_messages(),
+        turn_id="run-2",
+        user_id="u1",
+        user_prompt=None if next_run != "a new prompt" else "And the price?",
+        deferred_tool_results=approved if next_run == "the approval" else None,
+    )
+    sent = [p for p in received[-1][-1].parts if isinstance(p, UserPromptPart)]
+    assert sent[0].content == "Is it refundable?"
+    pending = [c.tool_call_id for c in await store.pending_calls(CID, user_id="u1")]
+    assert pending == ([] if next_run == "the approval" else ["tc-0"])
 
 
 async def test_a_call_the_model_went_on_past_reads_as_still_awaiting_its_result(

@@ -662,9 +662,13 @@ def history_from_messages(
     no stored result is left open, whatever user or system messages follow it (the person
     wrote while the run was paused), as `pending_calls` lists it: a run given
     `deferred_tool_results` resumes it from this history alone, Pydantic AI sending those
-    messages after the call's results. A call a later response went past is answered by
-    the stand-in every replay gives a call still awaiting approval or its result
-    (`PENDING_RESULT`, failed), never stored: its real result, logged later, takes its place.
+    messages after the call's results. Messages of another turn than the results of the
+    response's other calls are a request of their own after theirs, which keeps Pydantic
+    AI's mark of its pause (its `metadata`): a run given the history without the results
+    answers them, where a pause marked over them would pause it again. A call a later
+    response went past is answered by the stand-in every replay gives a call still awaiting
+    approval or its result (`PENDING_RESULT`, failed), never stored: its real result, logged
+    later, takes its place.
     """
     messages = as_messages(stored)
     answers = answers_to_calls(messages)
@@ -676,14 +680,11 @@ def history_from_messages(
     """The messages of the last response, whose calls the next request answers."""
 
     def flush_request(*, at_end: bool = False) -> None:
-        request_parts = [*_returns(answering, answers, leave_open=at_end), *parts]
-        kept = _request_kept([*_answers_of(answering, answers), *said])
+        returns = _returns(answering, answers, leave_open=at_end)
+        history.extend(_requests(returns, _answers_of(answering, answers), parts, said))
         answering.clear()
         parts.clear()
         said.clear()
-        if request_parts:
-            at = request_parts[0].timestamp
-            history.append(pai.ModelRequest(parts=request_parts, timestamp=at, **kept))
 
     for item in _responses_gathered(messages):
         if isinstance(item, list):
@@ -699,6 +700,35 @@ def history_from_messages(
         # A tool message is placed with the call it answers, by `_returns`.
     flush_request(at_end=True)
     return history
+
+
+def _requests(
+    returns: Sequence[pai.ToolReturnPart],
+    answered: Sequence[ToolMessage],
+    parts: Sequence[Any],
+    said: Sequence[AgentMessage],
+) -> list[pai.ModelRequest]:
+    """The request after a response: its calls' `returns` (of the results `answered`), then
+    the `parts` of the user and system messages `said` since; two requests when those came in
+    another turn (`_sent_apart`), each keeping what its first stored message keeps of it."""
+    requests: list[tuple[list[Any], list[AgentMessage]]] = [
+        ([*returns, *parts], [*answered, *said])
+    ]
+    if _sent_apart(answered, said):
+        requests = [(list(returns), list(answered)), (list(parts), list(said))]
+    return [
+        pai.ModelRequest(parts=body, timestamp=body[0].timestamp, **_request_kept(sent))
+        for body, sent in requests
+        if body
+    ]
+
+
+def _sent_apart(answered: Sequence[ToolMessage], said: Sequence[AgentMessage]) -> bool:
+    """Whether the user or system messages `said` after a response's stored results came in
+    another turn than those (the person wrote while the run was paused): a request of their
+    own then, never under the mark of the run's request (its `metadata`: Pydantic AI's mark
+    of a pause among it)."""
+    return bool(answered and said) and said[0].turn_id != answered[0].turn_id
 
 
 def _request_kept(sent: Sequence[AgentMessage]) -> dict[str, Any]:

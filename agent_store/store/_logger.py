@@ -1000,11 +1000,10 @@ class AgentMessageLogger:
         conversation makes when no such turn may make it (`_UNMADE_CALL`: InvalidInput), as
         is every call it answers in a conversation that does not exist (never created: the
         404 to a user, a Conflict to a service, `_absent`) or is another user's (with
-        `strict_owner`, as `log_messages` takes it, an unowned one too: nothing of its calls
-        or their tools is told), nothing written. A call no answer takes that a turn still
-        being written may make and leave open though `pending_calls` lost it (its bound
-        pushed it off, `_pushed_off_maybe`) is left out (the turn is logged without it: its
-        answer lands after that turn); any other
+        `strict_owner`, an unowned one too: nothing of its calls is told), nothing written.
+        A call no answer takes that a turn still being written may make and leave open
+        though `pending_calls` lost it (its bound pushed it off, `_pushed_off_maybe`) is left
+        out (the turn is logged without it: its answer lands after that turn); any other
         such call is `_UNMADE_CALL`, a turn in flight or not. `tool_names` (call id to the
         tool's name, where the runtime says which tool a result is of): a result is named by
         the latest call of its id of that tool (listed, else its stored message), never by
