@@ -2786,6 +2786,42 @@ async def test_a_thread_an_earlier_release_stored_reads_and_goes_on_as_it_was(
     assert await backend.db[CHECKPOINTS].count_documents({"thread_id": thread_id}) == 0
 
 
+async def test_a_saver_that_cached_a_pre_epoch_thread_never_serves_it_to_the_ids_next_owner(
+    backend: Backend,
+) -> None:
+    """A service's saver read a thread an earlier release stored (no epoch: its cache names
+    the conversation by its creation time); the thread is deleted and Mallory starts its id
+    again at that very millisecond: the saver reads her thread afresh, none of Ada's messages
+    in it."""
+    ada = thread("user-ada")
+    thread_id = ada["configurable"]["thread_id"]
+    builder = StateGraph(MessagesState)
+    builder.add_node(
+        "bot", lambda s: {"messages": [AIMessage(f"reply to {s['messages'][-1].content}")]}
+    )
+    builder.add_edge(START, "bot")
+    await builder.compile(checkpointer=AgentStoreSaver(backend.db)).ainvoke(
+        {"messages": [HumanMessage("ADA SECRET")]}, ada
+    )
+    await _as_stored_before_epochs(backend.db, thread_id)
+    services = AgentStoreSaver(backend.db)
+    assert "ADA SECRET" in str(await services.aget_tuple(thread(None, thread_id)))
+    created = (await backend.db[CONVERSATIONS].find_one({"_id": thread_id}))["created_at"]
+    await ConversationStore(backend.db).delete(thread_id, user_id="user-ada")
+
+    mallory = thread("user-mallory", thread_id)
+    said = [{"role": "user", "content": "mallory opens it", "created_at": created}]
+    await AgentMessageLogger(backend.db).log_messages(
+        thread_id, said, user_id="user-mallory", owner_only=True
+    )
+    await builder.compile(checkpointer=AgentStoreSaver(backend.db)).ainvoke(
+        {"messages": [HumanMessage("mallory asks")]}, mallory
+    )
+    found = await services.aget_tuple(thread(None, thread_id))
+    assert found is not None
+    assert "ADA" not in str(found.checkpoint["channel_values"])
+
+
 async def _as_stored_before_epochs(db: Any, thread_id: str) -> None:
     """The thread as an earlier release stored it: no `epoch` on its conversation, its
     messages or its checkpoints (which named its creation time only), and its conversation

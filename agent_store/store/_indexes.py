@@ -116,9 +116,12 @@ class ThreadLife:
 
     def same_as(self, other: ThreadLife) -> bool:
         """Whether `other` (a life a document names, or the conversation read again) is this
-        one: the same epoch; else, one of them naming none, the same creation time."""
+        one: the same epoch; else, one of them naming none, the same creation time, never for a
+        conversation created since documents named epochs (all of its name its epoch)."""
         if self.epoch is not None and other.epoch is not None:
             return self.epoch == other.epoch
+        if self.epoch_only or other.epoch_only:
+            return False
         return self.created_ms == other.created_ms
 
 
