@@ -1454,6 +1454,85 @@ async def test_a_copy_of_a_thread_copies_none_of_a_checkpoint_its_earlier_life_l
     assert plans == ["service: pay supplier A"]
 
 
+async def _late_put_then_taken_at_the_same_millisecond(
+    db: Any, writer: str | None, *, earlier_release: bool = False
+) -> str:
+    """Ada's thread, created by her turn at a fixed time; a checkpoint of it (written by
+    `writer`'s graph: a service's, None, or Ada's; by an `earlier_release`, naming only the
+    thread's creation time) lands after Ada deleted the thread (the late put); then Mallory's
+    turn starts the id again, its first message's `created_at` (hers to choose) the very
+    millisecond Ada's thread was created at. The thread's id."""
+    thread_id = f"thread-{uuid.uuid4().hex[:12]}"
+    at = datetime(2026, 3, 1, 12, 0, 0, 123000, tzinfo=UTC)
+    said = [{"role": "user", "content": "ada opens the thread", "created_at": at}]
+    await AgentMessageLogger(db).log_messages(thread_id, said, user_id="user-ada")
+    private = empty_checkpoint()
+    private["channel_values"] = {"messages": [], "plan": "ADA PRIVATE: iban FR76"}
+    await AgentStoreSaver(db).aput(thread(writer, thread_id), private, {"step": -1}, {})
+    late = await db[CHECKPOINTS].find({"thread_id": thread_id}).to_list(None)
+    await ConversationStore(db).delete(thread_id, user_id="user-ada")
+    if earlier_release:
+        late = [{k: v for k, v in doc.items() if k != "epoch"} for doc in late]
+    await db[CHECKPOINTS].insert_many(late)  # the put, held, lands after the delete
+    hers = [{"role": "user", "content": f"mallory {i}", "created_at": at} for i in range(3)]
+    await AgentMessageLogger(db).log_messages(
+        thread_id, hers, user_id="user-mallory", owner_only=True
+    )
+    return thread_id
+
+
+@pytest.mark.parametrize(
+    ("writer", "earlier_release"),
+    [(None, False), ("user-ada", False), (None, True)],
+    ids=["service-graph", "adas-graph", "an-earlier-releases-service-graph"],
+)
+async def test_whoever_takes_a_deleted_thread_id_at_the_same_millisecond_never_reads_its_state(
+    backend: Backend, writer: str | None, earlier_release: bool
+) -> None:
+    """LANGGRAPH.md: an id deleted and taken again is another conversation, and whoever takes
+    the id next never reads what a graph still running wrote after the delete. Told by the
+    conversation's `epoch`, drawn at random as it is created, not by its `created_at`, which
+    the caller starting it chooses: Mallory's graph and a service's graph on her thread read
+    none of Ada's state, nor does a copy of it. A checkpoint naming no epoch (an earlier
+    release's) is never of a conversation created since."""
+    thread_id = await _late_put_then_taken_at_the_same_millisecond(
+        backend.db, writer, earlier_release=earlier_release
+    )
+    saver = AgentStoreSaver(backend.db)
+    for reader in ("user-mallory", None):
+        found = await saver.aget_tuple(thread(reader, thread_id))
+        assert "ADA" not in str(found and found.checkpoint["channel_values"])
+        listed = [t async for t in saver.alist(thread(reader, thread_id))]
+        assert not [t for t in listed if "ADA" in str(t.checkpoint["channel_values"])]
+    across = [t async for t in saver.alist(None)]
+    assert not [t for t in across if "ADA" in str(t.checkpoint["channel_values"])]
+    await saver.acopy_thread(thread_id, f"{thread_id}-copy")
+    copied = [t async for t in saver.alist(thread(None, f"{thread_id}-copy"))]
+    assert not [t for t in copied if "ADA" in str(t.checkpoint["channel_values"])]
+
+
+async def test_mallorys_graph_writes_her_own_state_on_a_thread_id_taken_at_the_same_millisecond(
+    backend: Backend,
+) -> None:
+    """Mallory's graph goes on from her own (empty) state on the id Ada's deleted thread held,
+    whatever the late checkpoint of Ada's thread left there; deleting her thread deletes her
+    checkpoints."""
+    thread_id = await _late_put_then_taken_at_the_same_millisecond(backend.db, None)
+    mallory = thread("user-mallory", thread_id)
+    saver = AgentStoreSaver(backend.db)
+    mine = empty_checkpoint()
+    mine["channel_values"] = {"messages": [], "plan": "mallory's"}
+    await saver.aput(mallory, mine, {"step": -1}, {})
+    found = await AgentStoreSaver(backend.db).aget_tuple(mallory)
+    assert found is not None
+    assert found.checkpoint["channel_values"]["plan"] == "mallory's"
+    await ConversationStore(backend.db).delete(thread_id, user_id="user-mallory")
+    left = await backend.db[CHECKPOINTS].find({"thread_id": thread_id}).to_list(None)
+    assert [doc["checkpoint_id"] for doc in left] == [
+        doc["checkpoint_id"] for doc in left if "mallory" not in str(doc)
+    ]
+
+
 async def _checkpointed(saver: Any, config: dict[str, Any], plan: str, parent: Any = None) -> Any:
     """A checkpoint holding `plan` (no message), put as the first of the thread or after
     `parent` (a config a put handed back)."""
@@ -2672,6 +2751,89 @@ async def test_a_copy_run_again_after_a_crash_is_the_thread_as_its_fork_copied_i
     assert comparable(ours) == comparable((await graph.aget_state(source)).values["messages"])
 
 
+@pytest.mark.parametrize("stored", ["before-epochs", "before-checkpoints-named-epochs"])
+async def test_a_thread_an_earlier_release_stored_reads_and_goes_on_as_it_was(
+    backend: Backend, stored: str
+) -> None:
+    """A thread stored before epochs (no `epoch` anywhere), or once its conversation had one
+    but its checkpoints named only its creation time: its graph reads its state as it was,
+    and goes on from it, its next turn drawing the conversation's epoch when it had none;
+    every checkpoint stays in its history, and deleting the thread deletes them all."""
+    config = thread("user-ada")
+    thread_id = config["configurable"]["thread_id"]
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    await run_turns(graph, config, range(1, 3))
+    if stored == "before-epochs":
+        await _as_stored_before_epochs(backend.db, thread_id)
+    else:
+        await backend.db[CONVERSATIONS].update_one(
+            {"_id": thread_id}, {"$unset": {"epoch_marks": ""}}
+        )
+        await backend.db[CHECKPOINTS].update_many(
+            {"thread_id": thread_id}, {"$unset": {"epoch": ""}}
+        )
+    then = comparable((await graph.aget_state(config)).values["messages"])
+    history = len([t async for t in AgentStoreSaver(backend.db).alist(config)])
+
+    again = tool_agent(AgentStoreSaver(backend.db))
+    assert comparable((await again.aget_state(config)).values["messages"]) == then
+    await run_turns(again, config, range(3, 4))
+    now = comparable((await again.aget_state(config)).values["messages"])
+    assert now[: len(then)] == then
+    assert len(now) > len(then)
+    assert len([t async for t in AgentStoreSaver(backend.db).alist(config)]) > history
+    await ConversationStore(backend.db).delete(thread_id, user_id="user-ada")
+    assert await backend.db[CHECKPOINTS].count_documents({"thread_id": thread_id}) == 0
+
+
+async def test_a_saver_that_cached_a_pre_epoch_thread_never_serves_it_to_the_ids_next_owner(
+    backend: Backend,
+) -> None:
+    """A service's saver read a thread an earlier release stored (no epoch: its cache names
+    the conversation by its creation time); the thread is deleted and Mallory starts its id
+    again at that very millisecond: the saver reads her thread afresh, none of Ada's messages
+    in it."""
+    ada = thread("user-ada")
+    thread_id = ada["configurable"]["thread_id"]
+    builder = StateGraph(MessagesState)
+    builder.add_node(
+        "bot", lambda s: {"messages": [AIMessage(f"reply to {s['messages'][-1].content}")]}
+    )
+    builder.add_edge(START, "bot")
+    await builder.compile(checkpointer=AgentStoreSaver(backend.db)).ainvoke(
+        {"messages": [HumanMessage("ADA SECRET")]}, ada
+    )
+    await _as_stored_before_epochs(backend.db, thread_id)
+    services = AgentStoreSaver(backend.db)
+    assert "ADA SECRET" in str(await services.aget_tuple(thread(None, thread_id)))
+    created = (await backend.db[CONVERSATIONS].find_one({"_id": thread_id}))["created_at"]
+    await ConversationStore(backend.db).delete(thread_id, user_id="user-ada")
+
+    mallory = thread("user-mallory", thread_id)
+    said = [{"role": "user", "content": "mallory opens it", "created_at": created}]
+    await AgentMessageLogger(backend.db).log_messages(
+        thread_id, said, user_id="user-mallory", owner_only=True
+    )
+    await builder.compile(checkpointer=AgentStoreSaver(backend.db)).ainvoke(
+        {"messages": [HumanMessage("mallory asks")]}, mallory
+    )
+    found = await services.aget_tuple(thread(None, thread_id))
+    assert found is not None
+    assert "ADA" not in str(found.checkpoint["channel_values"])
+
+
+async def _as_stored_before_epochs(db: Any, thread_id: str) -> None:
+    """The thread as an earlier release stored it: no `epoch` on its conversation, its
+    messages or its checkpoints (which named its creation time only), and its conversation
+    not one created since checkpoints named epochs (`epoch_marks`)."""
+    unset = {"$unset": {"epoch": ""}}
+    await db[CONVERSATIONS].update_one(
+        {"_id": thread_id}, {"$unset": {"epoch": "", "epoch_marks": ""}}
+    )
+    await db[MESSAGES].update_many({"conversation_id": thread_id}, unset)
+    await db[CHECKPOINTS].update_many({"thread_id": thread_id}, unset)
+
+
 async def test_a_copy_of_a_thread_stored_before_epochs_run_again_after_it_went_on_converges(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -2682,10 +2844,7 @@ async def test_a_copy_of_a_thread_stored_before_epochs_run_again_after_it_went_o
     source_id = source["configurable"]["thread_id"]
     graph = tool_agent(AgentStoreSaver(backend.db))
     await run_turns(graph, source, range(1, 3))
-    await backend.db[CONVERSATIONS].update_one({"_id": source_id}, {"$unset": {"epoch": ""}})
-    await backend.db[MESSAGES].update_many(
-        {"conversation_id": source_id}, {"$unset": {"epoch": ""}}
-    )
+    await _as_stored_before_epochs(backend.db, source_id)
     then = comparable((await graph.aget_state(source)).values["messages"])
     await _crashing_before_the_checkpoints(backend.db, source_id, source_id + "-copy", monkeypatch)
     before = (await ConversationStore(backend.db).get_conversation(source_id)).version

@@ -91,9 +91,11 @@ async def test_stored_documents_hold_exactly_the_contract_fields(backend: Backen
         "_id", "conversation_id", "user_id", "name", "name_source", "created_at", "updated_at",
         "turn_count", "last_message_preview", "message_count", "pending_hitl", "pending_calls",
         "usage", "forked_from", "legacy_conversation_id", "legacy_user_id", "turns",
-        "turns_dropped", "epoch", "name_message_id",  # the example's first question names it
+        "turns_dropped", "epoch", "epoch_marks",
+        "name_message_id",  # the example's first question names it
     }  # fmt: skip
     assert message["epoch"] == conversation["epoch"]
+    assert conversation["epoch_marks"] is True  # created since checkpoints named epochs
 
 
 async def test_hidden_runtime_context_is_never_stored(backend: Backend) -> None:

@@ -34,6 +34,7 @@ from agent_store.store import (
     LANGGRAPH_CHECKPOINTS,
     MESSAGES,
     TEXT_INDEX,
+    ThreadLife,
 )
 from app.examples import EXAMPLE_CONVERSATION_ID as CID
 from app.examples import EXAMPLE_USER_ID as OWNER
@@ -229,7 +230,8 @@ async def test_a_conversation_page_stops_at_its_byte_budget_and_pages_on(
     """A page holds what fits in `PAGE_BYTES` (at least one conversation), the text of keys
     counted as that of values; `next_cursor` reads on, and every conversation is listed
     once, in order."""
-    monkeypatch.setattr("agent_store.store._reads.PAGE_BYTES", 10_000)
+    # two of these conversations (about 5,000 bytes each), not three
+    monkeypatch.setattr("agent_store.store._reads.PAGE_BYTES", 11_000)
     logger = AgentMessageLogger(backend.db)
     ids = [f"bulky-{n}" for n in range(5)]
     for n, conversation_id in enumerate(ids):
@@ -767,8 +769,7 @@ async def _victim_takes_the_freed_id(backend: Backend, conversation_id: str) -> 
     await logger.log_messages(conversation_id, messages, user_id=VICTIM, turn_id="v1",
                               owner_only=True)  # fmt: skip
     found = await backend.db[CONVERSATIONS].find_one({"_id": conversation_id})
-    mark = round(found["created_at"].timestamp() * 1000)
-    beside = {"thread_id": conversation_id, "conversation_created_ms": mark}
+    beside = {"thread_id": conversation_id, **ThreadLife.of(found).marks()}
     await backend.db[LANGGRAPH_CHECKPOINTS].insert_many(
         [{"_id": f"{conversation_id}/{who}", "user_id": who, **beside} for who in (VICTIM, None)]
     )
@@ -3921,12 +3922,12 @@ async def _claimed_with_the_new_id_erased_between_the_moves(
 
 
 async def _a_checkpoint_of(backend: Backend, conversation_id: str, user_id: str) -> None:
-    """A checkpoint of the conversation under the id, written for `user_id`."""
+    """A checkpoint of the conversation under the id, written for `user_id`, naming the
+    conversation as the LangGraph saver does (`ThreadLife.marks`)."""
     found = await backend.db[CONVERSATIONS].find_one({"_id": conversation_id})
-    mark = round(found["created_at"].timestamp() * 1000)
     await backend.db[LANGGRAPH_CHECKPOINTS].insert_one(
         {"_id": f"{conversation_id}/{user_id}", "thread_id": conversation_id,
-         "conversation_created_ms": mark, "user_id": user_id}
+         **ThreadLife.of(found).marks(), "user_id": user_id}
     )  # fmt: skip
 
 

@@ -1411,6 +1411,12 @@ class Conversation(_Model):
     an upgrade on one created before (the store's bookkeeping, never served): every message
     the conversation stores carries it, so a delete takes this conversation's messages and
     none of one created again under its id since, whoever created it."""
+    epoch_marks: bool = Field(default=False, exclude=True)
+    """Created by a release whose integrations name the conversation's `epoch` on every document
+    they keep beside it (a LangGraph thread's checkpoints; the store's bookkeeping, never
+    served): only those naming its epoch are its own, never one naming only a creation time,
+    which the caller starting a conversation chooses. False on one created before, whose
+    documents named its creation time (`agent_store.store.ThreadLife`)."""
     refold_owed: UtcDatetime | None = Field(default=None, exclude=True)
     """When a fold of the pending state from the stored messages, after a move or a
     give-back, could not be written (the conversation kept changing under it, or a turn below

@@ -18,9 +18,8 @@ from typing import Any
 from bson import Int64
 from langchain_core.messages import BaseMessage
 
-from agent_store.core import InvalidInput, shown_key
-from agent_store.store import LANGGRAPH_CHECKPOINTS, THREAD_CONVERSATION
-from agent_store.store import conversation_mark as conversation_mark
+from agent_store.core import Conversation, InvalidInput, shown_key
+from agent_store.store import LANGGRAPH_CHECKPOINTS, ThreadLife
 
 CHECKPOINTS = LANGGRAPH_CHECKPOINTS
 """One document per checkpoint, its pending writes and the extras of the messages it logged
@@ -133,18 +132,21 @@ def checkpoint_key(thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> st
     return json.dumps([thread_id, checkpoint_ns, checkpoint_id], ensure_ascii=False)
 
 
-CONVERSATION = THREAD_CONVERSATION
-"""The field naming the conversation a checkpoint document was written for: its creation time,
-in milliseconds (`conversation_mark`). An id deleted and taken again is another conversation."""
+def life_of(conversation: Conversation) -> ThreadLife:
+    """The life of the conversation a thread is now, which its checkpoint documents name
+    (`ThreadLife`): its `epoch`, never its `created_at` alone, which the caller starting it
+    chose. An id deleted and taken again is another conversation."""
+    read = {"epoch": conversation.epoch, "epoch_marks": conversation.epoch_marks}
+    return ThreadLife.of(read | {"created_at": conversation.created_at})
 
 
-def readable_by(user_id: str, conversation: int) -> dict[str, Any]:
+def readable_by(user_id: str, life: ThreadLife) -> dict[str, Any]:
     """The checkpoint documents of a thread that its owner `user_id` reads, the thread being the
-    conversation `conversation` (`conversation_mark`): those written for the user or for none (a
-    service's, a thread's before it was assigned, or stored before documents named their
-    owner), for this conversation or for none named (stored before documents named it). A
-    user reads no other: not another user's, not an earlier conversation's under the id."""
-    return {"user_id": {"$in": [user_id, None]}, CONVERSATION: {"$in": [conversation, None]}}
+    conversation of `life`: those written for the user or for none (a service's, a thread's
+    before it was assigned, or stored before documents named their owner), of this
+    conversation (`ThreadLife.query`). A user reads no other: not another user's, not an
+    earlier conversation's under the id."""
+    return {"user_id": {"$in": [user_id, None]}, **life.query()}
 
 
 # -- pending writes ---------------------------------------------------------------------------

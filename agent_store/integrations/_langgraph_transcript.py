@@ -59,14 +59,13 @@ from agent_store.integrations._langgraph_branches import (
 )
 from agent_store.integrations._langgraph_documents import (
     CHECKPOINTS,
-    CONVERSATION,
     Deserialize,
     Inline,
     Segment,
     SeqRange,
     Serialize,
-    conversation_mark,
     decode_segments,
+    life_of,
     place_all,
     places_of,
 )
@@ -78,6 +77,7 @@ from agent_store.store import (
     AgentMessageLogger,
     ConversationStore,
     Database,
+    ThreadLife,
     copied_from,
     copy_mark,
     storage_errors,
@@ -98,8 +98,8 @@ class Admission:
     stamp: str | None
     """The user the graph's checkpoint documents are written for: the graph's user; none for
     a service's, which are the thread's owner's, whoever that is when they are read."""
-    conversation: int
-    """The conversation the thread was then (`conversation_mark`)."""
+    conversation: ThreadLife
+    """The conversation the thread was then (`life_of`)."""
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,9 @@ class _Head:
 class _Thread:
     """What this process knows of one thread's transcript, all of one conversation."""
 
-    conversation: int | None = None
-    """The conversation it was read from or written to (`conversation_mark`); None: not known
-    yet (nothing read but documents that name none)."""
+    conversation: ThreadLife | None = None
+    """The conversation it was read from or written to (`life_of`); None: not known yet
+    (nothing read but documents that name none)."""
     by_seq: dict[int, BaseMessage] = field(default_factory=dict)
     seq_by_id: dict[str, int] = field(default_factory=dict)
     stored_ids: dict[int, str] = field(default_factory=dict)
@@ -190,8 +190,8 @@ class Copied:
 
     moved: dict[int, tuple[int, str]] = field(default_factory=dict)
     """Where each source `seq` went, with its new message id."""
-    conversation: int | None = None
-    """The target conversation (`conversation_mark`); None without a source conversation."""
+    conversation: ThreadLife | None = None
+    """The target conversation (`life_of`); None without a source conversation."""
     source: Conversation | None = None
     """The source conversation as the copy read it; None when there was none."""
     target: Conversation | None = None
@@ -266,13 +266,18 @@ class TranscriptLink:
             self._threads.popitem(last=False)
         return state
 
-    def tie(self, thread_id: str, conversation: int | None) -> _Thread:
-        """The cache of one thread as the conversation `conversation` (`conversation_mark`):
-        what it holds of another conversation under the id (deleted, its user erased, and the id
-        taken again), or of one it could not name, is dropped. None (documents stored before
-        they named their conversation) keeps the cache as it is."""
+    def tie(self, thread_id: str, conversation: ThreadLife | None) -> _Thread:
+        """The cache of one thread as the conversation `conversation` (`life_of`, or the life a
+        checkpoint names, `ThreadLife.same_as`): what it holds of another conversation under
+        the id (deleted, its user erased, and the id taken again), or of one it could not
+        name, is dropped. None (documents stored before they named their conversation) keeps
+        the cache as it is."""
         state = self.thread(thread_id)
-        if conversation is None or state.conversation == conversation:
+        if conversation is None:
+            return state
+        if state.conversation is not None and state.conversation.same_as(conversation):
+            if conversation.epoch_only:  # the conversation as read: its rule, not a document's
+                state.conversation = conversation
             return state
         if state.conversation is not None or state.holds_anything():
             state = self._threads[thread_id] = _Thread()
@@ -283,7 +288,7 @@ class TranscriptLink:
         """The cache of one thread, tied to the conversation `found` as read now (`tie`): when
         pops finished since the last read (`Conversation.pops`), what it holds from the first
         `seq` they gave back on is dropped (`_Thread.ends_at`), read again when needed."""
-        state = self.tie(thread_id, conversation_mark(found.created_at))
+        state = self.tie(thread_id, life_of(found))
         if state.pops is None:  # what it holds was read without counting pops (a service's)
             state.ends_at(0)
         elif found.pops != state.pops:
@@ -377,7 +382,7 @@ class TranscriptLink:
             "type": {"$exists": True},
         }
         if state.conversation is not None:
-            query[CONVERSATION] = {"$in": [state.conversation, None]}
+            query |= state.conversation.query()
         if owner.user_id is not None:
             query["user_id"] = {"$in": [owner.user_id, None]}
         with storage_errors("read the parent checkpoint"):
@@ -573,7 +578,7 @@ class TranscriptLink:
         segments: Sequence[Segment],
         *,
         checkpoint_id: str,
-        conversation: int | None,
+        conversation: ThreadLife | None,
         owner: Owner,
         as_head: bool,
         latest: bool = False,
@@ -661,12 +666,12 @@ class TranscriptLink:
         source_id: str,
         target_id: str,
         *,
-        named: Collection[int] = (),
+        named: Collection[ThreadLife] = (),
         checkpoints: Collection[str] = (),
     ) -> Copied:
         """Copy a thread's transcript into a new conversation: a fork.
 
-        `named`: the conversations the thread's checkpoints name (`conversation_mark`), as
+        `named`: the conversations the thread's checkpoints name (`ThreadLife.named_by`), as
         the copy read them. When they name one and the source is none of them (deleted, or
         its user erased, since they were read; perhaps started again under its id), the
         checkpoints are of a conversation gone: NotFound, nothing written, as `hold` answers
@@ -700,7 +705,7 @@ class TranscriptLink:
         back (`Copied.own`) and holds other than what the copy wrote (`_require_as_copied`) is
         kept as it is: Conflict naming it, before the checkpoints are written. Answers where
         each source `seq` went, with its new message id, and the target conversation
-        (`conversation_mark`; None without a source conversation).
+        (`life_of`; None without a source conversation).
         """
         try:
             source = await self._store.get_conversation(source_id, fallback=False)
@@ -708,7 +713,7 @@ class TranscriptLink:
             if named:
                 raise _source_went(source_id) from None
             return Copied()
-        if named and conversation_mark(source.created_at) not in named:
+        if named and not any(life_of(source).holds(life.marks()) for life in named):
             raise _source_went(source_id)
         copied = await self._copied(source, target_id)
         copied = dataclasses.replace(copied, checkpoints=frozenset(checkpoints))
@@ -1062,7 +1067,7 @@ class TranscriptLink:
         await self._logger.require_written(source_id, [m.seq for m in read if m.seq is not None])
         own = earlier is None or not (earlier.message_count or earlier.pops)
         target = earlier or await self._created_target(source, target_id)
-        copied = Copied({}, conversation_mark(target.created_at), source, target, own)
+        copied = Copied({}, life_of(target), source, target, own)
         # Cut messages go from their whole texts (two lookups, only when one was cut), as the
         # store's own fork copies them: the logger cuts them again and keeps the copy's own.
         stored = await self._store.with_full_texts(read)
@@ -1135,7 +1140,7 @@ class TranscriptLink:
             raise _fork_went(target_id) from None
         if any(m.epoch != target.epoch for m in logged.messages):
             raise _fork_went(target_id)
-        return Copied(moved, conversation_mark(target.created_at), source, target, own)
+        return Copied(moved, life_of(target), source, target, own)
 
 
 def _forked_from_this_life(target: Conversation, source: Conversation) -> bool:

@@ -23,7 +23,7 @@ Without it the saver acts as a service. Every config the saver hands back names 
 owner it was read or written for (`_handed_back`), so LangGraph's time travel through
 one is that owner's write. Each checkpoint document names the
 user it was written for (`user_id`: a user graph's user; none for a service's,
-which are the thread's owner's) and the conversation (`conversation_created_ms`);
+which are the thread's owner's) and the conversation (its `epoch`, `ThreadLife`);
 a user reads only its own thread's, of the conversation it is now (`_readable`),
 and a user's write touches its own documents, one naming no user only once the
 owner is checked again (`_store`); the thread's owner is admitted once per thread
@@ -74,15 +74,14 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError
 from agent_store.core import Conflict, Conversation, InvalidInput, NotFound, StoreError
 from agent_store.integrations._langgraph_documents import (
     CHECKPOINTS,
-    CONVERSATION,
     REWRITTEN,
     SeqRange,
     check_metadata_keys,
     checkpoint_key,
-    conversation_mark,
     decode_segments,
     encode_segments,
     is_rewritten,
+    life_of,
     metadata_filter,
     pending_writes,
     readable_by,
@@ -91,9 +90,12 @@ from agent_store.integrations._langgraph_documents import (
 )
 from agent_store.integrations._langgraph_transcript import Admission, Owner, TranscriptLink
 from agent_store.store import (
+    THREAD_CONVERSATION,
+    THREAD_EPOCH,
     AgentMessageLogger,
     ConversationStore,
     Database,
+    ThreadLife,
     async_database,
     being_migrated,
     only_duplicates,
@@ -255,7 +257,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         threads first seen on it (`ConversationStore.stored_conversations`): two round trips a
         page; one page without a limit, or when none of it is stale; else the next page, from
         where the last ended, twice as long."""
-        lives: dict[str, int | Conflict | None] = {}
+        lives: dict[str, ThreadLife | Conflict | None] = {}
         served: list[dict[str, Any]] = []
         paged, page = query, limit
         while True:
@@ -274,7 +276,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
                 life = lives[doc["thread_id"]]
                 if isinstance(life, Conflict):  # reached: refused as a list of the thread is
                     raise life
-                if doc.get(CONVERSATION) in (None, life):
+                if _of_life(doc, life):
                     served.append(doc)
             if page is None or limit is None or len(docs) < page or len(served) >= limit:
                 return served
@@ -296,7 +298,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
                 doc["thread_id"],
                 segments,
                 checkpoint_id=doc["checkpoint_id"],
-                conversation=doc.get(CONVERSATION),
+                conversation=ThreadLife.named_by(doc),
                 owner=owner,
                 as_head=as_head,
                 latest=latest,
@@ -361,7 +363,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             "checkpoint": blob,
             "messages": None,
             "metadata": stored_metadata,
-            CONVERSATION: admission.conversation,
+            **admission.conversation.marks(),
         }
         if messages is not None:
             segments, extras = await self._transcripts.place(
@@ -413,7 +415,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
                 "checkpoint_ns": checkpoint_ns,
                 "checkpoint_id": checkpoint_id,
                 "user_id": admission.stamp,
-                CONVERSATION: admission.conversation,
+                **admission.conversation.marks(),
             },
         }
         key = checkpoint_key(thread_id, checkpoint_ns, checkpoint_id)
@@ -496,7 +498,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             docs = await self._checkpoints.find({"thread_id": source, **life}).to_list(None)
         if not docs:
             return
-        named = {doc[CONVERSATION] for doc in docs if doc.get(CONVERSATION) is not None}
+        named = {life for life in map(ThreadLife.named_by, docs) if life is not None}
         ids = {doc["checkpoint_id"] for doc in docs}
         copied = await self._transcripts.copy(source, target, named=named, checkpoints=ids)
         moved, conversation = copied.moved, copied.conversation
@@ -515,7 +517,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         finally:
             self._transcripts.forget(target)
 
-    async def _follow_the_target(self, target: str, conversation: int | None) -> None:
+    async def _follow_the_target(self, target: str, conversation: ThreadLife | None) -> None:
         """The copy's checkpoints, once stored, named with the owner its conversation has now
         (read after their insert): a claim that moved the conversation before they were
         stored, with the source's owner as read, found none of them to move, and one after
@@ -527,7 +529,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         except NotFound:
             return
         owner = found.user_id
-        stale = {"thread_id": target, CONVERSATION: conversation, "user_id": {"$ne": owner}}
+        stale = {"thread_id": target, **conversation.marks(), "user_id": {"$ne": owner}}
         with storage_errors("name the copy's owner on its checkpoints"):
             await self._checkpoints.update_many(stale, {"$set": {"user_id": owner}})
 
@@ -536,7 +538,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         doc: dict[str, Any],
         target: str,
         moved: dict[int, tuple[int, str]],
-        conversation: int | None,
+        conversation: ThreadLife | None,
     ) -> dict[str, Any] | None:
         """A checkpoint document of the fork: its references moved to the fork's messages, the
         fork's conversation named. None for a checkpoint that refers to a message the fork
@@ -544,7 +546,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         copy = doc | {
             "_id": checkpoint_key(target, doc["checkpoint_ns"], doc["checkpoint_id"]),
             "thread_id": target,
-            CONVERSATION: conversation,
+            **(_NAMING_NONE if conversation is None else conversation.marks()),
         }
         stored = doc.get("messages")
         if stored is not None:
@@ -591,7 +593,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             self._transcripts.thread(thread_id).admitted.pop(owner.user_id, None)
             return None
         self._transcripts.read_as(thread_id, found)  # its pops since drop what they gave back
-        return readable_by(owner.user_id, conversation_mark(found.created_at))
+        return readable_by(owner.user_id, life_of(found))
 
     async def _served(self, thread_id: str) -> dict[str, Any]:
         """What a service reads of the thread: its documents of the conversation the thread is
@@ -599,20 +601,22 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         the id (a graph still running then may have written some after its delete). One round
         trip; ties the saver's cache of the thread to that conversation."""
         life = self._service_life(thread_id, await self._stored(thread_id, None))
-        return {CONVERSATION: {"$in": [life, None]}}
+        return dict(_NAMING_NONE) if life is None else life.query()
 
-    def _service_life(self, thread_id: str, found: Conversation | None) -> int | None:
-        """The conversation a service reads of the thread (`conversation_mark`), the thread
+    def _service_life(self, thread_id: str, found: Conversation | None) -> ThreadLife | None:
+        """The conversation a service reads of the thread (`life_of`), the thread
         being `found` now (None: no conversation; it reads only documents naming none; one a
         migration run writes was refused by whoever read it, `_unless_migrating`). Ties the
         saver's cache of the thread to it."""
         if found is None:
             return None
-        mark = conversation_mark(found.created_at)
-        self._transcripts.tie(thread_id, mark)
-        return mark
+        life = life_of(found)
+        self._transcripts.tie(thread_id, life)
+        return life
 
-    def _life_or_refusal(self, thread_id: str, found: Conversation | None) -> int | Conflict | None:
+    def _life_or_refusal(
+        self, thread_id: str, found: Conversation | None
+    ) -> ThreadLife | Conflict | None:
         """`_service_life`, or its refusal (a migration run writing the thread's conversation)
         for a list across threads to raise only once it reaches one of the thread's checkpoints."""
         try:
@@ -635,7 +639,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
 
     async def _rooted(
         self, config: RunnableConfig, owner: Owner, named: str | None
-    ) -> tuple[Owner, int | None]:
+    ) -> tuple[Owner, ThreadLife | None]:
         """Who writes into a subgraph's namespace, and into which conversation. LangGraph builds
         a subgraph state's config (`get_state(subgraphs=True)`) from the thread and namespace
         alone, naming no user: a write naming none there is admitted as the owner of the
@@ -654,7 +658,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             keys.append(checkpoint_key(thread_id, "", root))
         with storage_errors("read the checkpoint a subgraph's write goes on from"):
             found = await self._checkpoints.find(
-                {"_id": {"$in": keys}}, {"user_id": 1, CONVERSATION: 1}
+                {"_id": {"$in": keys}}, {"user_id": 1, **dict.fromkeys(_LIFE_FIELDS, 1)}
             ).to_list(None)
         if not found:
             if named is None:
@@ -665,7 +669,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             )
         anchor = min(found, key=lambda doc: keys.index(doc["_id"]))
         user_id = anchor.get("user_id")
-        return Owner(user_id) if user_id is not None else owner, anchor.get(CONVERSATION)
+        return Owner(user_id) if user_id is not None else owner, ThreadLife.named_by(anchor)
 
     async def _admission(self, thread_id: str, owner: Owner, *, again: bool = False) -> Admission:
         """The owner's admission to write the thread (`_admit`): checked once per thread, owner
@@ -688,13 +692,13 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         when they are read (a claim leaves them where they are)."""
         if owner.user_id is None:
             found = await self.logger.upsert_conversation(thread_id)
-            return Admission(None, conversation_mark(found.created_at))
+            return Admission(None, life_of(found))
         # A runtime acting for the user: theirs, or created theirs; any other (a service's,
         # another user's in any state or legacy turns) NotFound in the HTTP 404's words.
         found = await self.logger.upsert_conversation(
             thread_id, user_id=owner.user_id, strict_owner=True
         )
-        return Admission(owner.user_id, conversation_mark(found.created_at))
+        return Admission(owner.user_id, life_of(found))
 
     async def _store(
         self, thread_id: str, key: str, update: dict[str, Any], owner: Owner, action: str
@@ -721,7 +725,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         admission = await self._admission(thread_id, owner, again=True)
         unowned = {
             "user_id": {"$in": [None, user_id]},  # or named hers meanwhile, by a parallel task
-            CONVERSATION: {"$in": [admission.conversation, None]},
+            **admission.conversation.query(),
         }
         # The owner's now: named so, its next write is the common path.
         named = {op: v for op, v in update.items() if op != "$setOnInsert"}
@@ -876,10 +880,25 @@ async def _insert_new(collection: Any, documents: list[dict[str, Any]], action: 
     return [doc["_id"] for doc in documents]
 
 
-def _require_life(thread_id: str, life: int | None, admission: Admission) -> None:
+_NAMING_NONE: dict[str, Any] = {THREAD_EPOCH: None, THREAD_CONVERSATION: None}
+"""The checkpoint documents naming no conversation (stored before documents named it): all a
+thread with no conversation serves. Never changed in place."""
+_LIFE_FIELDS = tuple(ThreadLife(None, 0).marks())
+"""The fields a checkpoint document names its conversation by (`ThreadLife.marks`)."""
+
+
+def _of_life(doc: dict[str, Any], life: ThreadLife | None) -> bool:
+    """Whether a checkpoint document is of the life `life` (None: of no conversation, only a
+    document naming none), as `_served` selects."""
+    if life is None:
+        return ThreadLife.named_by(doc) is None
+    return life.holds(doc)
+
+
+def _require_life(thread_id: str, life: ThreadLife | None, admission: Admission) -> None:
     """NotFound when a subgraph's write goes on from a checkpoint of another conversation than
     the one the thread is now (`AgentStoreSaver._rooted`): deleted, the id taken since."""
-    if life is not None and life != admission.conversation:
+    if life is not None and not admission.conversation.holds(life.marks()):
         raise NotFound(
             f"thread {thread_id!r}: the checkpoint this write goes on from is of a conversation "
             "deleted since (its user erased): the thread is another conversation now"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -39,21 +41,88 @@ def checkpoints_referring_to(conversation_id: str, seq: int) -> dict[str, Any]:
 THREAD_COLLECTIONS: tuple[str, ...] = (LANGGRAPH_CHECKPOINTS,)
 """Collections integrations keep beside the conversations (their indexes are theirs): each
 document names its conversation as `thread_id`, when it has one the user it was written for
-as `user_id`, and which conversation under that id it was written for as `THREAD_CONVERSATION`.
+as `user_id`, and which conversation under that id it was written for (`ThreadLife.marks`).
 Deleting a conversation deletes its documents there (its owner's or no user's, of that
 conversation or of none named), erasing a user deletes the documents of the user's
 conversations (the user's or no user's) and every one naming the user, and a claim moves them
 with the conversations, as it moves the messages."""
+THREAD_EPOCH = "epoch"
+"""The field naming the conversation a document beside it was written for: the conversation's
+`epoch`, as its messages carry it (drawn at random as the conversation is created: no caller
+chooses it, and no conversation started again under the id has it). Null when the conversation
+had none yet (created before epochs, no turn since drew it)."""
 THREAD_CONVERSATION = "conversation_created_ms"
-"""The field naming the conversation a document beside it was written for: its creation time
-in milliseconds (`conversation_mark`). An id deleted and taken again is another conversation;
-documents stored before they named it have none."""
+"""The conversation's creation time in milliseconds (`conversation_mark`), which documents
+beside it named it by before they named its epoch: a conversation created since never takes a
+document naming no epoch for its own (`ThreadLife`). Still written beside the epoch, so that a
+process of an earlier release reads what this one writes during a rolling upgrade."""
 
 
 def conversation_mark(created_at: datetime) -> Int64:
-    """The conversation a thread's documents and cached messages belong to, as stored: its
-    creation time in whole milliseconds (what a BSON date keeps of it, read back or not)."""
+    """A conversation's creation time as documents beside it stored it before they named its
+    epoch: in whole milliseconds (what a BSON date keeps of it, read back or not)."""
     return Int64(epoch_millis(created_at))
+
+
+@dataclass(frozen=True)
+class ThreadLife:
+    """Which conversation under an id the documents beside it (`THREAD_COLLECTIONS`) belong
+    to: the one whose `epoch` they name. `created_at` is the caller's to choose (a turn's
+    first message's), so it never tells one conversation from another started again under
+    the id, except for documents stored before they named an epoch (`THREAD_CONVERSATION`
+    only), and only for a conversation created before it named epochs on them
+    (`Conversation.epoch_marks` false: theirs may be of it). A conversation created since
+    (`epoch_only`) holds only documents naming its epoch."""
+
+    epoch: str | None
+    created_ms: int
+    epoch_only: bool = False
+
+    @classmethod
+    def of(cls, conversation: Mapping[str, Any]) -> ThreadLife:
+        """The life of a conversation as read (its document's `epoch`, `created_at` and
+        `epoch_marks`, or a `Conversation` dumped by alias)."""
+        epoch = conversation.get("epoch")
+        marked = bool(conversation.get("epoch_marks")) and epoch is not None
+        return cls(epoch, conversation_mark(conversation["created_at"]), marked)
+
+    @classmethod
+    def named_by(cls, document: Mapping[str, Any]) -> ThreadLife | None:
+        """The life a document beside the conversations names; None when it names none."""
+        epoch, created = document.get(THREAD_EPOCH), document.get(THREAD_CONVERSATION)
+        if created is None:
+            return None
+        return cls(epoch, int(created))
+
+    def marks(self) -> dict[str, Any]:
+        """The fields naming this life on a document written for it."""
+        return {THREAD_EPOCH: self.epoch, THREAD_CONVERSATION: Int64(self.created_ms)}
+
+    def query(self) -> dict[str, Any]:
+        """A filter for the documents of this life, or naming none (stored before documents
+        named their conversation) when the conversation is older than epoch marks."""
+        if self.epoch_only:
+            return {THREAD_EPOCH: self.epoch}
+        created = {"$in": [Int64(self.created_ms), None]}
+        return {THREAD_EPOCH: {"$in": [self.epoch, None]}, THREAD_CONVERSATION: created}
+
+    def holds(self, document: Mapping[str, Any]) -> bool:
+        """Whether `document` is of this life, as `query` selects."""
+        epoch = document.get(THREAD_EPOCH)
+        if self.epoch_only:
+            return epoch == self.epoch
+        created = document.get(THREAD_CONVERSATION)
+        return epoch in (None, self.epoch) and created in (None, self.created_ms)
+
+    def same_as(self, other: ThreadLife) -> bool:
+        """Whether `other` (a life a document names, or the conversation read again) is this
+        one: the same epoch; else, one of them naming none, the same creation time, never for a
+        conversation created since documents named epochs (all of its name its epoch)."""
+        if self.epoch is not None and other.epoch is not None:
+            return self.epoch == other.epoch
+        if self.epoch_only or other.epoch_only:
+            return False
+        return self.created_ms == other.created_ms
 
 
 SHARD_KEYS: dict[str, dict[str, Any]] = {

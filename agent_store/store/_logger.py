@@ -161,7 +161,7 @@ from agent_store.store._reservation import (
     life_named,
     literal,
     moved_key,
-    new_epoch,
+    new_life,
     of_epoch,
     recorded_block,
     released_calls,
@@ -499,7 +499,7 @@ class AgentMessageLogger:
         fresh = Conversation(
             id=conversation_id, conversation_id=conversation_id, created_at=now, updated_at=now
         ).model_dump(by_alias=True, exclude={"id"})
-        on_insert = {k: v for k, v in fresh.items() if k not in changed} | {"epoch": new_epoch()}
+        on_insert = {k: v for k, v in fresh.items() if k not in changed} | new_life()
         update: dict[str, Any] = {"$setOnInsert": on_insert}
         if changed:
             update["$set"] = changed

@@ -66,8 +66,7 @@ from agent_store.store._indexes import (
     LANGGRAPH_CHECKPOINTS,
     MESSAGES,
     THREAD_COLLECTIONS,
-    THREAD_CONVERSATION,
-    conversation_mark,
+    ThreadLife,
 )
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource, not_migrated_yet
 from agent_store.store._pop import (
@@ -323,6 +322,7 @@ def _legacy_ids(found: dict[str, Any]) -> dict[str, Any]:
 _TO_DELETE = {
     "user_id": 1,
     "created_at": 1,
+    "epoch_marks": 1,
     "legacy_conversation_id": 1,
     "legacy_user_id": 1,
     "epoch": 1,
@@ -331,11 +331,11 @@ _TO_DELETE = {
 
 
 def _beside_of(conversation_id: str, found: dict[str, Any]) -> dict[str, Any]:
-    """What a delete of the conversation `found` (its `created_at`) takes in the collections
-    beside the conversations: the documents of its thread written for this conversation or
-    for none named (stored before documents named it), whatever user they name (a claim moves
-    the conversation before them), never those of a conversation started under the id since."""
-    return _thread_of(conversation_id, found.get("created_at"))
+    """What a delete of the conversation `found` (its `epoch`, `created_at`, `epoch_marks`)
+    takes in the collections beside the conversations: the documents of its thread written
+    for this conversation (`ThreadLife`), whatever user they name (a claim moves the
+    conversation before them), never those of a conversation started under the id since."""
+    return _thread_of(found | {"_id": conversation_id})
 
 
 def _lives_of(found: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -345,13 +345,23 @@ def _lives_of(found: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"$or": each}
 
 
-def _thread_of(conversation_id: str, created_at: datetime | None) -> dict[str, Any]:
+_LIFE_READ = {"epoch": 1, "created_at": 1, "epoch_marks": 1}
+"""What `_thread_of` reads of a conversation."""
+
+
+def _message_life(found: Mapping[str, Any]) -> dict[str, Any]:
+    """The messages of the conversation `found` (its `_id` and `epoch`): its life's, or stored
+    before epochs were."""
+    return {"conversation_id": found["_id"], "epoch": {"$in": [found.get("epoch"), None]}}
+
+
+def _thread_of(found: Mapping[str, Any]) -> dict[str, Any]:
     """The documents beside the conversations (`THREAD_COLLECTIONS`) of the conversation
-    under `conversation_id` created at `created_at`, or of none named (stored before
-    documents named it)."""
-    query: dict[str, Any] = {"thread_id": conversation_id}
-    if created_at is not None:
-        query[THREAD_CONVERSATION] = {"$in": [conversation_mark(created_at), None]}
+    `found` (its `_id`, read with `_LIFE_READ`): those naming its epoch, or, of one created
+    before documents named it, its creation time or nothing (`ThreadLife.query`)."""
+    query: dict[str, Any] = {"thread_id": found["_id"]}
+    if found.get("created_at") is not None:
+        query |= ThreadLife.of(found).query()
     return query
 
 
@@ -2094,7 +2104,7 @@ class ConversationStore:
             legacy = await self._legacy_source.erase_user(user_id)
         with storage_errors("erase the user's data"):
             found = await self._conversations.find(
-                {"user_id": user_id, **CONVERSATION_DOCUMENT}, {"epoch": 1, "created_at": 1}
+                {"user_id": user_id, **CONVERSATION_DOCUMENT}, _LIFE_READ
             ).to_list(None)
         found = await self._deletions.record(found, user_id)
         messages, reserved = await self._erase_messages_of_conversations(user_id, found)
@@ -2135,13 +2145,13 @@ class ConversationStore:
             with storage_errors("erase the user's data"):
                 held = await self._conversations.find(
                     {"$or": [same_as_read(d["_id"], d) for d in chunk], "user_id": user_id},
-                    {"message_count": 1, "epoch": 1, "created_at": 1},
+                    {"message_count": 1, **_LIFE_READ},
                 ).to_list(None)
             if not held:
                 continue
             owned = [d["_id"] for d in held]
             reserved += sum(int(d.get("message_count") or 0) for d in held)
-            lives = [_thread_of(d["_id"], d.get("created_at")) for d in held]
+            lives = [_thread_of(d) for d in held]
             await self._delete_beside(
                 {"$or": [{"thread_id": {"$in": owned}, "user_id": mine}, *lives]},
                 "erase the user's data",
@@ -2230,16 +2240,16 @@ class ConversationStore:
     async def _erase_stray_beside(self, user_id: str) -> None:
         """Delete the documents beside the conversations (`THREAD_COLLECTIONS`) naming
         `user_id` but those of the conversations the user holds now (started while the
-        erasure ran, under any id: each told by its `created_at`, `THREAD_CONVERSATION`, or
-        written before documents named it), as `_erase_strays` leaves their messages; those of
-        a conversation another user holds, of its life, a claim of the user not done moving,
-        go to that user (`_hand_over_claimed_beside`). One round trip more than the deletes,
-        and one per collection."""
+        erasure ran, under any id: each told by its `epoch`, or, created before documents
+        named it, by its `created_at` or none: `_thread_of`), as `_erase_strays` leaves their
+        messages; those of a conversation another user holds, of its life, a claim of the
+        user not done moving, go to that user (`_hand_over_claimed_beside`). One round trip
+        more than the deletes, and one per collection."""
         with storage_errors("erase the user's data"):
             held = await self._conversations.find(
-                {"user_id": user_id, **CONVERSATION_DOCUMENT}, {"created_at": 1}
+                {"user_id": user_id, **CONVERSATION_DOCUMENT}, _LIFE_READ
             ).to_list(None)
-        kept = [_thread_of(d["_id"], d.get("created_at")) for d in held]
+        kept = [_thread_of(d) for d in held]
         await self._hand_over_claimed_beside(user_id, {d["_id"] for d in held})
         query: dict[str, Any] = {"user_id": user_id}
         if kept:
@@ -2258,12 +2268,11 @@ class ConversationStore:
                     continue
                 claimed = self._conversations.find(
                     {"_id": {"$in": list(threads)}, "user_id": {"$nin": [user_id, None]}},
-                    {"created_at": 1, "user_id": 1},
+                    {**_LIFE_READ, "user_id": 1},
                 )
                 async for conversation in claimed:
                     await collection.update_many(
-                        {**_thread_of(conversation["_id"], conversation.get("created_at")),
-                         "user_id": user_id},
+                        {**_thread_of(conversation), "user_id": user_id},
                         {"$set": {"user_id": conversation["user_id"]}},
                     )  # fmt: skip
 
@@ -2348,9 +2357,9 @@ class ConversationStore:
     async def _hand_to_holders(self, user_id: str) -> int:
         """The messages, and the documents beside them, naming `user_id` in conversations
         another user holds moved to that user (`_move_claimed`); answer how many messages."""
-        moved = await self._move_claimed(self._messages, "conversation_id", user_id)
+        moved = await self._move_claimed(self._messages, "conversation_id", _message_life, user_id)
         for collection in self._beside:
-            await self._move_claimed(collection, "thread_id", user_id)
+            await self._move_claimed(collection, "thread_id", _thread_of, user_id)
         return moved
 
     async def _hand_over_unowned(self, to_user_id: str) -> int:
@@ -2384,10 +2393,15 @@ class ConversationStore:
         return int(result.modified_count)
 
     async def _move_claimed(
-        self, collection: Any, conversation_field: str, from_user_id: str
+        self,
+        collection: Any,
+        conversation_field: str,
+        life_of: Callable[[Mapping[str, Any]], dict[str, Any]],
+        from_user_id: str,
     ) -> int:
         """`_move_claimed_messages` in one collection whose documents name their conversation
-        in `conversation_field`; answer how many documents moved.
+        in `conversation_field`, those of a conversation's life as `life_of` selects them
+        (`_message_life`, `_thread_of`); answer how many documents moved.
 
         Each goes to the user holding its conversation now: the new owner, or whoever a claim
         chained at once (the new owner's own, between this claim's two moves) handed it to:
@@ -2404,14 +2418,11 @@ class ConversationStore:
                         "_id": {"$in": written[start : start + CLAIM_CHUNK]},
                         "user_id": {"$nin": [from_user_id, None]},
                     },
-                    {"user_id": 1, "epoch": 1},
+                    {"user_id": 1, **_LIFE_READ},
                 )
                 lives: dict[str, list[dict[str, Any]]] = {}
                 async for conversation in held:
-                    life = {"$in": [conversation.get("epoch"), None]}
-                    lives.setdefault(conversation["user_id"], []).append(
-                        {conversation_field: conversation["_id"], "epoch": life}
-                    )
+                    lives.setdefault(conversation["user_id"], []).append(life_of(conversation))
                 for holder, of_holder in lives.items():
                     result = await collection.update_many(
                         {"$or": of_holder, "user_id": from_user_id}, {"$set": {"user_id": holder}}

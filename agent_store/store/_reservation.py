@@ -226,6 +226,12 @@ def new_epoch() -> str:
     return secrets.token_hex(8)
 
 
+def new_life() -> dict[str, Any]:
+    """What a conversation's document is created with to tell it from every other one under
+    its id: a `new_epoch`, and `epoch_marks` (documents beside it name that epoch)."""
+    return {"epoch": new_epoch(), "epoch_marks": True}
+
+
 def same_conversation(
     conversation_id: str, *, epoch: str | None, created_at: datetime | None
 ) -> dict[str, Any]:
@@ -1430,6 +1436,16 @@ def _names(plan: TurnPlan, runtime_name: str | None) -> dict[str, Any]:
     return _NAMES_KEPT
 
 
+_EPOCH_MARKS = {
+    "$cond": [
+        {"$eq": [{"$ifNull": ["$created_at", None]}, None]},
+        True,
+        {"$ifNull": ["$epoch_marks", False]},
+    ]
+}
+"""`Conversation.epoch_marks`: true on a conversation the turn creates, kept on one it finds
+(false on one created before documents beside it named its epoch)."""
+
 _NAME_IS_UNSET = {"$eq": [_kept("name", None), None]}
 _NAMES_KEPT = {"name": _kept("name", None), "name_source": _kept("name_source", None)}
 """The parts of `_names` that no turn changes: built once, never changed in place (a
@@ -1445,6 +1461,7 @@ def reservation(
         "user_id": _kept("user_id", actor.user_id),
         "created_at": _kept("created_at", plan.first_created_at),
         "epoch": _kept("epoch", new_epoch()),
+        "epoch_marks": _EPOCH_MARKS,
         "updated_at": {"$max": ["$updated_at", literal(plan.updated_at)]},
         "turn_count": _plus("turn_count", plan.turn_starts),
         "message_count": _plus("message_count", plan.count),

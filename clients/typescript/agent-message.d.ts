@@ -288,6 +288,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   epoch?: string | null;
   /**
+   * Created by a release whose integrations name the conversation's `epoch` on every document they keep beside it (a LangGraph thread's checkpoints; the store's bookkeeping, never served): only those naming its epoch are its own, never one naming only a creation time, which the caller starting a conversation chooses. False on one created before, whose documents named its creation time (`agent_store.store.ThreadLife`).
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  epoch_marks?: boolean;
+  /**
    * When a fold of the pending state from the stored messages, after a move or a give-back, could not be written (the conversation kept changing under it, or a turn below the end was still being written); null or absent when none is owed (the store's bookkeeping, never served). The next turn folds it after its insert, and a turn refused by its condition meanwhile is judged again once it is folded.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
