@@ -7,7 +7,9 @@ copied instead, batch by batch: insert into `agent_conversations_deprecated`,
 check every document arrived, read which of the batch's turns the source still holds
 and take back the copies of the others (deleted there since the batch was read, by their
 owner's delete or an erasure, which look in the deprecated collection after they delete
-there: `_still_in_source`), then delete the rest from the source. A copy
+there: `_still_in_source`), then delete the rest from the source, each only while it is
+still what was copied (an edit of the old service since is copied again:
+`_delete_as_copied`). A copy
 killed part-way resumes where it stopped; nothing is deleted before its copy
 is confirmed. Each batch's writes, and the rename, are fenced as a run's batches are
 (`fence`): a run paused past its lease moves nothing it read before the pause. A copy is
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import bson
+from pymongo import DeleteOne
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError, OperationFailure
 
@@ -64,6 +67,11 @@ CONFIRMED = "copying_confirmed"
 still in `agent_conversations` once their copies stood, set before it deletes them there: a
 turn in flight that the source no longer holds was moved when confirmed, else deleted by
 someone else after the copy read it (its copy goes, `_settle_killed_batch`)."""
+EDIT_ROUNDS = 5
+"""How many times the copy copies again and deletes again a turn the old service edited
+since its copy (the delete takes a turn only while it is what was copied, `_as_copied`):
+one edited again before each of those deletes stays in `agent_conversations` as it stands,
+its copy taken back, for the next run to move (`_delete_edited`)."""
 _OVERLAP_CHUNK = 1000
 LATE = "late_conversations"
 """The field of the migration's state listing the conversation ids (as the turns hold them)
@@ -222,11 +230,17 @@ def _copying(db: Database[dict[str, Any]]) -> bool:
 def _in_flight(db: Database[dict[str, Any]]) -> set[str]:
     """The turns (by `matched_key` of their `_id`) a copy recorded as under way was writing
     when it stopped (`IN_FLIGHT`): none when no copy is."""
-    fields = {COPYING: 1, IN_FLIGHT: 1}
+    return _recorded(db, IN_FLIGHT)
+
+
+def _recorded(db: Database[dict[str, Any]], record: str) -> set[str]:
+    """The turns (by `matched_key` of their `_id`) a copy recorded as under way holds in
+    `record` (`IN_FLIGHT`, `CONFIRMED`): none when no copy is."""
+    fields = {COPYING: 1, record: 1}
     state = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, fields) or {}
     if COPYING not in state:
         return set()
-    return {matched_key(i) for i in state.get(IN_FLIGHT) or []}
+    return {matched_key(i) for i in state.get(record) or []}
 
 
 def refuse_leftover(db: Database[dict[str, Any]]) -> None:
@@ -294,8 +308,7 @@ def relocate(
     late: bool = False,
     start_over: bool = False,
 ) -> Relocation:
-    """Move every turn document from `agent_conversations` to the deprecated collection.
-
+    """Move every turn document from `agent_conversations` to the deprecated collection:
     `fence` is called right before the rename and before each copy batch's writes: it renews
     the run's lease and raises once another run or `finish` took the lock, or the legacy
     turns were dropped (a run paused past its lease copies no batch it read before).
@@ -336,11 +349,12 @@ def relocate(
             else f"{LEGACY_TURNS} already exists; copying into it"
         )
     state({"$set": {COPYING: utc_now()}})
-    copy = functools.partial(
-        _copy_batch, source=source, target=target, progress=progress, fence=fence, state=state
-    )
     recorded = _late(db, start_over=start_over) if late else None
-    moved = _copy_all(source, batch_size, functools.partial(copy, late=recorded))
+    copy = functools.partial(
+        _copy_batch, source=source, target=target, progress=progress, fence=fence, state=state,
+        late=recorded, confirmed=_recorded(db, CONFIRMED),
+    )  # fmt: skip
+    moved = _copy_all(source, batch_size, copy)
     state({"$unset": {COPYING: "", IN_FLIGHT: "", CONFIRMED: ""}})
     return Relocation("copied", moved, reason)
 
@@ -384,11 +398,13 @@ def _copy_batch(
     fence: Callable[[], None],
     state: Callable[[dict[str, Any]], None],
     late: _Late | None = None,
+    confirmed: frozenset[str] | set[str] = frozenset(),
 ) -> int:
     """Insert the batch into the target, take back the copies of the turns deleted from the
     source since the batch was read, check the copy of every other arrived (`_arrived`),
-    then delete those from the source; how many moved. A document a killed copy inserted
-    already is accepted.
+    then delete those from the source while each is still what was copied
+    (`_delete_as_copied`); how many moved. A document a killed copy inserted already is
+    accepted (`_accept_identical_copies`; `confirmed`: the turns it had confirmed).
     `fence` first: the batch read may be stale (`relocate`); then the batch is added to the
     turns in flight (`IN_FLIGHT`), with the conversations its turns name when the move is
     `late`. Once its copies stand, the turns still in the source are read again
@@ -405,23 +421,23 @@ def _copy_batch(
     try:
         target.insert_many(batch, ordered=False)
     except BulkWriteError as exc:
-        _accept_identical_copies(exc, batch, target)
-    still = _arrived(_still_in_source(batch, source, target), source, target)
+        _accept_identical_copies(exc, batch, target, confirmed)
+    copies = _arrived(_still_in_source(batch, source, target), source, target)
+    still = [copy["_id"] for copy in copies]
     state({"$addToSet": {CONFIRMED: {"$each": still}}})
-    if still:
-        source.delete_many({"_id": {"$in": still}, **TURN_FILTER})
+    left = _delete_as_copied(copies, source, target)
     state({"$pullAll": {IN_FLIGHT: ids, CONFIRMED: still}})  # none of it is in both now
     if progress is not None:
-        progress(len(still))
-    return len(still)
+        progress(len(still) - len(left))
+    return len(still) - len(left)
 
 
-def _still_in_source(batch: list[dict[str, Any]], source: Any, target: Any) -> list[Any]:
-    """The `_id`s of the batch's turns the source still holds, read once their copies stand;
-    the copies of the others (deleted since the batch was read) deleted from the target, and
-    the copy of a turn the old service edited since the read made the turn as read now (an
-    edit after this read is still lost, as before any move). One read of the batch's turns,
-    and a write only for those deleted or edited."""
+def _still_in_source(batch: list[dict[str, Any]], source: Any, target: Any) -> list[dict[str, Any]]:
+    """The batch's turns the source still holds, as read once their copies stand; the copies
+    of the others (deleted since the batch was read) deleted from the target, and the copy
+    of a turn the old service edited since the read made the turn as read now (an edit after
+    this read keeps the turn from its delete: `_delete_as_copied`). One read of the batch's
+    turns, and a write only for those deleted or edited."""
     ids = [doc["_id"] for doc in batch]
     now = {matched_key(d["_id"]): d for d in source.find({"_id": {"$in": ids}, **TURN_FILTER})}
     gone = [doc["_id"] for doc in batch if matched_key(doc["_id"]) not in now]
@@ -431,17 +447,19 @@ def _still_in_source(batch: list[dict[str, Any]], source: Any, target: Any) -> l
         current = now.get(matched_key(doc["_id"]))
         if current is not None and not same_document(current, doc):
             target.replace_one({"_id": doc["_id"]}, current)
-    return [doc["_id"] for doc in batch if matched_key(doc["_id"]) in now]
+    return [now[key] for key in (matched_key(i) for i in ids) if key in now]
 
 
-def _arrived(still: list[Any], source: Any, target: Any) -> list[Any]:
-    """Of the turns the source still held (`still`), those whose copies stand in the target:
-    a copy missing is one a delete or an erasure took with its turn since the source was
-    read (the source no longer holds it either: left out), else the copy check fails,
-    nothing deleted. One read of the copies, and of the source only when one is missing."""
-    found = target.find({"_id": {"$in": still}}, {"_id": 1})
+def _arrived(still: list[dict[str, Any]], source: Any, target: Any) -> list[dict[str, Any]]:
+    """Of the turns the source still held (`still`, as their copies hold them), those whose
+    copies stand in the target: a copy missing is one a delete or an erasure took with its
+    turn since the source was read (the source no longer holds it either: left out), else
+    the copy check fails, nothing deleted. One read of the copies, and of the source only
+    when one is missing."""
+    ids = [doc["_id"] for doc in still]
+    found = target.find({"_id": {"$in": ids}}, {"_id": 1})
     standing = {matched_key(d["_id"]) for d in found}
-    missing = [i for i in still if matched_key(i) not in standing]
+    missing = [i for i in ids if matched_key(i) not in standing]
     if not missing:
         return still
     held = source.find({"_id": {"$in": missing}, **TURN_FILTER}, {"_id": 1})
@@ -451,7 +469,77 @@ def _arrived(still: list[Any], source: Any, target: Any) -> list[Any]:
             f"in {LEGACY_TURNS}; nothing was deleted from {CONVERSATIONS}"
         )
     gone = {matched_key(i) for i in missing}
-    return [i for i in still if matched_key(i) not in gone]
+    return [doc for doc in still if matched_key(doc["_id"]) not in gone]
+
+
+def _as_copied(copy: dict[str, Any]) -> dict[str, Any]:
+    """The filter of the turn `copy` was copied from while it is still exactly that copy:
+    the same fields in the same order, the same values (a number by its value, as the server
+    compares them), nothing more; `$literal`, so a legacy field holding `$`-keys is read as
+    data, not as an operator."""
+    return {"_id": copy["_id"], **TURN_FILTER, "$expr": {"$eq": ["$$ROOT", {"$literal": copy}]}}
+
+
+def _delete_as_copied(copies: list[dict[str, Any]], source: Any, target: Any) -> list[Any]:
+    """Delete each turn of `copies` from the source while it is still what its copy holds
+    (`_as_copied`; one round trip for the batch), and the `_id`s of those left there: a
+    turn the old service edited since its copy (still in the source once the delete
+    returned) is copied again and deleted again (`_delete_edited`). A turn the source no
+    longer holds was deleted by this delete or, since the copy's check, by its owner's
+    delete or an erasure, which take its copy after it."""
+    if not copies:
+        return []
+    deletes = [DeleteOne(_as_copied(copy)) for copy in copies]
+    if source.bulk_write(deletes, ordered=False).deleted_count == len(copies):
+        return []
+    ids = [copy["_id"] for copy in copies]
+    return _delete_edited(list(source.find({"_id": {"$in": ids}, **TURN_FILTER})), source, target)
+
+
+def _delete_edited(edited: list[dict[str, Any]], source: Any, target: Any) -> list[Any]:
+    """The turns the old service edited since their copy (`edited`, as they stand now): each
+    copy made the turn as it stands, then the turn deleted while it is still that (one
+    delete each, so a turn not deleted is known), up to `EDIT_ROUNDS` times (`_read_again`
+    between). Those edited again before each of those deletes stay in the source, as they
+    stand, and their copies are taken back: no turn is in both collections, none lost, and
+    the next run moves them (the gate refuses while `agent_conversations` holds a turn).
+    Their `_id`s."""
+    for _ in range(EDIT_ROUNDS):
+        again = []
+        for current in edited:
+            target.replace_one({"_id": current["_id"]}, current)
+            if source.delete_one(_as_copied(current)).deleted_count == 0:
+                again.append(current)
+        if not again:
+            return []
+        edited = _read_again(again, source, target)
+    left = [d["_id"] for d in edited]
+    if left:
+        target.delete_many({"_id": {"$in": left}})
+    return left
+
+
+def _read_again(tried: list[dict[str, Any]], source: Any, target: Any) -> list[dict[str, Any]]:
+    """The turns of `tried` (as copied) the delete did not take, as they stand now, those
+    edited since: one the source no longer holds (deleted by someone else meanwhile) loses
+    its copy; one it holds unchanged is content the server cannot compare (the embedded
+    server matches no binary value of subtype 3, 5 or 128, not even to itself): it is
+    deleted by `_id` and its copy made what that delete returned (an edit landing between
+    this read and that delete is lost only if the run is killed right after it)."""
+    ids = [copy["_id"] for copy in tried]
+    now = {matched_key(d["_id"]): d for d in source.find({"_id": {"$in": ids}, **TURN_FILTER})}
+    if gone := [i for i in ids if matched_key(i) not in now]:
+        target.delete_many({"_id": {"$in": gone}})
+    edited = []
+    for copy in tried:
+        current = now.get(matched_key(copy["_id"]))
+        if current is not None and not same_document(current, copy):
+            edited.append(current)
+        elif current is not None:
+            deleted = source.find_one_and_delete({"_id": copy["_id"], **TURN_FILTER})
+            if deleted is not None and not same_document(deleted, copy):
+                target.replace_one({"_id": copy["_id"]}, deleted)
+    return edited
 
 
 def _settle_killed_batch(
@@ -482,18 +570,28 @@ def _settle_killed_batch(
 
 
 def _accept_identical_copies(
-    error: BulkWriteError, batch: list[dict[str, Any]], target: Any
+    error: BulkWriteError,
+    batch: list[dict[str, Any]],
+    target: Any,
+    confirmed: frozenset[str] | set[str] = frozenset(),
 ) -> None:
     """A resumed copy meets documents it copied before; anything else is an error. The same
     document is the same BSON (`same_document`), its `_id` the same to the server
-    (`matched_key`: a turn logged under `5.0` after `5` was moved meets that turn)."""
+    (`matched_key`: a turn logged under `5.0` after `5` was moved meets that turn). A copy
+    of a turn the killed copy had confirmed (`confirmed`: its copy is the copy's own, the
+    turn still in the source) holding other content is the turn before the old service's
+    edit since: it is made the turn as read now."""
     only_duplicates(error)
     failed = error.details.get("writeErrors", [])
     wanted = {matched_key(batch[e["index"]]["_id"]): batch[e["index"]] for e in failed}
     ids = [document["_id"] for document in wanted.values()]
     for found in target.find({"_id": {"$in": ids}}):
-        if not same_document(found, wanted.get(matched_key(found["_id"]), {})):
+        turn = wanted.get(matched_key(found["_id"]), {})
+        if same_document(found, turn):
+            continue
+        if matched_key(found["_id"]) not in confirmed:
             raise _other_content(found["_id"]) from error
+        target.replace_one({"_id": found["_id"]}, turn)
 
 
 def _other_content(turn_id: Any) -> WorkLeft:

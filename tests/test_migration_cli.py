@@ -28,7 +28,7 @@ from pymongo.database import Database
 
 from agent_store import embedded
 from agent_store.core import Conversation
-from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
+from agent_store.legacy import LEGACY_TURNS, MIGRATION_STATE, SESSION_HITL
 from agent_store.store import CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from migrations import connection, explode, lease, problems, relocate, writes
@@ -650,7 +650,7 @@ class _StepsOf:
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.wrapped, name)
-        steps = {"insert_many": "inserted", "delete_many": "deleted"}
+        steps = {"insert_many": "inserted", "delete_many": "deleted", "bulk_write": "deleted"}
         if name not in steps:
             return method
 
@@ -673,10 +673,10 @@ def kill_the_first_copy_batch_after(monkeypatch: pytest.MonkeyPatch, step: str) 
     copy_batch = relocate._copy_batch
 
     def killed(
-        batch: Any, source: Any, target: Any, progress: Any, fence: Any, state: Any, late: Any
+        batch: Any, source: Any, target: Any, progress: Any, fence: Any, state: Any, **more: Any
     ) -> int:
         source, target = _StepsOf(source, step), _StepsOf(target, step)
-        return copy_batch(batch, source, target, progress, fence, _StepsOf(state, step), late)
+        return copy_batch(batch, source, target, progress, fence, _StepsOf(state, step), **more)
 
     monkeypatch.setattr(relocate, "_copy_batch", killed)
 
@@ -807,6 +807,168 @@ def test_a_turn_the_old_service_edits_while_its_batch_is_copied_is_moved_as_edit
 
     assert db[LEGACY_TURNS].find_one({"_id": edited})["user_message"] == "EDITED"
     assert db[LEGACY_TURNS].count_documents({}) == len(corpus())
+
+
+def edit_before_each_delete(
+    monkeypatch: pytest.MonkeyPatch, collection_class: Any, db: Any, turn_id: Any, times: int
+) -> list[str]:
+    """The old service edits `turn_id` in `agent_conversations` right before each of the
+    first `times` deletes there (after the copy's last read of its batch): the edits made,
+    in order."""
+    edits: list[str] = []
+
+    def editing(name: str) -> Any:
+        original = getattr(collection_class, name)
+
+        def delete(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.name == CONVERSATIONS and len(edits) < times:
+                edits.append(f"EDITED {len(edits) + 1}")
+                edit = {"$set": {"user_message": edits[-1]}}
+                db[CONVERSATIONS].update_one({"_id": turn_id}, edit)
+            return original(self, *args, **kwargs)
+
+        return delete
+
+    for name in ("delete_many", "delete_one", "bulk_write"):
+        monkeypatch.setattr(collection_class, name, editing(name))
+    return edits
+
+
+def test_a_turn_the_old_service_edits_between_the_copys_check_and_its_delete_is_moved_as_edited(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The old service edits a turn after the copy read its batch again, right before the
+    batch's delete: the delete takes a turn only while it is what was copied, so the edited
+    turn is copied again as edited, then moved; no edit is lost."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[CONVERSATIONS].insert_many(corpus())
+    edited = corpus()[0]["_id"]
+    edits = edit_before_each_delete(monkeypatch, mongomock.collection.Collection, db, edited, 1)
+
+    assert relocate.relocate(db, allow_rename=False).moved == len(corpus())
+
+    assert edits == ["EDITED 1"]
+    assert db[LEGACY_TURNS].find_one({"_id": edited})["user_message"] == "EDITED 1"
+    assert db[LEGACY_TURNS].count_documents({}) == len(corpus())
+    assert not relocate.holds_turns(db, CONVERSATIONS)
+
+
+def test_a_turn_the_old_service_edits_before_every_delete_stays_in_place_edited(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The old service edits a turn again before each of the copy's deletes: after a few
+    rounds the turn stays in `agent_conversations` as last edited, its copy taken back, the
+    rest of its batch moved and no record of it in flight: the gate refuses while it stands
+    there (work left), and the next run, the old service still, moves it as edited."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[CONVERSATIONS].insert_many(corpus())
+    edited = corpus()[0]["_id"]
+    edits = edit_before_each_delete(monkeypatch, mongomock.collection.Collection, db, edited, 100)
+
+    assert relocate.relocate(db, allow_rename=False).moved == len(corpus()) - 1
+
+    assert db[CONVERSATIONS].find_one({"_id": edited})["user_message"] == edits[-1]
+    assert db[CONVERSATIONS].count_documents({}) == 1
+    assert db[LEGACY_TURNS].find_one({"_id": edited}) is None
+    assert db[LEGACY_TURNS].count_documents({}) == len(corpus()) - 1
+    state = db[MIGRATION_STATE].find_one({}) or {}
+    assert not state.get(relocate.IN_FLIGHT)
+    assert not state.get(relocate.CONFIRMED)
+    monkeypatch.undo()
+
+    assert relocate.relocate(db, allow_rename=False).moved == 1
+    assert db[LEGACY_TURNS].find_one({"_id": edited})["user_message"] == edits[-1]
+    assert not relocate.holds_turns(db, CONVERSATIONS)
+
+
+def test_a_copy_killed_after_an_edit_foiled_its_delete_resumes_with_the_edit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A copy killed after the old service's edit kept a turn from its delete: the resumed
+    copy moves the turn as edited, and every other turn once."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[CONVERSATIONS].insert_many(corpus())
+    edited = corpus()[0]["_id"]
+    edit_before_each_delete(monkeypatch, mongomock.collection.Collection, db, edited, 1)
+    original = mongomock.collection.Collection.find
+    finds = []
+
+    def killed_at_the_check_after_the_edit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.name == CONVERSATIONS and args and "_id" in args[0]:
+            finds.append(1)
+            if len(finds) == 2:  # the batch's read after its delete
+                raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(mongomock.collection.Collection, "find", killed_at_the_check_after_the_edit)
+    with pytest.raises(KeyboardInterrupt):
+        relocate.relocate(db, allow_rename=False)
+    monkeypatch.undo()
+
+    relocate.relocate(db, allow_rename=False)
+
+    assert db[LEGACY_TURNS].find_one({"_id": edited})["user_message"] == "EDITED 1"
+    assert db[LEGACY_TURNS].count_documents({}) == len(corpus())
+    assert not relocate.holds_turns(db, CONVERSATIONS)
+
+
+@pytest.mark.parametrize(
+    "kill_after", ["replace_one", "delete_many"], ids=["recopied", "taken-back"]
+)
+def test_a_copy_killed_while_it_copies_an_edited_turn_again_resumes_losing_and_reviving_none(
+    monkeypatch: pytest.MonkeyPatch, kill_after: str
+) -> None:
+    """The old service edits a turn before each of the copy's deletes; the copy is killed
+    right after it made the turn's copy the turn as edited, or right after it took that
+    copy back: the resumed copy (the old service stopped) moves the turn as last edited and
+    every other turn once."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[CONVERSATIONS].insert_many(corpus())
+    edited = corpus()[0]["_id"]
+    edits = edit_before_each_delete(monkeypatch, mongomock.collection.Collection, db, edited, 100)
+    original = getattr(mongomock.collection.Collection, kill_after)
+
+    def killed_after(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if self.name == LEGACY_TURNS:
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(mongomock.collection.Collection, kill_after, killed_after)
+    with pytest.raises(KeyboardInterrupt):
+        relocate.relocate(db, allow_rename=False)
+    monkeypatch.undo()
+
+    relocate.relocate(db, allow_rename=False)
+
+    assert db[LEGACY_TURNS].find_one({"_id": edited})["user_message"] == edits[-1]
+    assert db[LEGACY_TURNS].count_documents({}) == len(corpus())
+    assert not relocate.holds_turns(db, CONVERSATIONS)
+
+
+@pytest.mark.wire
+def test_on_the_wire_server_an_edit_before_the_copys_delete_is_moved(
+    wire_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The delete's condition (the turn is still what was copied) holds on the wire server:
+    the turn edited before the delete is moved as edited, the others as copied."""
+    client: MongoClient[dict[str, Any]] = MongoClient(wire_uri)
+    db = client[f"edit_{uuid.uuid4().hex[:8]}"]
+    try:
+        turns = corpus(1)
+        db[CONVERSATIONS].insert_many(turns)
+        edited = turns[1]["_id"]
+        collection_class = type(db[CONVERSATIONS])
+        edit_before_each_delete(monkeypatch, collection_class, db, edited, 1)
+
+        relocate.relocate(db, allow_rename=False)
+
+        assert (db[LEGACY_TURNS].find_one({"_id": edited}) or {})["user_message"] == "EDITED 1"
+        assert db[LEGACY_TURNS].count_documents({}) == len(turns)
+        assert not relocate.holds_turns(db, CONVERSATIONS)
+    finally:
+        client.drop_database(db.name)
+        client.close()
 
 
 def test_move_aside_moves_every_legacy_turn_whatever_fields_it_holds_or_lacks() -> None:
