@@ -31,7 +31,8 @@ that the ranges are cut again (`LATE_OVERFLOW`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+import hashlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,22 @@ CONFIRMED = "copying_confirmed"
 still in `agent_conversations` once their copies stood, set before it deletes them there: a
 turn in flight that the source no longer holds was moved when confirmed, else deleted by
 someone else after the copy read it (its copy goes, `_settle_killed_batch`)."""
+COPIED_AS = "copying_digests"
+"""The field of the migration's state holding the digest of each turn of the batch in
+flight as the copy read it (`copied_as`), recorded with `IN_FLIGHT`: a resumed copy takes
+back only a copy that is the batch's own (`_settle_killed_batch`), never another document
+under its `_id` (a moved turn whose `_id` a late turn used again, refused as holding other
+content)."""
+
+
+def copied_as(turn: Mapping[str, Any]) -> str:
+    """The digest of a turn as the copy read it and inserted it: its BSON, field order and
+    number types included (`COPIED_AS`)."""
+    return hashlib.sha256(bson.encode(turn)).hexdigest()
+
+
+_COPY_RECORDS = (COPYING, IN_FLIGHT, CONFIRMED, COPIED_AS)
+"""The migration state's fields recording a copy under way."""
 EDIT_ROUNDS = 5
 """How many times the copy copies again and deletes again a turn the old service edited
 since its copy (the delete takes a turn only while it is what was copied, `_as_copied`):
@@ -331,13 +348,8 @@ def relocate(
     target_exists = LEGACY_TURNS in db.list_collection_names()
     reason = ""
     if allow_rename and not mixed and not target_exists:
-        count = source.count_documents({})
         try:
-            fence()
-            if late:  # every turn at once: the ranges are cut again
-                state({"$set": {LATE_OVERFLOW: True}})
-            source.rename(LEGACY_TURNS)
-            return Relocation("renamed", count)
+            return _renamed(source, fence, state, late=late)
         except OperationFailure as exc:
             reason = f"the server refused the rename ({exc}); copying instead"
     elif mixed:
@@ -355,8 +367,25 @@ def relocate(
         late=recorded, confirmed=_recorded(db, CONFIRMED),
     )  # fmt: skip
     moved = _copy_all(source, batch_size, copy)
-    state({"$unset": {COPYING: "", IN_FLIGHT: "", CONFIRMED: ""}})
+    state({"$unset": dict.fromkeys(_COPY_RECORDS, "")})
     return Relocation("copied", moved, reason)
+
+
+def _renamed(
+    source: Any, fence: Callable[[], None], state: Callable[[dict[str, Any]], None], *, late: bool
+) -> Relocation:
+    """Every turn moved at once, by renaming `agent_conversations`: the record of a copy
+    under way goes first (no copy stands once every turn moved: a later copy must not act on
+    it), and, `late`, the ranges are cut again (`LATE_OVERFLOW`). OperationFailure when the
+    server refuses the rename."""
+    count = source.count_documents({})
+    fence()
+    cleared: dict[str, Any] = {"$unset": dict.fromkeys(_COPY_RECORDS, "")}
+    if late:
+        cleared["$set"] = {LATE_OVERFLOW: True}
+    state(cleared)
+    source.rename(LEGACY_TURNS)
+    return Relocation("renamed", count)
 
 
 def _copy_all(source: Any, batch_size: int, copy: Callable[[list[dict[str, Any]]], int]) -> int:
@@ -416,7 +445,8 @@ def _copy_batch(
     it moved from one deleted since (`_settle_killed_batch`)."""
     fence()
     ids = [doc["_id"] for doc in batch]
-    in_flight = {"$addToSet": {IN_FLIGHT: {"$each": ids}}}
+    digests = [copied_as(doc) for doc in batch]
+    in_flight = {"$addToSet": {IN_FLIGHT: {"$each": ids}, COPIED_AS: {"$each": digests}}}
     state(in_flight if late is None else _merged(in_flight, late.update(batch)))
     try:
         target.insert_many(batch, ordered=False)
@@ -426,7 +456,7 @@ def _copy_batch(
     still = [copy["_id"] for copy in copies]
     state({"$addToSet": {CONFIRMED: {"$each": still}}})
     left = _delete_as_copied(copies, source, target)
-    state({"$pullAll": {IN_FLIGHT: ids, CONFIRMED: still}})  # none of it is in both now
+    state({"$pullAll": {IN_FLIGHT: ids, CONFIRMED: still, COPIED_AS: digests}})  # none in both
     if progress is not None:
         progress(len(still) - len(left))
     return len(still) - len(left)
@@ -549,9 +579,11 @@ def _settle_killed_batch(
     source no longer holds. Those it confirmed (`CONFIRMED`) it deleted there itself: moved,
     their copies stay. The others were deleted there by someone else (their owner's delete,
     an erasure) after the copy read them: their copies go, as a running copy's do
-    (`_still_in_source`). Both are taken out of the records. One read of the state, and,
+    (`_still_in_source`), each only while it is the copy as read (`COPIED_AS`: never another
+    document under its `_id`; a copy made again since for an edit stays, the safe side).
+    Both are taken out of the records. One read of the state, and,
     while a copy is recorded with turns in flight, one of the source."""
-    fields = {COPYING: 1, IN_FLIGHT: 1, CONFIRMED: 1}
+    fields = {COPYING: 1, IN_FLIGHT: 1, CONFIRMED: 1, COPIED_AS: 1}
     found = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, fields) or {}
     in_flight = list(found.get(IN_FLIGHT) or []) if COPYING in found else []
     if not in_flight:
@@ -565,7 +597,11 @@ def _settle_killed_batch(
     deleted = [i for i in moved if matched_key(i) not in confirmed]
     fence()
     if deleted:
-        db[LEGACY_TURNS].delete_many({"_id": {"$in": deleted}})
+        recorded = set(found.get(COPIED_AS) or [])
+        copies = db[LEGACY_TURNS].find({"_id": {"$in": deleted}})
+        own = [copy["_id"] for copy in copies if copied_as(copy) in recorded]
+        if own:
+            db[LEGACY_TURNS].delete_many({"_id": {"$in": own}})
     state({"$pullAll": {IN_FLIGHT: moved, CONFIRMED: moved}})
 
 

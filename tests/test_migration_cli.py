@@ -590,7 +590,12 @@ def killed_copy(db: Any, *copied: dict[str, Any]) -> None:
     deleted from `agent_conversations`, and its copy recorded as under way with that batch."""
     db[LEGACY_TURNS].insert_many([dict(turn) for turn in copied])
     batch = [turn["_id"] for turn in copied]
-    under_way = {relocate.COPYING: datetime.now(UTC), relocate.IN_FLIGHT: batch}
+    digests = [relocate.copied_as(turn) for turn in copied]
+    under_way = {
+        relocate.COPYING: datetime.now(UTC),
+        relocate.IN_FLIGHT: batch,
+        relocate.COPIED_AS: digests,
+    }
     db[lease.STATE].update_one({"_id": lease.STATE_ID}, {"$set": under_way}, upsert=True)
 
 
@@ -625,6 +630,56 @@ def test_a_killed_copy_rolled_back_by_copying_with_its_collection_left_standing_
         relocate.relocate(database, batch_size=5)
     assert database[CONVERSATIONS].count_documents({}) == 11
     assert database[LEGACY_TURNS].count_documents({}) == 5
+
+
+def test_a_rename_leaves_no_record_of_a_killed_copy_for_a_later_copy_to_act_on() -> None:
+    """A copy killed part-way, rolled back, then moved by a rename: the rename moves every
+    turn, so nothing of the killed copy's record stands after it (was: the record stayed,
+    and a later copy, moving one turn the old service logged since, took the turns it named
+    for turns deleted since it was killed and deleted them from the moved-aside turns)."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    turns = [latency_turn(n, 7) for n in range(3)]
+    killed_copy(db, *turns)
+    db[CONVERSATIONS].insert_many(turns)  # the rollback puts the turns back
+    db[LEGACY_TURNS].drop()
+
+    assert relocate.relocate(db).how == "renamed"
+    db[CONVERSATIONS].insert_one(latency_turn(3, 7))  # the old service logs one more
+    assert relocate.relocate(db, allow_rename=False).how == "copied"
+
+    assert sorted(t["_id"] for t in db[LEGACY_TURNS].find()) == ["t-0", "t-1", "t-2", "t-3"]
+
+
+@pytest.mark.wire
+def test_a_killed_copy_leaves_alone_a_moved_turn_under_the_id_of_a_turn_it_could_not_copy(
+    database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The old service logged a turn under the `_id` of a moved one, with other content; the
+    copy moving it aside was refused (exit 1, "exists … with other content") or killed with
+    that turn in flight. The operator gives the late turn another `_id`, as told: the next
+    run leaves the moved turn, which is no copy of the one in flight (was: taken for a copy
+    of a turn deleted since, and deleted, its words in no collection)."""
+    database[CONVERSATIONS].insert_one(latency_turn(0, 7))
+    assert relocate.relocate(database, allow_rename=False).how == "copied"
+    late = latency_turn(0, 9)  # t-0 again, other content, logged once the run checked
+    database[CONVERSATIONS].insert_one(latency_turn(1, 7))
+    checked = relocate.refuse_leftover
+
+    def logged_once_checked(db: Any) -> None:
+        checked(db)
+        database[CONVERSATIONS].insert_one(late)
+
+    monkeypatch.setattr(relocate, "refuse_leftover", logged_once_checked)
+    with pytest.raises(MigrationError, match="other content"):
+        relocate.relocate(database, allow_rename=False)
+    monkeypatch.setattr(relocate, "refuse_leftover", checked)
+    database[CONVERSATIONS].delete_one({"_id": "t-0"})
+    database[CONVERSATIONS].insert_one(late | {"_id": "t-0-late"})
+
+    relocate.relocate(database, allow_rename=False)
+
+    moved = {t["_id"]: t["latency_ms"] for t in database[LEGACY_TURNS].find()}
+    assert moved == {"t-0": 7, "t-1": 7, "t-0-late": 9}
 
 
 class KilledRun(BaseException):
