@@ -662,9 +662,9 @@ def history_from_messages(
     no stored result is left open, whatever user or system messages follow it (the person
     wrote while the run was paused), as `pending_calls` lists it: a run given
     `deferred_tool_results` resumes it from this history alone, Pydantic AI sending those
-    messages after the call's results. Messages of another turn than the results of the
-    response's other calls are a request of their own after theirs, which keeps Pydantic
-    AI's mark of its pause (its `metadata`): a run given the history without the results
+    messages after the call's results. Messages said after a pause's results (those of the
+    response's other calls) are a request of their own after theirs, which keeps Pydantic
+    AI's mark of the pause (its `metadata`): a run given the history without the results
     answers them, where a pause marked over them would pause it again. A call a later
     response went past is answered by the stand-in every replay gives a call still awaiting
     approval or its result (`PENDING_RESULT`, failed), never stored: its real result, logged
@@ -709,8 +709,9 @@ def _requests(
     said: Sequence[AgentMessage],
 ) -> list[pai.ModelRequest]:
     """The request after a response: its calls' `returns` (of the results `answered`), then
-    the `parts` of the user and system messages `said` since; two requests when those came in
-    another turn (`_sent_apart`), each keeping what its first stored message keeps of it."""
+    the `parts` of the user and system messages `said` since; two requests when those were
+    said after a pause (`_sent_apart`), each keeping what its first stored message keeps of
+    it."""
     requests: list[tuple[list[Any], list[AgentMessage]]] = [
         ([*returns, *parts], [*answered, *said])
     ]
@@ -724,11 +725,19 @@ def _requests(
 
 
 def _sent_apart(answered: Sequence[ToolMessage], said: Sequence[AgentMessage]) -> bool:
-    """Whether the user or system messages `said` after a response's stored results came in
-    another turn than those (the person wrote while the run was paused): a request of their
-    own then, never under the mark of the run's request (its `metadata`: Pydantic AI's mark
-    of a pause among it)."""
-    return bool(answered and said) and said[0].turn_id != answered[0].turn_id
+    """Whether the user or system messages `said` after a response's stored results go in a
+    request of their own: when the results' request is the record of a pause (Pydantic AI
+    marks it in its `metadata`, `_PAUSE_MARK`), which holds the results a run gave as it
+    paused and nothing else: what was said after them (the person wrote while the run was
+    paused) under that mark would read as the pause still standing."""
+    metadata = _request_kept(answered)["metadata"] if said else None
+    mark = metadata.get(_PAUSE_MARK[0]) if isinstance(metadata, Mapping) else None
+    return isinstance(mark, Mapping) and mark.get(_PAUSE_MARK[1]) is True
+
+
+_PAUSE_MARK = ("__pydantic_ai__", "deferred_pause")
+"""Where Pydantic AI marks the request a run wrote as it paused for deferred calls, in the
+request's `metadata` (its namespace, then its key: its `_is_deferred_pause_record`)."""
 
 
 def _request_kept(sent: Sequence[AgentMessage]) -> dict[str, Any]:
