@@ -648,6 +648,31 @@ async def test_a_pop_of_a_message_a_paused_graphs_checkpoint_refers_to_is_refuse
     assert await store.pending_calls(thread_id) == []
 
 
+async def test_a_deleted_threads_late_checkpoint_never_keeps_the_ids_next_owner_from_popping(
+    backend: Backend,
+) -> None:
+    """LANGGRAPH.md: a checkpoint a graph writes after its thread's delete is stored in the
+    earlier life and read by no one. Nor does it hold messages of the conversation started
+    again under the id: the next owner pops her last message, which that checkpoint's
+    messages name by `seq` (was: Conflict "belongs to a LangGraph thread's checkpoints",
+    for good, her own deletes leaving that checkpoint in place)."""
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    await approval_agent(AgentStoreSaver(backend.db)).ainvoke(question(2), config)
+    late = await backend.db[CHECKPOINTS].find({"thread_id": thread_id}).to_list(None)
+    store = ConversationStore(backend.db)
+    await store.delete(thread_id)
+    await backend.db[CHECKPOINTS].insert_many(late)  # the put, held, lands after the delete
+    hers = [{"role": "user", "content": f"mallory {n}"} for n in range(2)]
+    await AgentMessageLogger(backend.db).log_messages(thread_id, hers, user_id="user-mallory")
+    assert await backend.db[CHECKPOINTS].find_one(checkpoints_referring_to(thread_id, 1))
+
+    popped = await store.pop_last_message(thread_id, user_id="user-mallory")
+
+    assert popped is not None
+    assert (popped.seq, popped.content) == (1, "mallory 1")
+
+
 @pytest.mark.parametrize("turn_id", ["lg-1", "lg-run-1", "lg-" + "A" * 32, "lg-" + "0" * 31])
 async def test_a_callers_turn_named_like_the_checkpointers_pops_at_once(
     backend: Backend, turn_id: str

@@ -30,12 +30,20 @@ LANGGRAPH_TURN = "lg-"
 checkpoint refers to them, or will once its document, written after them, is stored."""
 
 
-def checkpoints_referring_to(conversation_id: str, seq: int) -> dict[str, Any]:
+def checkpoints_referring_to(
+    conversation_id: str, seq: int, epoch: str | None = None
+) -> dict[str, Any]:
     """The query of the LangGraph checkpoint documents of a conversation whose messages refer to
     its message `seq`: a range `{from, to}` of `messages.segments` holds it (see
-    `agent_store.integrations._langgraph_documents.encode_segments`)."""
+    `agent_store.integrations._langgraph_documents.encode_segments`). With the `epoch` of the
+    message, those of its conversation's life, or naming none (`THREAD_EPOCH`): a checkpoint
+    a graph wrote after the thread's delete names the earlier life, whose `seq`s are not
+    this one's."""
     held = {"from": {"$lte": seq}, "to": {"$gt": seq}}
-    return {"thread_id": conversation_id, "messages.segments": {"$elemMatch": held}}
+    query = {"thread_id": conversation_id, "messages.segments": {"$elemMatch": held}}
+    if epoch is not None:
+        query[THREAD_EPOCH] = {"$in": [epoch, None]}
+    return query
 
 
 THREAD_COLLECTIONS: tuple[str, ...] = (LANGGRAPH_CHECKPOINTS,)

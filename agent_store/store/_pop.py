@@ -335,14 +335,14 @@ class Pop:
 
     async def _refuse_a_threads(self, conversation_id: str, message: AgentMessage) -> None:
         """Conflict, before anything is written, when a LangGraph checkpoint of the
-        conversation refers to the message: removed, it would leave the thread's checkpoints
-        referring to a message no longer stored. A message the checkpointer logged
-        (`LANGGRAPH_TURN`) that none refers to yet is waited for as a turn still being
-        written (StorageUnavailable: its checkpoint, stored after it, may be on its way)
-        until `abandon_after` from when it was logged (a put that never stored it): then it
-        pops as any other."""
+        conversation's life (the message's `epoch`) refers to the message: removed, it would
+        leave the thread's checkpoints referring to a message no longer stored. A message the
+        checkpointer logged (`LANGGRAPH_TURN`) that none refers to yet is waited for as a turn
+        still being written (StorageUnavailable: its checkpoint, stored after it, may be on
+        its way) until `abandon_after` from when it was logged (a put that never stored it):
+        then it pops as any other."""
         assert message.seq is not None
-        query = checkpoints_referring_to(conversation_id, message.seq)
+        query = checkpoints_referring_to(conversation_id, message.seq, message.epoch)
         with storage_errors("read the conversation's LangGraph checkpoints"):
             referred = await self.checkpoints.find_one(query, {"_id": 1}) is not None
         if referred:
