@@ -452,31 +452,45 @@ def _copy_batch(
         target.insert_many(batch, ordered=False)
     except BulkWriteError as exc:
         _accept_identical_copies(exc, batch, target, confirmed)
-    copies = _arrived(_still_in_source(batch, source, target), source, target)
+    copies = _arrived(_still_in_source(batch, source, target, state), source, target)
     still = [copy["_id"] for copy in copies]
     state({"$addToSet": {CONFIRMED: {"$each": still}}})
     left = _delete_as_copied(copies, source, target)
-    state({"$pullAll": {IN_FLIGHT: ids, CONFIRMED: still, COPIED_AS: digests}})  # none in both
+    recopied = [copied_as(copy) for copy in copies]  # the copies the check made again
+    state({"$pullAll": {IN_FLIGHT: ids, CONFIRMED: still, COPIED_AS: digests + recopied}})
     if progress is not None:
         progress(len(still) - len(left))
     return len(still) - len(left)
 
 
-def _still_in_source(batch: list[dict[str, Any]], source: Any, target: Any) -> list[dict[str, Any]]:
+def _still_in_source(
+    batch: list[dict[str, Any]],
+    source: Any,
+    target: Any,
+    state: Callable[[dict[str, Any]], None],
+) -> list[dict[str, Any]]:
     """The batch's turns the source still holds, as read once their copies stand; the copies
     of the others (deleted since the batch was read) deleted from the target, and the copy
-    of a turn the old service edited since the read made the turn as read now (an edit after
-    this read keeps the turn from its delete: `_delete_as_copied`). One read of the batch's
-    turns, and a write only for those deleted or edited."""
+    of a turn the old service edited since the read made the turn as read now, its digest
+    recorded first (`COPIED_AS`: a copy killed after this is still the batch's own, taken
+    back if the turn goes meanwhile). An edit after this read keeps the turn from its
+    delete (`_delete_as_copied`). One read of the batch's turns, and writes only for those
+    deleted or edited."""
     ids = [doc["_id"] for doc in batch]
     now = {matched_key(d["_id"]): d for d in source.find({"_id": {"$in": ids}, **TURN_FILTER})}
     gone = [doc["_id"] for doc in batch if matched_key(doc["_id"]) not in now]
     if gone:
         target.delete_many({"_id": {"$in": gone}})
-    for doc in batch:
-        current = now.get(matched_key(doc["_id"]))
-        if current is not None and not same_document(current, doc):
-            target.replace_one({"_id": doc["_id"]}, current)
+    edited = [
+        current
+        for doc in batch
+        if (current := now.get(matched_key(doc["_id"]))) is not None
+        and not same_document(current, doc)
+    ]
+    if edited:
+        state({"$addToSet": {COPIED_AS: {"$each": [copied_as(turn) for turn in edited]}}})
+    for current in edited:
+        target.replace_one({"_id": current["_id"]}, current)
     return [now[key] for key in (matched_key(i) for i in ids) if key in now]
 
 
@@ -516,7 +530,8 @@ def _delete_as_copied(copies: list[dict[str, Any]], source: Any, target: Any) ->
     turn the old service edited since its copy (still in the source once the delete
     returned) is copied again and deleted again (`_delete_edited`). A turn the source no
     longer holds was deleted by this delete or, since the copy's check, by its owner's
-    delete or an erasure, which take its copy after it."""
+    delete or an erasure, which take its copy after it, or by the old service, whose delete
+    there leaves the copy (the count says how many went, not which: MIGRATION.md)."""
     if not copies:
         return []
     deletes = [DeleteOne(_as_copied(copy)) for copy in copies]

@@ -682,6 +682,34 @@ def test_a_killed_copy_leaves_alone_a_moved_turn_under_the_id_of_a_turn_it_could
     assert moved == {"t-0": 7, "t-1": 7, "t-0-late": 9}
 
 
+def test_a_copy_killed_after_copying_an_edit_takes_back_the_copy_of_a_turn_deleted_since(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The old service edits a turn once the copy's insert stands; the copy's check makes the
+    copy the edited turn, and the run is killed right after it. The old service then deletes
+    the turn: the resumed run takes that copy back, as one of the batch's own (was: kept,
+    its digest not recorded, and migrated: the deleted turn came back, `verify` and `finish`
+    at 0; with the advice for a turn edited again while down, stored twice)."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[CONVERSATIONS].insert_many([latency_turn(n, 7) for n in range(3)])
+    checked = relocate._still_in_source
+
+    def edited_then_killed(batch: Any, source: Any, target: Any, *args: Any) -> Any:
+        source.update_one({"_id": "t-1"}, {"$set": {"user_message": "edited"}})
+        checked(batch, source, target, *args)
+        raise KilledRun
+
+    monkeypatch.setattr(relocate, "_still_in_source", edited_then_killed)
+    with pytest.raises(KilledRun):
+        relocate.relocate(db, allow_rename=False)
+    monkeypatch.setattr(relocate, "_still_in_source", checked)
+    db[CONVERSATIONS].delete_one({"_id": "t-1"})  # the old service deletes it meanwhile
+
+    relocate.relocate(db, allow_rename=False)
+
+    assert sorted(t["_id"] for t in db[LEGACY_TURNS].find()) == ["t-0", "t-2"]
+
+
 class KilledRun(BaseException):
     """A run killed at a step of a copy batch: nothing of the run catches it, as nothing
     catches a SIGKILL."""
