@@ -244,12 +244,6 @@ def _copying(db: Database[dict[str, Any]]) -> bool:
     return COPYING in state
 
 
-def _in_flight(db: Database[dict[str, Any]]) -> set[str]:
-    """The turns (by `matched_key` of their `_id`) a copy recorded as under way was writing
-    when it stopped (`IN_FLIGHT`): none when no copy is."""
-    return _recorded(db, IN_FLIGHT)
-
-
 def _recorded(db: Database[dict[str, Any]], record: str) -> set[str]:
     """The turns (by `matched_key` of their `_id`) a copy recorded as under way holds in
     `record` (`IN_FLIGHT`, `CONFIRMED`): none when no copy is."""
@@ -276,7 +270,7 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
     thousand at a time, up to the first found in both."""
     if not holds_turns(db, LEGACY_TURNS):
         return
-    resumed = _in_flight(db)
+    resumed = _recorded(db, IN_FLIGHT)
     ids = (d["_id"] for d in db[CONVERSATIONS].find(TURN_FILTER, {"_id": 1}))
     while chunk := [i for _, i in zip(range(_OVERLAP_CHUNK), ids, strict=False)]:
         found = db[LEGACY_TURNS].find({"_id": {"$in": chunk}})
@@ -477,10 +471,7 @@ def _still_in_source(
     delete (`_delete_as_copied`). One read of the batch's turns, and writes only for those
     deleted or edited."""
     ids = [doc["_id"] for doc in batch]
-    now = {matched_key(d["_id"]): d for d in source.find({"_id": {"$in": ids}, **TURN_FILTER})}
-    gone = [doc["_id"] for doc in batch if matched_key(doc["_id"]) not in now]
-    if gone:
-        target.delete_many({"_id": {"$in": gone}})
+    now = _standing(ids, source, target)
     edited = [
         current
         for doc in batch
@@ -492,6 +483,16 @@ def _still_in_source(
     for current in edited:
         target.replace_one({"_id": current["_id"]}, current)
     return [now[key] for key in (matched_key(i) for i in ids) if key in now]
+
+
+def _standing(ids: list[Any], source: Any, target: Any) -> dict[str, dict[str, Any]]:
+    """The turns of `ids` the source holds now (by `matched_key`), as they stand; the copies
+    of the others (deleted there since the copy read them) taken back from the target. One
+    read, and one delete only when some went."""
+    now = {matched_key(d["_id"]): d for d in source.find({"_id": {"$in": ids}, **TURN_FILTER})}
+    if gone := [i for i in ids if matched_key(i) not in now]:
+        target.delete_many({"_id": {"$in": gone}})
+    return now
 
 
 def _arrived(still: list[dict[str, Any]], source: Any, target: Any) -> list[dict[str, Any]]:
@@ -571,10 +572,7 @@ def _read_again(tried: list[dict[str, Any]], source: Any, target: Any) -> list[d
     server matches no binary value of subtype 3, 5 or 128, not even to itself): it is
     deleted by `_id` and its copy made what that delete returned (an edit landing between
     this read and that delete is lost only if the run is killed right after it)."""
-    ids = [copy["_id"] for copy in tried]
-    now = {matched_key(d["_id"]): d for d in source.find({"_id": {"$in": ids}, **TURN_FILTER})}
-    if gone := [i for i in ids if matched_key(i) not in now]:
-        target.delete_many({"_id": {"$in": gone}})
+    now = _standing([copy["_id"] for copy in tried], source, target)
     edited = []
     for copy in tried:
         current = now.get(matched_key(copy["_id"]))
@@ -594,10 +592,10 @@ def _settle_killed_batch(
     source no longer holds. Those it confirmed (`CONFIRMED`) it deleted there itself: moved,
     their copies stay. The others were deleted there by someone else (their owner's delete,
     an erasure) after the copy read them: their copies go, as a running copy's do
-    (`_still_in_source`), each only while it is the copy as read (`COPIED_AS`: never another
-    document under its `_id`; a copy made again since for an edit stays, the safe side).
-    Both are taken out of the records. One read of the state, and,
-    while a copy is recorded with turns in flight, one of the source."""
+    (`_still_in_source`), each only while it is one the copy recorded (`COPIED_AS`: as read,
+    or as its check made it again for an edit; never another document under its `_id`).
+    Both are taken out of the records. One read of the state, and, while a copy is recorded
+    with turns in flight, one of the source."""
     fields = {COPYING: 1, IN_FLIGHT: 1, CONFIRMED: 1, COPIED_AS: 1}
     found = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, fields) or {}
     in_flight = list(found.get(IN_FLIGHT) or []) if COPYING in found else []
