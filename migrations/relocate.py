@@ -358,7 +358,7 @@ def relocate(
     recorded = _late(db, start_over=start_over) if late else None
     copy = functools.partial(
         _copy_batch, source=source, target=target, progress=progress, fence=fence, state=state,
-        late=recorded, confirmed=_recorded(db, CONFIRMED),
+        late=recorded, own=_KilledCopy.recorded(db),
     )  # fmt: skip
     moved = _copy_all(source, batch_size, copy)
     state({"$unset": dict.fromkeys(_COPY_RECORDS, "")})
@@ -421,13 +421,13 @@ def _copy_batch(
     fence: Callable[[], None],
     state: Callable[[dict[str, Any]], None],
     late: _Late | None = None,
-    confirmed: frozenset[str] | set[str] = frozenset(),
+    own: _KilledCopy | None = None,
 ) -> int:
     """Insert the batch into the target, take back the copies of the turns deleted from the
     source since the batch was read, check the copy of every other arrived (`_arrived`),
     then delete those from the source while each is still what was copied
     (`_delete_as_copied`); how many moved. A document a killed copy inserted already is
-    accepted (`_accept_identical_copies`; `confirmed`: the turns it had confirmed).
+    accepted (`_accept_identical_copies`; `own`: what it recorded as under way).
     `fence` first: the batch read may be stale (`relocate`); then the batch is added to the
     turns in flight (`IN_FLIGHT`), with the conversations its turns name when the move is
     `late`. Once its copies stand, the turns still in the source are read again
@@ -445,7 +445,7 @@ def _copy_batch(
     try:
         target.insert_many(batch, ordered=False)
     except BulkWriteError as exc:
-        _accept_identical_copies(exc, batch, target, confirmed)
+        _accept_identical_copies(exc, batch, target, own or _KilledCopy())
     copies = _arrived(_still_in_source(batch, source, target, state), source, target)
     still = [copy["_id"] for copy in copies]
     state({"$addToSet": {CONFIRMED: {"$each": still}}})
@@ -618,18 +618,45 @@ def _settle_killed_batch(
     state({"$pullAll": {IN_FLIGHT: moved, CONFIRMED: moved}})
 
 
+@dataclass(frozen=True)
+class _KilledCopy:
+    """What a killed copy recorded as under way (none when no copy is), as a resumed copy
+    reads it once the killed batch is settled (`_settle_killed_batch`): the turns in flight
+    the source still holds (`IN_FLIGHT`), those it had confirmed (`CONFIRMED`), and the
+    digests of the copies it wrote (`COPIED_AS`)."""
+
+    in_flight: frozenset[str] = frozenset()
+    confirmed: frozenset[str] = frozenset()
+    digests: frozenset[str] = frozenset()
+
+    @classmethod
+    def recorded(cls, db: Database[dict[str, Any]]) -> _KilledCopy:
+        fields = {COPYING: 1, IN_FLIGHT: 1, CONFIRMED: 1, COPIED_AS: 1}
+        state = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, fields) or {}
+        if COPYING not in state:
+            return cls()
+        return cls(
+            frozenset(matched_key(i) for i in state.get(IN_FLIGHT) or []),
+            frozenset(matched_key(i) for i in state.get(CONFIRMED) or []),
+            frozenset(state.get(COPIED_AS) or []),
+        )
+
+    def wrote(self, copy: dict[str, Any]) -> bool:
+        """Whether `copy` is one the killed copy wrote of a turn still in flight: confirmed
+        (the copy's own, whatever the old service's edits since), or still as recorded. A
+        moved turn under the `_id` of a late one is neither: no longer in flight."""
+        key = matched_key(copy["_id"])
+        return key in self.confirmed or (key in self.in_flight and copied_as(copy) in self.digests)
+
+
 def _accept_identical_copies(
-    error: BulkWriteError,
-    batch: list[dict[str, Any]],
-    target: Any,
-    confirmed: frozenset[str] | set[str] = frozenset(),
+    error: BulkWriteError, batch: list[dict[str, Any]], target: Any, own: _KilledCopy
 ) -> None:
     """A resumed copy meets documents it copied before; anything else is an error. The same
     document is the same BSON (`same_document`), its `_id` the same to the server
     (`matched_key`: a turn logged under `5.0` after `5` was moved meets that turn). A copy
-    of a turn the killed copy had confirmed (`confirmed`: its copy is the copy's own, the
-    turn still in the source) holding other content is the turn before the old service's
-    edit since: it is made the turn as read now."""
+    the killed copy wrote (`own`) holding other content is the turn before the old
+    service's edit since: it is made the turn as read now."""
     only_duplicates(error)
     failed = error.details.get("writeErrors", [])
     wanted = {matched_key(batch[e["index"]]["_id"]): batch[e["index"]] for e in failed}
@@ -638,7 +665,7 @@ def _accept_identical_copies(
         turn = wanted.get(matched_key(found["_id"]), {})
         if same_document(found, turn):
             continue
-        if matched_key(found["_id"]) not in confirmed:
+        if not own.wrote(found):
             raise _other_content(found["_id"]) from error
         target.replace_one({"_id": found["_id"]}, turn)
 

@@ -710,6 +710,33 @@ def test_a_copy_killed_after_copying_an_edit_takes_back_the_copy_of_a_turn_delet
     assert sorted(t["_id"] for t in db[LEGACY_TURNS].find()) == ["t-0", "t-2"]
 
 
+def test_a_copy_killed_before_its_check_resumes_with_a_turn_the_old_service_edited_since(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A copy is killed once its insert stands, before it checked the source again; while
+    it is down the old service edits a turn of that batch. The copy under its `_id` is the
+    batch's own (in flight, its digest recorded): the resumed copy makes it the turn as
+    edited and moves every turn once (was: refused as another document holding other
+    content, exit 1, with advice to give the turn another `_id`, which does not fit)."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[CONVERSATIONS].insert_many([latency_turn(n, 7) for n in range(3)])
+
+    def killed_before_the_check(*args: Any) -> Any:
+        raise KilledRun
+
+    monkeypatch.setattr(relocate, "_still_in_source", killed_before_the_check)
+    with pytest.raises(KilledRun):
+        relocate.relocate(db, allow_rename=False)
+    monkeypatch.undo()
+    db[CONVERSATIONS].update_one({"_id": "t-1"}, {"$set": {"latency_ms": 9}})  # while down
+
+    assert relocate.relocate(db, allow_rename=False).how == "copied"
+
+    moved = {t["_id"]: t["latency_ms"] for t in db[LEGACY_TURNS].find()}
+    assert moved == {"t-0": 7, "t-1": 9, "t-2": 7}
+    assert not relocate.holds_turns(db, CONVERSATIONS)
+
+
 class KilledRun(BaseException):
     """A run killed at a step of a copy batch: nothing of the run catches it, as nothing
     catches a SIGKILL."""
@@ -839,9 +866,13 @@ def test_a_killed_copy_never_takes_a_copy_its_bson_tells_apart_as_its_turn(
     database: Database[dict[str, Any]], latency: Any, copied: Any
 ) -> None:
     """Python equality is not identity: `0.0 == -0.0` and `120 == 120.0`, which BSON tells
-    apart. The copy refuses, and deletes nothing."""
+    apart. A document under the `_id` of a turn in flight that is neither that turn nor the
+    copy the killed copy recorded (its digest that of the turn) is refused, nothing
+    deleted."""
     database[CONVERSATIONS].insert_one(latency_turn(0, latency))
     killed_copy(database, latency_turn(0, copied))
+    recorded = {relocate.COPIED_AS: [relocate.copied_as(latency_turn(0, latency))]}
+    database[lease.STATE].update_one({"_id": lease.STATE_ID}, {"$set": recorded})
 
     with pytest.raises(MigrationError, match="exists in agent_conversations_deprecated with other"):
         relocate.relocate(database)
