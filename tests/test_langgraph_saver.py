@@ -487,6 +487,121 @@ async def test_a_paused_call_removed_with_remove_message_is_no_longer_pending(
     assert (await cold.aget_state(config)).values["messages"] == messages
 
 
+# -- a call answered outside the graph ----------------------------------------------------------
+
+_HER_ANSWERS = {
+    "her denial": {"content": None, "error": {"message": "tool call denied"}},
+    "a late result": {"content": "City 2: sunny (late)"},
+}
+
+
+async def _answer_pending_call(db: Any, user_id: str, thread_id: str, which: int, said: Any) -> str:
+    """The person answers a call `pending_calls` serves her (her token's `tool` message, its
+    `answers_to` as served), as a runtime's late result or her denial over HTTP is logged."""
+    offered = await ConversationStore(db).pending_calls(thread_id, user_id=user_id)
+    call = offered[which]
+    answer = {"role": "tool", "tool_call_id": call.tool_call_id, **said}
+    await AgentMessageLogger(db).log_messages(
+        thread_id,
+        [answer],
+        user_id=user_id,
+        owner_only=True,
+        turn_id=f"her-answer-{call.tool_call_id}",
+        answers_to={call.tool_call_id: call.message_id},
+    )
+    return call.tool_call_id
+
+
+def _accepted_history(messages: list[Any]) -> None:
+    """What a model provider checks of a history: no two calls of one id, no result without
+    its call before it, none answered twice."""
+    made = [call["id"] for m in messages if isinstance(m, AIMessage) for call in m.tool_calls]
+    assert len(made) == len(set(made))
+    answered: list[str] = []
+    for index, message in enumerate(messages):
+        if isinstance(message, ToolMessage):
+            before = messages[:index]
+            assert any(
+                isinstance(m, AIMessage) and message.tool_call_id in {c["id"] for c in m.tool_calls}
+                for m in before
+            )
+            answered.append(message.tool_call_id)
+    assert len(answered) == len(set(answered))
+
+
+@pytest.mark.parametrize("said", sorted(_HER_ANSWERS))
+@pytest.mark.parametrize("paused_again", [False, True], ids=["going on", "paused again"])
+async def test_an_answer_to_a_call_the_graph_left_behind_copies_nothing_of_the_conversation(
+    backend: Backend, said: str, paused_again: bool
+) -> None:
+    """Paused on call-2, the person asks another question instead: the graph answers it and
+    leaves call-2 behind (it awaits nothing), the store still offers it. Her answer to it
+    (a denial over HTTP, or a late result) stays the call's; the graph's next steps, a plain
+    question or the resume of a later pause, are appended once: no message stored twice, the
+    call not offered again, the graph's history as LangGraph's own saver keeps it."""
+    ada = thread("user-ada")
+    thread_id = ada["configurable"]["thread_id"]
+    ours, theirs = approval_agent(AgentStoreSaver(backend.db)), approval_agent(InMemorySaver())
+    store = ConversationStore(backend.db)
+    asked = [3, 5, 6] if paused_again else [3, 5]
+    for graph in (ours, theirs):
+        await graph.ainvoke(question(2), ada)  # pauses on call-2
+        for turn in asked:
+            await graph.ainvoke(question(turn), ada)
+    before = await store.transcript(thread_id, user_id="user-ada")
+    offered = await store.pending_calls(thread_id, user_id="user-ada")
+    assert [c.tool_call_id for c in offered][:1] == ["call-2"]
+    await _answer_pending_call(backend.db, "user-ada", thread_id, 0, _HER_ANSWERS[said])
+    for graph in (ours, theirs):
+        if paused_again:
+            await graph.ainvoke(Command(resume="yes"), ada)  # the pause on call-6
+        await graph.ainvoke(question(7), ada)
+        await graph.ainvoke(question(9), ada)
+
+    transcript = await store.transcript(thread_id, user_id="user-ada")
+    added = 2 * 2 + (2 if paused_again else 0)  # questions 7 and 9; call-6's result, answer
+    assert len(transcript) == len(before) + 1 + added
+    assert sorted(Counter(m.content for m in transcript if m.role == "user").values()) == [1] * (
+        3 + len(asked)
+    )
+    made = [c.id for m in transcript for c in m.tool_calls or ()]
+    assert len(made) == len(set(made))
+    assert await store.pending_calls(thread_id, user_id="user-ada") == []
+    assert INTERRUPTED_RESULT not in str(chat_completions(transcript))
+    mine = (await ours.aget_state(ada)).values["messages"]
+    assert comparable(mine) == comparable((await theirs.aget_state(ada)).values["messages"])
+    _accepted_history(mine)
+    cold = approval_agent(AgentStoreSaver(backend.db))
+    assert (await cold.aget_state(ada)).values["messages"] == mine
+
+
+async def test_an_answer_over_http_to_the_paused_call_is_kept_and_the_resume_copies_the_call(
+    backend: Backend,
+) -> None:
+    """LANGGRAPH.md: the person answers the call the graph is paused on over HTTP, and the
+    runtime resumes it anyway: the call is logged again (a copy) for the graph's answer, hers
+    stays the first call's, nothing else is copied and nothing stays pending."""
+    ada = thread("user-ada")
+    thread_id = ada["configurable"]["thread_id"]
+    graph = approval_agent(AgentStoreSaver(backend.db))
+    store = ConversationStore(backend.db)
+    await graph.ainvoke(question(1), ada)
+    await graph.ainvoke(question(2), ada)  # pauses on call-2
+    before = await store.transcript(thread_id, user_id="user-ada")
+    await _answer_pending_call(backend.db, "user-ada", thread_id, 0, _HER_ANSWERS["her denial"])
+    await graph.ainvoke(Command(resume="yes"), ada)
+
+    transcript = await store.transcript(thread_id, user_id="user-ada")
+    assert [m.content for m in transcript[len(before) :]] == [
+        None,  # her denial
+        None,  # call-2, a copy
+        APPROVED,
+        f"Answer 2: {APPROVED}",
+    ]
+    assert await store.pending_calls(thread_id, user_id="user-ada") == []
+    _accepted_history((await graph.aget_state(ada)).values["messages"])
+
+
 async def _paused_on_call_2(graph: Any, config: dict[str, Any]) -> AIMessage:
     await graph.ainvoke(question(2), config)  # pauses on call-2
     paused = (await graph.aget_state(config)).values["messages"][-1]

@@ -48,6 +48,17 @@ def open_calls(
     return tuple(still)
 
 
+def left_behind(messages: Sequence[BaseMessage]) -> frozenset[OpenCall]:
+    """The calls the messages went on without: left open, and followed by a message other
+    than a tool result (a person asked something else while the graph was paused on it). The
+    graph awaits nothing for such a call and no step of it answers it: an answer the transcript
+    holds for it further on (a denial over HTTP, a late result) is the call's own, not another
+    branch's, and no reason to log the branch again."""
+    went_on = [i for i, m in enumerate(messages) if not isinstance(m, ToolMessage)]
+    last = went_on[-1] if went_on else -1
+    return frozenset((index, call) for index, call in open_calls(messages) if index < last)
+
+
 def made_calls(messages: Sequence[BaseMessage]) -> tuple[OpenCall, ...]:
     """Every call the messages make, answered or not."""
     return tuple(

@@ -52,6 +52,7 @@ from agent_store.integrations._langgraph_branches import (
     abandoned_calls,
     already_at_tail,
     keeps_calls,
+    left_behind,
     logged_again_from,
     logged_before_stored,
     made_calls,
@@ -1308,11 +1309,16 @@ def _branch(
     answers further on, or which logs a call before its stored messages (an edited call, at
     the transcript's tail: `logged_before_stored`): from the first, its stored messages
     become copies to log, unless the transcript's tail already holds them (a step re-run
-    after a crash). Answers whether anything is copied."""
+    after a crash). A call the branch went on without (`left_behind`: a question asked
+    instead of deciding it) is no such call: what answers it further on is its own answer
+    (given over HTTP, a late result), not another branch's. Answers whether anything is
+    copied."""
     whole: list[int | BaseMessage | _New] = [*places_of(segments), *places]
     end = state.loaded_until
+    went_on_without = left_behind(messages)
+    awaited = [call for call in calls if call not in went_on_without]
     starts = (
-        logged_again_from(whole, calls, state.by_seq, end),
+        logged_again_from(whole, awaited, state.by_seq, end),
         logged_before_stored(messages, whole),
     )
     start = min((s for s in starts if s is not None), default=None)
