@@ -788,6 +788,81 @@ async def test_a_deleted_threads_late_checkpoint_never_keeps_the_ids_next_owner_
     assert (popped.seq, popped.content) == (1, "mallory 1")
 
 
+async def _late_checkpoints(db: Any, config: dict[str, Any], named: str) -> list[dict[str, Any]]:
+    """The checkpoints a paused graph's run on the thread wrote, as a put held past the
+    thread's delete stores them (`named`): by a release naming the conversation by its creation
+    time only, by one naming no conversation, or on a conversation with no epoch (as the
+    migration creates one: its graph's checkpoints name none)."""
+    thread_id = config["configurable"]["thread_id"]
+    if named == "with no epoch":
+        await AgentMessageLogger(db).log_messages(thread_id, [{"role": "user", "content": "hi"}])
+        await _as_stored_before_epochs(db, thread_id)
+    await approval_agent(AgentStoreSaver(db)).ainvoke(question(2), config)
+    late = await db[CHECKPOINTS].find({"thread_id": thread_id}).to_list(None)
+    dropped = {"earlier release": {"epoch"}, "no one": {"epoch", "conversation_created_ms"}}
+    unnamed = dropped.get(named, set())
+    return [{k: v for k, v in doc.items() if k not in unnamed} for doc in late]
+
+
+@pytest.mark.parametrize("named", ["earlier release", "no one", "with no epoch"])
+async def test_a_late_checkpoint_naming_no_epoch_never_keeps_the_ids_next_owners_from_popping(
+    backend: Backend, named: str
+) -> None:
+    """LANGGRAPH.md: a conversation created since checkpoints named epochs holds only the
+    documents naming its epoch. A checkpoint put after the thread's delete naming no epoch (an
+    earlier release still running during an upgrade: the deleted conversation's creation time,
+    or nothing; a graph on a conversation with no epoch) is of none of the id's later
+    conversations: each next owner pops her message whose `seq` it names (was: `Conflict`
+    "belongs to a LangGraph thread's checkpoints", for every later life of the id, her own
+    deletes leaving that checkpoint in place)."""
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    late = await _late_checkpoints(backend.db, config, named)
+    store = ConversationStore(backend.db)
+    await store.delete(thread_id)
+    await backend.db[CHECKPOINTS].insert_many(late)  # the put, held, lands after the delete
+    last = 0
+    while await backend.db[CHECKPOINTS].find_one(checkpoints_referring_to(thread_id, last + 1)):
+        last += 1  # the last `seq` the late checkpoint names
+    for life in range(2):
+        hers = [{"role": "user", "content": f"mallory {life}.{n}"} for n in range(last + 1)]
+        await AgentMessageLogger(backend.db).log_messages(thread_id, hers, user_id="user-mallory")
+        assert await backend.db[CHECKPOINTS].find_one(checkpoints_referring_to(thread_id, last))
+
+        popped = await store.pop_last_message(thread_id, user_id="user-mallory")
+
+        assert popped is not None
+        assert (popped.seq, popped.content) == (last, f"mallory {life}.{last}")
+        await store.delete(thread_id, user_id="user-mallory")
+
+
+@pytest.mark.parametrize("stored", ["before-epochs", "epoch-only-on-the-conversation"])
+async def test_a_pop_of_a_message_a_thread_an_earlier_release_stored_refers_to_is_refused(
+    backend: Backend, stored: str
+) -> None:
+    """A conversation created before checkpoints named epochs holds the checkpoints naming its
+    creation time (`ThreadLife`): a pop of the message one of them refers to is refused as any
+    thread's, whether the conversation has an epoch since or none."""
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    await approval_agent(AgentStoreSaver(backend.db)).ainvoke(question(2), config)
+    if stored == "before-epochs":
+        await _as_stored_before_epochs(backend.db, thread_id)
+    else:
+        await backend.db[CONVERSATIONS].update_one(
+            {"_id": thread_id}, {"$unset": {"epoch_marks": ""}}
+        )
+        await backend.db[CHECKPOINTS].update_many(
+            {"thread_id": thread_id}, {"$unset": {"epoch": ""}}
+        )
+    store = ConversationStore(backend.db)
+    before = await store.transcript(thread_id)
+
+    with pytest.raises(Conflict, match=re.escape("belongs to a LangGraph thread")):
+        await store.pop_last_message(thread_id)
+    assert await store.transcript(thread_id) == before
+
+
 @pytest.mark.parametrize("turn_id", ["lg-1", "lg-run-1", "lg-" + "A" * 32, "lg-" + "0" * 31])
 async def test_a_callers_turn_named_like_the_checkpointers_pops_at_once(
     backend: Backend, turn_id: str

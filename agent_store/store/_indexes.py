@@ -31,19 +31,20 @@ checkpoint refers to them, or will once its document, written after them, is sto
 
 
 def checkpoints_referring_to(
-    conversation_id: str, seq: int, epoch: str | None = None
+    conversation_id: str, seq: int, conversation: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """The query of the LangGraph checkpoint documents of a conversation whose messages refer to
     its message `seq`: a range `{from, to}` of `messages.segments` holds it (see
-    `agent_store.integrations._langgraph_documents.encode_segments`). With the `epoch` of the
-    message, those of its conversation's life, or naming none (`THREAD_EPOCH`): a checkpoint
-    a graph wrote after the thread's delete names the earlier life, whose `seq`s are not
-    this one's."""
+    `agent_store.integrations._langgraph_documents.encode_segments`). With the `conversation`
+    as read (`LIFE_READ`), only those of its life, as every reader of the thread selects them
+    (`thread_of`): a checkpoint a graph wrote after the thread's delete is of the earlier
+    life, whose `seq`s are not this one's, whatever it names (that life's epoch, its creation
+    time alone, or nothing). Without it, those of every life under the id."""
     held = {"from": {"$lte": seq}, "to": {"$gt": seq}}
     query = {"thread_id": conversation_id, "messages.segments": {"$elemMatch": held}}
-    if epoch is not None:
-        query[THREAD_EPOCH] = {"$in": [epoch, None]}
-    return query
+    if conversation is None:
+        return query
+    return thread_of({**conversation, "_id": conversation_id}) | query
 
 
 THREAD_COLLECTIONS: tuple[str, ...] = (LANGGRAPH_CHECKPOINTS,)
@@ -131,6 +132,21 @@ class ThreadLife:
         if self.epoch_only or other.epoch_only:
             return False
         return self.created_ms == other.created_ms
+
+
+LIFE_READ = {"epoch": 1, "created_at": 1, "epoch_marks": 1}
+"""What `thread_of` reads of a conversation."""
+
+
+def thread_of(found: Mapping[str, Any]) -> dict[str, Any]:
+    """The documents beside the conversations (`THREAD_COLLECTIONS`) of the conversation
+    `found` (its `_id`, read with `LIFE_READ`): those naming its epoch, or, of one created
+    before documents named it, its creation time or nothing (`ThreadLife.query`). The one
+    rule a delete, an erasure, a claim and a pop select a conversation's documents by."""
+    query: dict[str, Any] = {"thread_id": found["_id"]}
+    if found.get("created_at") is not None:
+        query |= ThreadLife.of(found).query()
+    return query
 
 
 SHARD_KEYS: dict[str, dict[str, Any]] = {

@@ -62,7 +62,7 @@ from agent_store.core import (
 from agent_store.store._blobs import kept_blob_ids
 from agent_store.store._driver import storage_errors
 from agent_store.store._fork import copies_turn_of, fork_turns_of
-from agent_store.store._indexes import LANGGRAPH_TURN, checkpoints_referring_to
+from agent_store.store._indexes import LANGGRAPH_TURN, LIFE_READ, checkpoints_referring_to
 from agent_store.store._reservation import UNSTANDING_READ, refuse_unless_standing
 from agent_store.store._tail import (
     LeftBefore,
@@ -335,17 +335,14 @@ class Pop:
 
     async def _refuse_a_threads(self, conversation_id: str, message: AgentMessage) -> None:
         """Conflict, before anything is written, when a LangGraph checkpoint of the
-        conversation's life (the message's `epoch`) refers to the message: removed, it would
-        leave the thread's checkpoints referring to a message no longer stored. A message the
+        conversation's life refers to the message (`_referred`): removed, it would leave the
+        thread's checkpoints referring to a message no longer stored. A message the
         checkpointer logged (`LANGGRAPH_TURN`) that none refers to yet is waited for as a turn
         still being written (StorageUnavailable: its checkpoint, stored after it, may be on
         its way) until `abandon_after` from when it was logged (a put that never stored it):
         then it pops as any other."""
         assert message.seq is not None
-        query = checkpoints_referring_to(conversation_id, message.seq, message.epoch)
-        with storage_errors("read the conversation's LangGraph checkpoints"):
-            referred = await self.checkpoints.find_one(query, {"_id": 1}) is not None
-        if referred:
+        if await self._referred(conversation_id, message.seq):
             raise Conflict(
                 f"could not pop the last message of conversation {conversation_id!r}: "
                 f"message seq {message.seq} belongs to a LangGraph thread's checkpoints, which "
@@ -360,6 +357,25 @@ class Pop:
                 "logged by the LangGraph checkpointer and no checkpoint refers to it yet (its "
                 "checkpoint may still be being written): retry the pop in a moment"
             )
+
+    async def _referred(self, conversation_id: str, seq: int) -> bool:
+        """Whether a LangGraph checkpoint of the conversation's life refers to its message
+        `seq`: of the conversation as read now, selected by the rule every reader of the
+        thread's documents follows (`thread_of`: of one created since checkpoints named
+        epochs, only those naming its epoch), never one a graph put after an earlier
+        conversation under the id was deleted, whatever it names. One lookup when no
+        checkpoint under the id refers to `seq` (no graph, or none past it); else the
+        conversation's life is read and its checkpoints looked up (two more). False when the
+        conversation is gone (the pop's mark finds nothing)."""
+        anywhere = checkpoints_referring_to(conversation_id, seq)
+        with storage_errors("read the conversation's LangGraph checkpoints"):
+            if await self.checkpoints.find_one(anywhere, {"_id": 1}) is None:
+                return False
+            found = await self.conversations.find_one({"_id": conversation_id}, LIFE_READ)
+            if found is None:
+                return False
+            query = checkpoints_referring_to(conversation_id, seq, found)
+            return await self.checkpoints.find_one(query, {"_id": 1}) is not None
 
     def _passing(self, message: AgentMessage, conversation: Mapping[str, Any] | None) -> int | None:
         """None when the mark may simply require that no turn holds a `seq` past `message`

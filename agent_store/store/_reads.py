@@ -64,9 +64,10 @@ from agent_store.store._fork import approvals_withdrawn, fork_turns_of
 from agent_store.store._indexes import (
     CONVERSATIONS,
     LANGGRAPH_CHECKPOINTS,
+    LIFE_READ,
     MESSAGES,
     THREAD_COLLECTIONS,
-    ThreadLife,
+    thread_of,
 )
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource, not_migrated_yet
 from agent_store.store._pop import (
@@ -335,7 +336,7 @@ def _beside_of(conversation_id: str, found: dict[str, Any]) -> dict[str, Any]:
     takes in the collections beside the conversations: the documents of its thread written
     for this conversation (`ThreadLife`), whatever user they name (a claim moves the
     conversation before them), never those of a conversation started under the id since."""
-    return _thread_of(found | {"_id": conversation_id})
+    return thread_of(found | {"_id": conversation_id})
 
 
 def _lives_of(found: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -345,24 +346,10 @@ def _lives_of(found: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"$or": each}
 
 
-_LIFE_READ = {"epoch": 1, "created_at": 1, "epoch_marks": 1}
-"""What `_thread_of` reads of a conversation."""
-
-
 def _message_life(found: Mapping[str, Any]) -> dict[str, Any]:
     """The messages of the conversation `found` (its `_id` and `epoch`): its life's, or stored
     before epochs were."""
     return {"conversation_id": found["_id"], "epoch": {"$in": [found.get("epoch"), None]}}
-
-
-def _thread_of(found: Mapping[str, Any]) -> dict[str, Any]:
-    """The documents beside the conversations (`THREAD_COLLECTIONS`) of the conversation
-    `found` (its `_id`, read with `_LIFE_READ`): those naming its epoch, or, of one created
-    before documents named it, its creation time or nothing (`ThreadLife.query`)."""
-    query: dict[str, Any] = {"thread_id": found["_id"]}
-    if found.get("created_at") is not None:
-        query |= ThreadLife.of(found).query()
-    return query
 
 
 def _not_resolvable(
@@ -2104,7 +2091,7 @@ class ConversationStore:
             legacy = await self._legacy_source.erase_user(user_id)
         with storage_errors("erase the user's data"):
             found = await self._conversations.find(
-                {"user_id": user_id, **CONVERSATION_DOCUMENT}, _LIFE_READ
+                {"user_id": user_id, **CONVERSATION_DOCUMENT}, LIFE_READ
             ).to_list(None)
         found = await self._deletions.record(found, user_id)
         messages, reserved = await self._erase_messages_of_conversations(user_id, found)
@@ -2145,13 +2132,13 @@ class ConversationStore:
             with storage_errors("erase the user's data"):
                 held = await self._conversations.find(
                     {"$or": [same_as_read(d["_id"], d) for d in chunk], "user_id": user_id},
-                    {"message_count": 1, **_LIFE_READ},
+                    {"message_count": 1, **LIFE_READ},
                 ).to_list(None)
             if not held:
                 continue
             owned = [d["_id"] for d in held]
             reserved += sum(int(d.get("message_count") or 0) for d in held)
-            lives = [_thread_of(d) for d in held]
+            lives = [thread_of(d) for d in held]
             await self._delete_beside(
                 {"$or": [{"thread_id": {"$in": owned}, "user_id": mine}, *lives]},
                 "erase the user's data",
@@ -2241,15 +2228,15 @@ class ConversationStore:
         """Delete the documents beside the conversations (`THREAD_COLLECTIONS`) naming
         `user_id` but those of the conversations the user holds now (started while the
         erasure ran, under any id: each told by its `epoch`, or, created before documents
-        named it, by its `created_at` or none: `_thread_of`), as `_erase_strays` leaves their
+        named it, by its `created_at` or none: `thread_of`), as `_erase_strays` leaves their
         messages; those of a conversation another user holds, of its life, a claim of the
         user not done moving, go to that user (`_hand_over_claimed_beside`). One round trip
         more than the deletes, and one per collection."""
         with storage_errors("erase the user's data"):
             held = await self._conversations.find(
-                {"user_id": user_id, **CONVERSATION_DOCUMENT}, _LIFE_READ
+                {"user_id": user_id, **CONVERSATION_DOCUMENT}, LIFE_READ
             ).to_list(None)
-        kept = [_thread_of(d) for d in held]
+        kept = [thread_of(d) for d in held]
         await self._hand_over_claimed_beside(user_id, {d["_id"] for d in held})
         query: dict[str, Any] = {"user_id": user_id}
         if kept:
@@ -2258,7 +2245,7 @@ class ConversationStore:
 
     async def _hand_over_claimed_beside(self, user_id: str, held: set[str]) -> None:
         """Give the documents beside the conversations naming `user_id` in a thread another
-        user's conversation holds, of its life (`_thread_of`), to that user, as
+        user's conversation holds, of its life (`thread_of`), to that user, as
         `_hand_over_claimed` gives their messages. One round trip per collection, one more when
         any names a thread outside `held`, and one per thread handed over."""
         with storage_errors("erase the user's data"):
@@ -2268,11 +2255,11 @@ class ConversationStore:
                     continue
                 claimed = self._conversations.find(
                     {"_id": {"$in": list(threads)}, "user_id": {"$nin": [user_id, None]}},
-                    {**_LIFE_READ, "user_id": 1},
+                    {**LIFE_READ, "user_id": 1},
                 )
                 async for conversation in claimed:
                     await collection.update_many(
-                        {**_thread_of(conversation), "user_id": user_id},
+                        {**thread_of(conversation), "user_id": user_id},
                         {"$set": {"user_id": conversation["user_id"]}},
                     )  # fmt: skip
 
@@ -2359,7 +2346,7 @@ class ConversationStore:
         another user holds moved to that user (`_move_claimed`); answer how many messages."""
         moved = await self._move_claimed(self._messages, "conversation_id", _message_life, user_id)
         for collection in self._beside:
-            await self._move_claimed(collection, "thread_id", _thread_of, user_id)
+            await self._move_claimed(collection, "thread_id", thread_of, user_id)
         return moved
 
     async def _hand_over_unowned(self, to_user_id: str) -> int:
@@ -2401,7 +2388,7 @@ class ConversationStore:
     ) -> int:
         """`_move_claimed_messages` in one collection whose documents name their conversation
         in `conversation_field`, those of a conversation's life as `life_of` selects them
-        (`_message_life`, `_thread_of`); answer how many documents moved.
+        (`_message_life`, `thread_of`); answer how many documents moved.
 
         Each goes to the user holding its conversation now: the new owner, or whoever a claim
         chained at once (the new owner's own, between this claim's two moves) handed it to:
@@ -2418,7 +2405,7 @@ class ConversationStore:
                         "_id": {"$in": written[start : start + CLAIM_CHUNK]},
                         "user_id": {"$nin": [from_user_id, None]},
                     },
-                    {"user_id": 1, **_LIFE_READ},
+                    {"user_id": 1, **LIFE_READ},
                 )
                 lives: dict[str, list[dict[str, Any]]] = {}
                 async for conversation in held:
