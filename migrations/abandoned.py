@@ -57,6 +57,8 @@ from migrations.errors import MigrationError
 from migrations.explode import LEGACY_FILTER, Explosion, batches, dropped_at, turns_made_of
 from migrations.relocate import CONVERSATION_FILTER, held_back
 from migrations.writes import (
+    MIGRATED,
+    MIGRATIONS_EPOCH,
     NO_TURN_FIELD,
     holds_turn_fields,
     is_migrated,
@@ -73,7 +75,7 @@ _UNNAMED_BY_TEXT = (
 """BSON types of a legacy conversation id that `id_filter` cannot find by the id's text."""
 _READ = {
     "_id": 1, "conversation_id": 1, "legacy_conversation_id": 1, "turns": 1,
-    "recent_turns": 1, "epoch": 1, **dict.fromkeys(CONVERSATION_COUNTERS, 1),
+    "recent_turns": 1, "epoch": 1, MIGRATED: 1, **dict.fromkeys(CONVERSATION_COUNTERS, 1),
     **dict.fromkeys(TURN_ONLY_FIELDS, 1),
 }  # fmt: skip
 """What is read of a conversation document: what tells whether the migration made it."""
@@ -415,8 +417,8 @@ def remove(run: Explosion) -> list[Abandoned]:
         ids = [item.conversation_id for item in gone if not item.earlier]
         bare = [item.conversation_id for item in gone if item.document_only and not item.migrated]
         # A document of no message goes only while still the migration's (one a person
-        # created again under its id since draws an epoch).
-        kept = {"$or": [{"_id": {"$nin": bare}}, {"epoch": None}]}
+        # created again under its id since draws an epoch of its own, never `migrated`).
+        kept = {"$or": [{"_id": {"$nin": bare}}, *MIGRATIONS_EPOCH["$or"]]}
         run.db[CONVERSATIONS].delete_many(
             {"_id": {"$in": ids}, "turns.0": {"$exists": False}, **kept, **NO_TURN_FIELD}
         )

@@ -63,6 +63,7 @@ from agent_store.store import (
     first_named,
     kept_blob_ids,
     named_window,
+    new_life,
     only_duplicates,
     pending_after,
     renamed,
@@ -307,9 +308,10 @@ def written_by_migration(document: Mapping[str, Any]) -> bool:
     (`abandoned`). It holds what a run writes on every document (`wanted_document`: a text
     `_id` that is its `conversation_id`, both counters, a number of messages above 0, stored
     as a number: `stored_count`) and no field only a legacy turn holds (`holds_turn_fields`);
-    no turn was logged to it (no turn records, of either release) and it draws no `epoch`,
-    which every document a person (`upsert_conversation`, counting none) or a live turn
-    creates draws, and the migration never does."""
+    no turn was logged to it (no turn records, of either release), and its `epoch` is the
+    migration's (`MIGRATIONS_EPOCH`): none (an earlier release's run drew none), or one a run
+    drew, marked `migrated`, which no document a person (`upsert_conversation`, counting
+    none), a fork or a live turn creates holds."""
     cid = document.get("_id")
     return (
         isinstance(cid, str)
@@ -320,8 +322,16 @@ def written_by_migration(document: Mapping[str, Any]) -> bool:
         and not holds_turn_fields(document)
         and not document.get("turns")
         and not document.get("recent_turns")
-        and document.get("epoch") is None
+        and (document.get("epoch") is None or document.get(MIGRATED) is True)
     )
+
+
+MIGRATED = "migrated"
+"""The field a conversation document a run created holds (`Conversation.migrated`): its
+`epoch` was drawn by the migration."""
+MIGRATIONS_EPOCH: dict[str, Any] = {"$or": [{"epoch": None}, {MIGRATED: True}]}
+"""A conversation document whose `epoch` is the migration's (`written_by_migration`), as a
+filter: none, or one a run drew."""
 
 
 def written_since(existing: Mapping[str, Any] | None) -> bool:
@@ -492,23 +502,43 @@ def wanted_document(
     """The conversation document the legacy turns make now, as a run writes it: it never
     gives back a `seq` a live message stored past the legacy ones holds (`live`, in `seq`
     order), and holds what those live turns left (`_with_live_turns`), keeps what people
-    changed since (`existing`), and the conversation's `epoch`: the one `existing` holds, else
-    the one its stored messages carry (`carried`, `carried_epochs`). An epoch never changes
-    once messages carry it (a delete takes only its own), and the migration draws none: its
-    own messages carry none."""
+    changed since (`existing`), and the conversation's life (`life_of`)."""
     assert conversion.conversation is not None
     stored_to = max(((m.seq or 0) + 1 for m in live), default=0)
-    epoch = readable(existing).get("epoch") or carried
     document = conversion.conversation.model_copy(
         update={
             "message_count": max(conversion.conversation.message_count, stored_to),
-            "epoch": epoch,
+            **life_of(existing, live, carried),
         }
     )
     document = _kept_by_people(document, existing)
     if live and conversion.messages:
         document = _with_live_turns(document, live)
     return document
+
+
+def life_of(
+    existing: Mapping[str, Any] | None, live: Sequence[AgentMessage], carried: str | None
+) -> dict[str, Any]:
+    """The `epoch` (with `epoch_marks` and `migrated`) of the conversation document a run
+    writes: the one `existing` holds, as it holds them (a rerun never draws another: the
+    version a read served, and what documents beside it name, stay the conversation's);
+    else the one its stored messages carry (`carried`, `carried_epochs`: live turns logged
+    before a rollback moved the document away; an epoch never changes once messages carry
+    it, a delete takes only its own); else, for a document the run creates where no live
+    message is stored, a new one as a live turn draws it (`new_life`), so a conversation the
+    migration creates again under an id after a delete is another life (another version,
+    none of the checkpoints of the one deleted), whatever time its first legacy turn gives
+    it. A document an earlier release migrated, which holds none, keeps none (its version
+    and the documents naming its creation time stay its own); the migration's own messages
+    carry none."""
+    found = readable(existing)
+    if isinstance(found.get("epoch"), str):
+        marks, migrated = found.get("epoch_marks"), found.get("migrated")
+        return {"epoch": found["epoch"], "epoch_marks": bool(marks), "migrated": bool(migrated)}
+    if carried is not None or existing is not None or live:
+        return {"epoch": carried}
+    return new_life() | {"migrated": True}
 
 
 def _with_live_turns(document: Conversation, live: Sequence[AgentMessage]) -> Conversation:
@@ -802,6 +832,10 @@ def _dumped(
         dumped["resolved_hitl"] = document.resolved_hitl
     if document.epoch is not None:
         dumped["epoch"] = document.epoch
+    if document.epoch_marks:
+        dumped["epoch_marks"] = True
+    if document.migrated:
+        dumped["migrated"] = True
     if document.name_message_id is not None:
         dumped["name_message_id"] = document.name_message_id
     if document.approved_calls:  # as read back from the document it replaces, every key

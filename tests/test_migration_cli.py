@@ -57,10 +57,13 @@ def seed(db: Database[dict[str, Any]], conversations: int = 4) -> None:
 
 
 def digest(db: Database[dict[str, Any]]) -> dict[str, str]:
-    """A digest of each collection the migration writes or moves, independent of order."""
+    """A digest of each collection the migration writes or moves, independent of order, and
+    of the epoch a run drew for each conversation document it created (random: two runs over
+    the same legacy turns draw two; that one is drawn is in the digest)."""
     found = {}
     for name in DIGESTED:
-        docs = sorted(json.dumps(d, sort_keys=True, default=str) for d in db[name].find())
+        read = (d | ({"epoch": "drawn"} if d.get("migrated") else {}) for d in db[name].find())
+        docs = sorted(json.dumps(d, sort_keys=True, default=str) for d in read)
         found[name] = hashlib.sha256("\n".join(docs).encode()).hexdigest()[:16] + f"/{len(docs)}"
     return found
 

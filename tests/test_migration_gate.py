@@ -25,7 +25,14 @@ from pymongo.collection import Collection
 from pymongo.database import Database
 
 from agent_store import AgentMessageLogger, ConversationStore, LegacyTurns, LoggedTurn
-from agent_store.core import AgentMessage, Conflict, Conversation, NotFound, message_adapter
+from agent_store.core import (
+    AgentMessage,
+    Conflict,
+    Conversation,
+    NotFound,
+    VersionMismatch,
+    message_adapter,
+)
 from agent_store.legacy import (
     LEGACY_TURNS,
     SESSION_HITL,
@@ -993,13 +1000,16 @@ def test_turns_dated_by_text_at_an_offset_are_migrated_in_time_order_and_verify_
 
 
 @pytest.mark.wire
-def test_a_conversation_without_a_readable_time_keeps_its_times_and_version_when_moved(
+def test_a_conversation_without_a_readable_time_keeps_its_times_when_moved(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:
     """Read through the fallback after a run recorded its first start, a conversation none of
     whose turns has a readable time is served that start, as the run then writes it: its
-    times and version (its `ETag`) are the same before and after the run moves it, and a
-    delete naming the version read before the move deletes it."""
+    times are the same before and after the run moves it. The run writing its document draws
+    its epoch, which names it from then on (its version, its `ETag`): a delete naming the
+    version read through the fallback, which names every conversation its legacy turns made
+    under the id at that time alike, is refused, nothing deleted; one naming the version
+    read since deletes it."""
     undated = legacy_turn("t-u", "c-undated", 0, "OLD")
     del undated["created_at"]
     database[CONVERSATIONS].insert_many([undated, legacy_turn("t-a", "c-a", 0, "A")])
@@ -1032,9 +1042,11 @@ def test_a_conversation_without_a_readable_time_keeps_its_times_and_version_when
     assert database[CONVERSATIONS].find_one({"_id": "c-undated"}) is None  # the fallback's
     assert cli(wire_uri, database, "run") == 0
 
-    assert asyncio.run(served()) == before
-    assert before[1] == {started}
-    assert asyncio.run(delete(before[0])) == 1
+    after = asyncio.run(served())
+    assert after[1] == before[1] == {started}
+    with pytest.raises(VersionMismatch):
+        asyncio.run(delete(before[0]))
+    assert asyncio.run(delete(after[0])) == 1
 
 
 @pytest.mark.wire
@@ -1871,21 +1883,49 @@ def test_a_rerun_keeps_the_epoch_of_the_document_it_replaces(
 
 
 @pytest.mark.wire
-def test_a_migration_writes_no_epoch_where_no_message_carries_one(
+def test_a_conversation_the_migration_creates_draws_an_epoch_its_live_turns_keep(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:
-    """An epoch is drawn by the store, as a live turn or a person creates a conversation;
-    the migration only keeps one: a conversation it alone made has none until its first
-    live turn draws it."""
+    """A conversation the migration alone made draws its epoch as a live turn or a person
+    creating one does (`epoch_marks`: documents beside it name that epoch); its own messages
+    carry none, and its first live turn stores under that epoch, never another."""
     database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-m", 0, "LEGACY"))
     assert cli(wire_uri, database, "run") == 0
     found = database[CONVERSATIONS].find_one({"_id": "c-m"})
     assert found is not None
-    assert "epoch" not in found
+    assert isinstance(found["epoch"], str)
+    assert (found["epoch_marks"], found["migrated"]) == (True, True)
     log_live(wire_uri, database, "c-m", "native-1", "NATIVE")
-    epoch, carried = _epochs(database, "c-m")
-    assert epoch is not None
-    assert carried == [None, None, epoch, epoch]
+    epoch = found["epoch"]
+    assert _epochs(database, "c-m") == (epoch, [None, None, epoch, epoch])
+    assert cli(wire_uri, database, "verify") == 0
+
+
+@pytest.mark.wire
+def test_a_rerun_leaves_a_conversation_an_earlier_release_migrated_without_an_epoch(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A document an earlier release migrated holds no epoch: a rerun rewriting it (a legacy
+    turn edited since) draws none, so its version (a read's `ETag`) stays as served, and it
+    is still the migration's (`written_by_migration`)."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-o", 0, "OLD"))
+    assert cli(wire_uri, database, "run") == 0
+    earlier = dict.fromkeys(("epoch", "epoch_marks", "migrated"), "")
+    database[CONVERSATIONS].update_one({"_id": "c-o"}, {"$unset": earlier})
+    found = database[CONVERSATIONS].find_one({"_id": "c-o"})
+    assert found is not None
+    before = Conversation.model_validate(found).version
+    moved = relocate.turns_at(database)
+    database[moved].update_one({"_id": "t-1"}, {"$set": {"name": "Renamed"}})
+
+    assert cli(wire_uri, database, "run") == 0
+    again = database[CONVERSATIONS].find_one({"_id": "c-o"})
+    assert again is not None
+    assert again["name"] == "Renamed"
+    assert not {"epoch", "epoch_marks", "migrated"} & set(again)
+    assert Conversation.model_validate(again).version == before
+    assert writes.written_by_migration(again)
+    assert cli(wire_uri, database, "verify") == 0
 
 
 PROMPT_FIELDS_ONLY_SESSION_HITL_HOLDS = {
@@ -2329,7 +2369,7 @@ def test_no_document_holding_a_turn_only_field_is_one_the_migration_wrote(
     """One definition of a document the migration wrote: a conversation document as a run
     writes it (its messages gone since) is one; the same holding any field only a legacy turn
     holds, or lacking what a run writes (a text `_id` that is its `conversation_id`, a count
-    of messages stored as a number), is not."""
+    of messages stored as a number, the mark of an epoch the migration drew), is not."""
     database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "A"))
     assert cli(wire_uri, database, "run") == 0
     written = database[CONVERSATIONS].find_one({"_id": "c-1"})
@@ -2343,6 +2383,7 @@ def test_no_document_holding_a_turn_only_field_is_one_the_migration_wrote(
         {"message_count": "2"},
         {"message_count": 2.0},
         {"message_count": True},
+        {"migrated": False},  # an epoch a person or a live turn drew
     ):
         assert not writes.written_by_migration(written | lacking), lacking
 
@@ -7779,3 +7820,136 @@ def test_verify_and_finish_compare_by_the_rules_the_service_reads_from_the_envir
     assert cli(wire_uri, database, "run", "--new-rules") == 0
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish", "--accept", "leg-ctx", "--note", "context") == 0
+
+
+MIXED_AT = datetime(2024, 5, 1, tzinfo=UTC)
+"""When Mallory's first legacy turn of the mixed conversation `_mixed_x` was logged."""
+
+
+def _mixed_x(database: Database[dict[str, Any]]) -> None:
+    """Legacy conversation `x`: Mallory's early turn, then Ada's (the last user: Ada owns it
+    once migrated, its `created_at` Mallory's turn's time). Ada's delete leaves Mallory's
+    turn, which a later run migrates as her conversation, created at the same time."""
+    mallory = legacy_turn("t-m", "x", 0, "MALLORY") | {"user_id": "u-mallory"}
+    ada = legacy_turn("t-a", "x", 1, "ADA") | {"user_id": "u-ada"}
+    later = MIXED_AT + timedelta(hours=1)
+    database[CONVERSATIONS].insert_many(
+        [mallory | {"created_at": MIXED_AT}, ada | {"created_at": later}]
+    )
+
+
+def _on_its_database(wire_uri: str, database: Database[dict[str, Any]], work: Any) -> Any:
+    """`work(db)` (a coroutine function) on the async database the service opens."""
+
+    async def run() -> Any:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            return await work(client[database.name])
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def _deleted_after_a_late_put_and_migrated_again(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> str:
+    """`x` migrated (Ada's); a service's graph checkpoints it, its put landing after Ada's
+    delete (the late put, LANGGRAPH.md); `run` again migrates Mallory's turn left under the
+    id. The version Ada's `x` was read with."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    from agent_store.integrations.langgraph import CHECKPOINTS, AgentStoreSaver
+
+    _mixed_x(database)
+    assert cli(wire_uri, database, "run") == 0  # a mixed_user_ids problem, not placed
+
+    async def ada(db: Any) -> str:
+        store = ConversationStore(db, legacy=LegacyTurns(db))
+        version = (await store.get_conversation("x", user_id="u-ada")).version
+        private = empty_checkpoint()
+        private["channel_values"] = {"messages": [], "plan": "ADA PRIVATE: iban FR76"}
+        await AgentStoreSaver(db).aput({"configurable": {"thread_id": "x"}}, private, {}, {})
+        late = await db[CHECKPOINTS].find({"thread_id": "x"}).to_list(None)
+        assert (await store.delete("x", user_id="u-ada", version=version)).conversations == 1
+        await db[CHECKPOINTS].insert_many(late)  # the put, held, lands after the delete
+        return version
+
+    version: str = _on_its_database(wire_uri, database, ada)
+    assert cli(wire_uri, database, "run") == 0
+    again = database[CONVERSATIONS].find_one({"_id": "x"})
+    assert again is not None
+    assert (again["user_id"], again["created_at"]) == ("u-mallory", MIXED_AT)
+    return version
+
+
+@pytest.mark.wire
+def test_a_conversation_migrated_again_after_a_delete_reads_none_of_the_deleted_ones_state(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """LANGGRAPH.md: whoever takes an id next never reads what a graph still running wrote
+    after the delete. A conversation the migration creates draws an epoch, as a live one
+    does, so the one it creates again under the id (Mallory's turns left by Ada's delete,
+    created at the same millisecond) is another life: neither Mallory's graph nor a
+    service's reads the late checkpoint of Ada's."""
+    from agent_store.integrations.langgraph import AgentStoreSaver
+
+    _deleted_after_a_late_put_and_migrated_again(wire_uri, database)
+
+    async def read(db: Any) -> list[str]:
+        saver, seen = AgentStoreSaver(db), []
+        for reader in ({"user_id": "u-mallory"}, {}):
+            config = {"configurable": {"thread_id": "x", **reader}}
+            found = await saver.aget_tuple(config)
+            seen.append(str(found and found.checkpoint["channel_values"]))
+            seen += [str(t.checkpoint["channel_values"]) async for t in saver.alist(config)]
+        return seen
+
+    seen = _on_its_database(wire_uri, database, read)
+    assert not [s for s in seen if "ADA" in s]
+
+
+@pytest.mark.wire
+def test_a_version_read_before_a_delete_never_names_the_conversation_migrated_again(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """API.md: the version (`ETag`) is another for any conversation started again under the
+    id, and a DELETE naming it deletes that conversation only. The conversation the
+    migration creates again after a delete, at the same `created_at`, has another version:
+    a delete retried with the deleted one's is refused, nothing deleted."""
+    version = _deleted_after_a_late_put_and_migrated_again(wire_uri, database)
+
+    async def retried(db: Any) -> str:
+        store = ConversationStore(db, legacy=LegacyTurns(db))
+        now = (await store.get_conversation("x", user_id="u-mallory")).version
+        with pytest.raises(VersionMismatch):
+            await store.delete("x", version=version)
+        return now
+
+    assert _on_its_database(wire_uri, database, retried) != version
+    assert database[CONVERSATIONS].find_one({"_id": "x"}) is not None
+
+
+@pytest.mark.wire
+def test_a_rerun_keeps_the_epoch_the_migration_drew_and_so_the_version(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A conversation the migration creates draws an epoch (with `epoch_marks`: documents
+    beside it name that epoch), and a rerun rewriting its document (a legacy turn edited
+    since) keeps it: the version a read served still names the conversation."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "A"))
+    assert cli(wire_uri, database, "run") == 0
+    written = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert written is not None
+    assert isinstance(written.get("epoch"), str)
+    assert written.get("epoch_marks") is True
+    before = Conversation.model_validate(written).version
+    moved = relocate.turns_at(database)
+    database[moved].update_one({"_id": "t-1"}, {"$set": {"name": "Renamed by the old service"}})
+    assert cli(wire_uri, database, "run") == 0
+    again = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert again is not None
+    assert again["name"] == "Renamed by the old service"
+    assert (again["epoch"], again["epoch_marks"]) == (written["epoch"], True)
+    assert Conversation.model_validate(again).version == before
+    assert writes.written_by_migration(again)

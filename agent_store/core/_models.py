@@ -1417,6 +1417,12 @@ class Conversation(_Model):
     served): only those naming its epoch are its own, never one naming only a creation time,
     which the caller starting a conversation chooses. False on one created before, whose
     documents named its creation time (`agent_store.store.ThreadLife`)."""
+    migrated: bool = Field(default=False, exclude=True)
+    """Created by `python -m migrations run`, which drew its `epoch` as a live turn draws one
+    (the store's bookkeeping, never served): while no turn is logged to it the document is
+    the migration's to rewrite or remove (`migrations.writes.written_by_migration`), as one an
+    earlier release migrated, which holds no epoch, is. False on every document the store
+    creates."""
     refold_owed: UtcDatetime | None = Field(default=None, exclude=True)
     """When a fold of the pending state from the stored messages, after a move or a
     give-back, could not be written (the conversation kept changing under it, or a turn below

@@ -88,6 +88,7 @@ from agent_store.store._reservation import (
     Actor,
     BeingDeleted,
     being_migrated,
+    new_life,
     refuse_unless_fallback_serves,
     same_conversation,
 )
@@ -266,6 +267,7 @@ __all__ = [
     "message_id",
     "message_text",
     "named_window",
+    "new_life",
     "only_duplicates",
     "parse_messages",
     "pending_after",

@@ -294,6 +294,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   epoch_marks?: boolean;
   /**
+   * Created by `python -m migrations run`, which drew its `epoch` as a live turn draws one (the store's bookkeeping, never served): while no turn is logged to it the document is the migration's to rewrite or remove (`migrations.writes.written_by_migration`), as one an earlier release migrated, which holds no epoch, is. False on every document the store creates.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  migrated?: boolean;
+  /**
    * When a fold of the pending state from the stored messages, after a move or a give-back, could not be written (the conversation kept changing under it, or a turn below the end was still being written); null or absent when none is owed (the store's bookkeeping, never served). The next turn folds it after its insert, and a turn refused by its condition meanwhile is judged again once it is folded.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
