@@ -15,6 +15,7 @@ import gc
 import re
 import warnings
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -1383,13 +1384,28 @@ async def _half_deleted(backend: Backend) -> tuple[AgentMessageLogger, Conversat
 BEING_DELETED = f"conversation {CID!r} is being deleted"
 
 
+@pytest.mark.parametrize(
+    "turn",
+    [
+        pytest.param([{"role": "user", "content": "u1"}], id="no-condition"),
+        pytest.param(
+            [
+                {"role": "user", "content": "u1"},
+                {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f"}}]},
+            ],
+            id="making-a-call",
+        ),
+    ],
+)
 async def test_a_turn_whose_reservation_lost_every_race_is_sent_again_as_it_is(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, turn: list[dict[str, Any]]
 ) -> None:
     """Its reservation found the conversation changed under it at each attempt (writers
     racing it): nothing is written, and the refusal is one to retry as it is (503,
     `StorageUnavailable`, as a dropped connection is), which `with_retries` retries, not a
-    failure to report; sent again, it is stored once."""
+    failure to report; sent again, it is stored once. So too for a turn whose reservation
+    carries a condition the conversation meets (a turn making a call, `HeldOff` only for a
+    call a prompt holds): never refused for what the conversation does not hold."""
     logger = AgentMessageLogger(backend.db)
     said = [{"role": "user", "content": "u0"}]
     await logger.log_messages(CID, said, turn_id="t0")
@@ -1401,15 +1417,15 @@ async def test_a_turn_whose_reservation_lost_every_race_is_sent_again_as_it_is(
         return None if attempts <= 4 else await try_reserve(*args, **kwargs)
 
     monkeypatch.setattr(logger, "_try_reserve", racing)
-    turn = [{"role": "user", "content": "u1"}]
     with pytest.raises(StorageUnavailable, match="could not reserve turn 't1'"):
         await logger.log_messages(CID, turn, turn_id="t1")
     assert await _stored_contents(backend) == ["u0"]
 
     logged = await with_retries(lambda: logger.log_messages(CID, turn, turn_id="t1"))
 
-    assert [m.seq for m in logged.messages] == [1]
-    assert await _stored_contents(backend) == ["u0", "u1"]
+    assert [m.seq for m in logged.messages] == list(range(1, 1 + len(turn)))
+    assert (await _stored_contents(backend))[:2] == ["u0", "u1"]
+    assert len(await _stored_contents(backend)) == 1 + len(turn)
 
 
 async def test_a_turn_into_a_conversation_whose_delete_failed_part_way_is_refused(
@@ -1811,6 +1827,144 @@ async def test_a_retry_moving_its_turn_as_a_delete_begins_is_refused(
     assert marking.marked is not None
     assert await _stored_contents(backend) == ["u0", "a0", "u1", "a1", "u3"]
     assert await backend.db.agent_conversations.find_one({"_id": CID}) == marking.marked
+
+
+class RacedOnce:
+    """The conversations collection, whose first `find_one_and_update` (a turn's reservation)
+    loses a race: `before` runs just before it reaches the server, `after` once it failed
+    there and before the turn reads the conversation back. With `collides`, the reservation
+    raises what a server answers an upsert whose insert another writer's beat
+    (DuplicateKeyError) instead of reaching it."""
+
+    def __init__(
+        self,
+        collection: Any,
+        before: Callable[[], Awaitable[Any]],
+        after: Callable[[], Awaitable[Any]],
+        *,
+        collides: bool = False,
+    ) -> None:
+        self._collection = collection
+        self._before, self._after, self._collides = before, after, collides
+        self.raced = False
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._collection, name)
+        if name != "find_one_and_update" or self.raced:
+            return real
+
+        async def losing(*args: Any, **kwargs: Any) -> Any:
+            self.raced = True
+            await self._before()
+            try:
+                if self._collides:
+                    raise errors.DuplicateKeyError("E11000 duplicate key error (injected)")
+                found = await real(*args, **kwargs)
+                assert found is None  # the race made it match nothing
+                return found
+            finally:
+                await self._after()
+
+        return losing
+
+
+def _asking(tag: str) -> list[dict[str, Any]]:
+    """A turn whose answer makes a call (`call-<tag>`); no prompt anywhere."""
+    call = {"id": f"call-{tag}", "function": {"name": "lookup", "arguments": "{}"}}
+    return [
+        {"role": "user", "content": f"{tag}?"},
+        {"role": "assistant", "content": f"{tag}!", "tool_calls": [call]},
+    ]
+
+
+async def _deleted_and_started_again(backend: Backend) -> RacedOnce:
+    """A delete marks the conversation as the turn's reservation reaches it; the delete ends
+    and another writer starts the conversation again before the turn reads it back."""
+    conversations = backend.db["agent_conversations"]
+
+    async def marked() -> None:
+        marking = {"$set": {"deleting_since": datetime.now(UTC)}}
+        await conversations.update_one({"_id": CID}, marking)
+
+    async def started_again() -> None:
+        await ConversationStore(backend.db).delete(CID)
+        await AgentMessageLogger(backend.db).log_messages(
+            CID, [{"role": "user", "content": "Y?"}], turn_id="Y"
+        )
+
+    return RacedOnce(conversations, marked, started_again)
+
+
+async def _popped(backend: Backend) -> RacedOnce:
+    """A pop marks the conversation (`popping`) as the turn's reservation reaches it and
+    finishes before the turn reads it back."""
+    dying = ConversationStore(backend.db)
+    dying._conversations = FailOnce(dying._conversations, "update_one", after_applying=False,
+                                    skip=1)  # fmt: skip
+
+    async def marked() -> None:
+        with pytest.raises(StorageUnavailable):
+            await dying.pop_last_message(CID)
+
+    async def finished() -> None:
+        await ConversationStore(backend.db).get_conversation(CID)  # a read finishes a pop
+
+    return RacedOnce(backend.db["agent_conversations"], marked, finished)
+
+
+async def _created_meanwhile(backend: Backend) -> RacedOnce:
+    """Another writer's turn making a call creates the conversation as the turn's reservation
+    would: the turn's upsert collides with it."""
+    await backend.db["agent_conversations"].delete_one({"_id": CID})
+    await backend.db["agent_messages"].delete_many({"conversation_id": CID})
+
+    async def created() -> None:
+        await AgentMessageLogger(backend.db).log_messages(CID, _asking("Y"), turn_id="Y")
+
+    async def nothing() -> None:
+        return None
+
+    return RacedOnce(backend.db["agent_conversations"], created, nothing, collides=True)
+
+
+@pytest.mark.parametrize(
+    ("race", "stored"),
+    [
+        pytest.param(_deleted_and_started_again, ["Y?", "X?", "X!"], id="deleted-started-again"),
+        pytest.param(_popped, ["A?", "X?", "X!"], id="popped"),
+        pytest.param(_created_meanwhile, ["Y?", "Y!", "X?", "X!"], id="created-meanwhile"),
+    ],
+)
+async def test_a_turn_making_a_call_whose_reservation_lost_a_race_is_stored_once_after_it(
+    backend: Backend,
+    race: Callable[[Backend], Awaitable[RacedOnce]],
+    stored: list[str],
+) -> None:
+    """A reservation is refused by its condition (for a turn making calls: no call a prompt
+    holds pushed off, `HeldOff`) only when the conversation as it stands does not meet it: one
+    that failed for a reason gone by its read-back (a delete's or a pop's mark, another
+    writer's upsert) reserves again, as a turn without a condition does. No prompt anywhere
+    here: the turn is stored once, after the race, its call pending."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    first = [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "A!"}]
+    await logger.log_messages(CID, first, turn_id="A")
+    raced = await race(backend)
+    logger._conversations = raced
+
+    logged = await logger.log_messages(CID, _asking("X"), turn_id="X")
+
+    assert raced.raced
+    assert not logged.replayed
+    assert [m.content for m in logged.messages] == ["X?", "X!"]
+    assert [m.seq for m in logged.messages] == [len(stored) - 2, len(stored) - 1]
+    assert await _stored_contents(backend) == stored
+    again = await AgentMessageLogger(backend.db).log_messages(CID, _asking("X"), turn_id="X")
+    assert again.replayed
+    assert await _stored_contents(backend) == stored
+    store = ConversationStore(backend.db)
+    assert "call-X" in [c.tool_call_id for c in await store.pending_calls(CID)]
+    assert await summary_disagreements(store) == []
 
 
 async def test_a_delete_run_again_finishes_and_a_turn_after_it_starts_a_new_conversation(

@@ -1939,9 +1939,9 @@ class AgentMessageLogger:
     ) -> _Reserved:
         """Reserve the turn's `seq` block, or find the block an earlier attempt reserved.
 
-        A `condition` adds to the reservation's filter and update; when the
-        conversation exists but does not meet it, its `refusal` is raised, once a fold of its
-        pending state it was owed is written (`_folded_owed`: judged again on it).
+        A `condition` adds to the reservation's filter and update; its `refusal` is raised only
+        when the conversation as it stands does not meet it (`_refuse_unless_met`, once a fold
+        owed is written); every race lost, `_RESERVE_ATTEMPTS` times: `Unreserved`.
         """
         _refuse_migrated_turn_id(plan.turn_id)
         await self._finish_in_doubt(plan)
@@ -1984,9 +1984,8 @@ class AgentMessageLogger:
                 continue
             if verdict.block is not None:
                 continue  # another attempt moved the turn meanwhile: its new block is recorded
-            if condition is not None and not await self._folded_owed(plan, found):
-                raise condition.refused(found, own=own is not None)
-            # Otherwise a race was lost (the conversation was just created): reserve again.
+            await self._refuse_unless_met(plan, found, condition, own)
+            # Otherwise a race was lost (the conversation just created, a mark gone): reserve again.
         raise Unreserved(
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
         )
@@ -2004,6 +2003,32 @@ class AgentMessageLogger:
             abandon_after=self.rules.abandon_after,
             name_chars=self.rules.name_chars,
         )
+
+    async def _refuse_unless_met(
+        self,
+        plan: TurnPlan,
+        found: Mapping[str, Any],
+        condition: Condition | None,
+        own: range | None,
+    ) -> None:
+        """For a reservation that matched nothing, of a turn the conversation `found` (read
+        back after it) holds no block of: the condition's refusal, explained by `found`, when
+        the conversation as it stands does not meet the condition (its `filter`, or `again`
+        for the turn whose empty block `own` was given back, as the attempt asked it), else
+        nothing, and the turn reserves again: its reservation failed for another reason, gone
+        by the read-back (a delete's or a pop's mark met, the delete or pop over since;
+        another writer's upsert creating the conversation first). Judged by the server on the
+        very filter the reservation added (one lookup, on that path only); none once a fold
+        owed was written (`_folded_owed`), which the turn is judged again on."""
+        if condition is None or await self._folded_owed(plan, found):
+            return
+        met = condition.filter if own is None else condition.again(own)
+        with storage_errors("read the conversation"):
+            now = await self._conversations.find_one(
+                {"_id": plan.conversation_id} | met, {"_id": 1}
+            )
+        if now is None:
+            raise condition.refused(found, own=own is not None)
 
     async def _folded_owed(self, plan: TurnPlan, found: Mapping[str, Any]) -> bool:
         """Before a reservation refused by its condition raises: whether the conversation
