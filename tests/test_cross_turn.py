@@ -8108,3 +8108,26 @@ async def test_a_pop_back_to_an_approved_prompt_asks_it_no_more_however_many_ans
         await runtime.store.pop_last_message(CID)
 
     await _asked_nothing_and_the_call_released(runtime, CID)
+
+
+async def test_a_prompt_asked_again_under_an_approved_id_stays_pending_past_the_answers_kept(
+    backend: Backend,
+) -> None:
+    """A question asked again under the request id of a prompt a person approved, its call
+    still pending, is a new one: a fork of it all asks it, once more answers came since the
+    approval than the conversation records too, and the approved call stays released."""
+    runtime = await _approved_then_past_the_bound(backend)
+    again = {"action": "confirm", "params": {}, "request_id": "r-0"}
+    await runtime.logger.log_messages(
+        CID, [{"role": "assistant", "content": "Sure again?", "hitl_action": again}], turn_id="t-a"
+    )
+    last = (await runtime.store.transcript(CID))[-1]
+
+    await runtime.logger.fork(CID, last.seq or 0, "fork")
+
+    asked = await runtime.store.pending_hitl("fork")
+    assert asked is not None
+    assert asked.prompt == "Sure again?"
+    assert [(c.tool_call_id, c.request_id) for c in await runtime.store.pending_calls("fork")] == [
+        ("k-0", None)
+    ]
