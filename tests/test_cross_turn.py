@@ -8038,3 +8038,96 @@ async def test_a_bridges_logged_answer_retried_once_its_call_left_pending_calls_
 
     assert again.replayed
     assert [m.id for m in again.messages] == [m.id for m in first.messages]
+
+
+def _asking(call_id: str, request_id: str) -> list[dict[str, Any]]:
+    """An assistant making the call `call_id`, then asking prompt `request_id` about it."""
+    return [
+        {"role": "assistant", "tool_calls": [
+            {"id": call_id, "function": {"name": "act", "arguments": "{}"}}]},
+        {"role": "assistant", "content": f"Sure? ({request_id})",
+         "hitl_action": {"action": "confirm", "params": {}, "request_id": request_id,
+                         "tool_call_ids": [call_id]}},
+    ]  # fmt: skip
+
+
+async def _approved_then_past_the_bound(backend: Backend) -> Runtime:
+    """Call `k-0` asked about by prompt `r-0` and approved, its result not in yet; then
+    `RESOLVED_PROMPTS_KEPT` more prompts, each asked (one message a turn) and answered: the
+    bounded records of the answers no longer hold the answer to `r-0`."""
+    runtime = Runtime(backend)
+    log = runtime.logger.log_messages
+    await log(CID, [{"role": "user", "content": "Go."}, *_asking("k-0", "r-0")], turn_id="t-0")
+    await runtime.store.resolve_hitl(CID, "r-0")
+    for n in range(1, RESOLVED_PROMPTS_KEPT + 1):
+        asked = {"action": "confirm", "params": {}, "request_id": f"r-{n}"}
+        question = {"role": "assistant", "content": f"Go on? ({n})", "hitl_action": asked}
+        await log(CID, [question], turn_id=f"t-{n}")
+        await runtime.store.resolve_hitl(CID, f"r-{n}")
+    return runtime
+
+
+async def _asked_nothing_and_the_call_released(runtime: Runtime, cid: str) -> None:
+    """`cid` asks nothing, `k-0` awaits its result released, and a refusal of `r-0` there is
+    refused: the person answered it."""
+    assert await runtime.store.pending_hitl(cid) is None
+    assert [(c.tool_call_id, c.request_id) for c in await runtime.store.pending_calls(cid)] == [
+        ("k-0", None)
+    ]
+    transcript = await runtime.store.transcript(cid)
+    denial = {"role": "tool", "tool_call_id": "k-0", "content": None,
+              "error": {"message": "tool call denied"}}  # fmt: skip
+    with pytest.raises(AnsweredBefore):
+        await runtime.logger.log_messages(
+            cid, [denial], turn_id="deny", refused_prompts={"k-0": "r-0"},
+            answers_to={"k-0": transcript[1].id},
+        )  # fmt: skip
+
+
+async def test_a_fork_at_an_approved_prompt_asks_it_no_more_however_many_answers_followed(
+    backend: Backend,
+) -> None:
+    """A fork is the same whenever it is taken: at a prompt a person approved, its call still
+    pending, it asks nothing and its call is released, also once more answers came since
+    than the conversation records."""
+    runtime = await _approved_then_past_the_bound(backend)
+
+    await runtime.logger.fork(CID, 2, "fork")
+
+    await _asked_nothing_and_the_call_released(runtime, "fork")
+
+
+async def test_a_pop_back_to_an_approved_prompt_asks_it_no_more_however_many_answers_followed(
+    backend: Backend,
+) -> None:
+    """Popped back to a prompt a person approved, its call still pending, a conversation asks
+    nothing and its call is released, also once more answers came since than it records."""
+    runtime = await _approved_then_past_the_bound(backend)
+
+    while (await runtime.store.transcript(CID))[-1].seq != 2:
+        await runtime.store.pop_last_message(CID)
+
+    await _asked_nothing_and_the_call_released(runtime, CID)
+
+
+async def test_a_prompt_asked_again_under_an_approved_id_stays_pending_past_the_answers_kept(
+    backend: Backend,
+) -> None:
+    """A question asked again under the request id of a prompt a person approved, its call
+    still pending, is a new one: a fork of it all asks it, once more answers came since the
+    approval than the conversation records too, and the approved call stays released."""
+    runtime = await _approved_then_past_the_bound(backend)
+    again = {"action": "confirm", "params": {}, "request_id": "r-0"}
+    await runtime.logger.log_messages(
+        CID, [{"role": "assistant", "content": "Sure again?", "hitl_action": again}], turn_id="t-a"
+    )
+    last = (await runtime.store.transcript(CID))[-1]
+
+    await runtime.logger.fork(CID, last.seq or 0, "fork")
+
+    asked = await runtime.store.pending_hitl("fork")
+    assert asked is not None
+    assert asked.prompt == "Sure again?"
+    assert [(c.tool_call_id, c.request_id) for c in await runtime.store.pending_calls("fork")] == [
+        ("k-0", None)
+    ]

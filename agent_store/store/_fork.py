@@ -313,3 +313,61 @@ def pending_now(conversation: Mapping[str, Any]) -> tuple[list[PendingCall], Pen
         [PendingCall.model_validate(c) for c in conversation.get("pending_calls") or ()],
         PendingHitl.model_validate(prompt) if prompt else None,
     )
+
+
+def answered_by_kept_approvals(
+    folded: Folded,
+    messages: Sequence[AgentMessage],
+    approved: Iterable[Any],
+    answered: Iterable[Answer],
+) -> Folded:
+    """`folded` (the fold of `messages`, with the recorded `answered`) with the prompt it
+    leaves pending answered when the approvals kept of the answer to it say so, the record of
+    that answer dropped (only the newest `RESOLVED_PROMPTS_KEPT` answers are recorded): the
+    one rule by which what the fold derives for a prompt and for its calls agree. Every call
+    the prompt holds has an approval of its request id (`approved`, the `approved_calls` as
+    read) no recorded answer could have given (`_given_by_one_of`), which no prompt among
+    `messages` holds again (`held_by`, `held_before`), and the prompt is the only one of its
+    id asked since those calls were made: the approvals are kept (`approvals_in_fork`), the
+    calls released, so the prompt was answered, and is read so, as `answered_one` gives
+    an answer naming those calls."""
+    prompt = folded.hitl
+    if prompt is None:
+        return folded
+    request_id = prompt.request_id
+    held = [c for c in folded.calls if c.request_id == request_id]
+    ids = {str(m.id) for m in messages}
+    kept = {
+        (a.get("tool_call_id"), a.get("message_id"))
+        for a in approved
+        if isinstance(a, Mapping)
+        and a.get("request_id") == request_id
+        and not _held_again_among(a, ids)
+        and not _given_by_one_of((a.get("tool_call_id"), a.get("message_id"), request_id), answered)
+    }
+    if not held or any((c.tool_call_id, c.message_id) not in kept for c in held):
+        return folded
+    if _asked_since(messages, {c.message_id for c in held}, request_id) > 1:
+        return folded
+    return folded.answered_one(request_id, tuple((c.tool_call_id, c.message_id) for c in held))
+
+
+def _held_again_among(approval: Mapping[str, Any], ids: Collection[str]) -> bool:
+    """Whether a prompt among the messages `ids` named the approved call again (`held_by`,
+    `held_before`), or one not told (`held_again`, approvals stored before `held_by`)."""
+    earlier = approval.get("held_before")
+    holders = [*(earlier if isinstance(earlier, list) else ()), approval.get("held_by")]
+    return bool(approval.get("held_again")) or any(h in ids for h in holders)
+
+
+def _asked_since(
+    messages: Sequence[AgentMessage], made_by: Collection[str], request_id: str
+) -> int:
+    """How many prompts of `request_id` `messages` ask from the first message of `made_by`
+    (the messages making the calls) on."""
+    first = next((i for i, m in enumerate(messages) if str(m.id) in made_by), 0)
+    return sum(
+        1
+        for m in messages[first:]
+        if m.hitl_action is not None and m.hitl_action.request_id == request_id
+    )
