@@ -48,6 +48,7 @@ from agent_store.legacy import (
     MIGRATION_STATE,
     MIGRATION_STATE_ID,
     TURN_ONLY_FIELDS,
+    not_utf8_at,
     stored_conversation_id,
 )
 from agent_store.store import CONVERSATIONS, only_duplicates
@@ -360,9 +361,23 @@ def relocate(
         _copy_batch, source=source, target=target, progress=progress, fence=fence, state=state,
         late=recorded, own=_KilledCopy.recorded(db),
     )  # fmt: skip
-    moved = _copy_all(source, batch_size, copy)
+    kept: list[str] = []
+    moved = _copy_all(source, batch_size, copy, kept)
     state({"$unset": dict.fromkeys(_COPY_RECORDS, "")})
-    return Relocation("copied", moved, reason)
+    return Relocation("copied", moved, "; ".join(filter(None, [reason, _not_copied(kept)])))
+
+
+def _not_copied(kept: list[str]) -> str:
+    """What the copy says of the turns it left in `agent_conversations` holding text that is
+    not valid UTF-8 (`_copy_all`): the first few by `_id` and where, and how many."""
+    if not kept:
+        return ""
+    more = f" and {len(kept) - 3} more" if len(kept) > 3 else ""
+    return (
+        f"left in {CONVERSATIONS} as stored, holding bytes that are not valid UTF-8: turn "
+        f"{', '.join(kept[:3])}{more}; correct the text there, then `run` again (the gate "
+        f"refuses while {CONVERSATIONS} holds a turn)"
+    )
 
 
 def _renamed(
@@ -382,13 +397,20 @@ def _renamed(
     return Relocation("renamed", count)
 
 
-def _copy_all(source: Any, batch_size: int, copy: Callable[[list[dict[str, Any]]], int]) -> int:
+def _copy_all(
+    source: Any, batch_size: int, copy: Callable[[list[dict[str, Any]]], int], kept: list[str]
+) -> int:
     """Copy the turns batch by batch (`copy`: `_copy_batch`); how many moved. One scan in
     stored order: copied in that order, turns at the same time keep their order (a turn's time
-    ties are broken by it), and the scan never reads a document twice."""
+    ties are broken by it), and the scan never reads a document twice. A turn holding text
+    that is not valid UTF-8 (`not_utf8_at`: no write can give its bytes back) is left where
+    it is, as stored, and named in `kept` (its `_id`, where): the others move."""
     moved = 0
     batch: list[dict[str, Any]] = []
     for document in _in_stored_order(source, batch_size):
+        if (where := not_utf8_at(document)) is not None:
+            kept.append(f"{document.get('_id')!r} ({where})")
+            continue
         batch.append(document)
         if len(batch) == batch_size:
             moved += copy(batch)

@@ -7519,6 +7519,7 @@ def _commands_on_mongomock(
     monkeypatch.setattr(cli_module, "database", on_mongomock)
     _without_sort(monkeypatch)
     database[CONVERSATIONS].insert_many(turns)
+    hold_not_utf8(database[CONVERSATIONS])  # none holds the marker but those made to
     commands = [
         ("run", "--spread", "1"),
         ("verify",),
@@ -7779,3 +7780,72 @@ def test_verify_and_finish_compare_by_the_rules_the_service_reads_from_the_envir
     assert cli(wire_uri, database, "run", "--new-rules") == 0
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish", "--accept", "leg-ctx", "--note", "context") == 0
+
+
+NOT_UTF8 = "words \udcc3( more"
+"""A legacy text stored as bytes that are not valid UTF-8 (`b"\\xc3\\x28"`), as the migration's
+client reads it (`surrogateescape`: each such byte a lone surrogate no valid text holds)."""
+MARKER = "«NOT UTF-8»"
+
+
+def _not_utf8(value: Any) -> Any:
+    """`value` with each `MARKER` made `NOT_UTF8`, keys too."""
+    if isinstance(value, str):
+        return value.replace(MARKER, NOT_UTF8)
+    if isinstance(value, dict):
+        return {_not_utf8(k): _not_utf8(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_not_utf8(v) for v in value]
+    return value
+
+
+def hold_not_utf8(collection: Any) -> None:
+    """A fake of a server holding text that is not valid UTF-8 (mongomock encodes what it is
+    given, and refuses such text): the documents mongomock stores, rewritten in its store,
+    each `MARKER` the text the migration's client reads such bytes as (`NOT_UTF8`)."""
+    store = collection._store
+    for key in list(store._documents):
+        store._documents[key] = _not_utf8(store._documents[key])
+
+
+def _turns_one_not_utf8(field: str) -> list[dict[str, Any]]:
+    """Good turns of two conversations, and of a third one turn holding text that is not valid
+    UTF-8 in `field` (a key too: `field` "key")."""
+    bad = legacy_turn("t-bad", "c-bad", 2, "bad")
+    if field == "key":
+        bad["note " + MARKER] = 1
+    elif field == "response_parts":
+        bad["response_parts"].append({"type": "text", "content": MARKER})
+    else:
+        bad[field] = MARKER
+    return [
+        legacy_turn("t-1", "c-good-1", 0, "one"),
+        legacy_turn("t-2", "c-good-2", 1, "two"),
+        legacy_turn("t-bad-0", "c-bad", 1, "before"),
+        bad,
+    ]
+
+
+@pytest.mark.parametrize("field", ["user_message", "response_parts", "legacy_note", "key"])
+def test_a_turn_holding_text_that_is_not_valid_utf8_is_a_named_problem_and_the_others_migrate(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], field: str
+) -> None:
+    """MIGRATION.md: a legacy turn holding bytes that are not valid UTF-8 never stops a run:
+    its conversation is an `invalid_conversation` problem naming the turn and the field, its
+    turns stay in the legacy collection as they are, the other conversations migrate, and the
+    gate holds (`verify`, `finish`, the drop) until an operator corrects it or accepts it."""
+    codes, database = _commands_on_mongomock(monkeypatch, _turns_one_not_utf8(field))
+    out = capsys.readouterr().out
+
+    assert codes[0] == 0, out
+    migrated = {m["conversation_id"] for m in database[MESSAGES].find()}
+    assert migrated == {"c-good-1", "c-good-2"}
+    problem = database[PROBLEMS].find_one({"conversation_id": "c-bad"})
+    assert problem is not None
+    assert problem["kind"] == "invalid_conversation"
+    assert "legacy turn 't-bad'" in problem["detail"]
+    assert "not valid UTF-8" in problem["detail"]
+    assert (field if field != "key" else "<key>") in problem["detail"]
+    assert codes[1:4] == [1, 1, 1], out
+    assert database[LEGACY_TURNS].count_documents({"conversation_id": "c-bad"}) == 2
+    assert "c-bad" in out
