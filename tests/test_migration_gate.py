@@ -7849,3 +7849,70 @@ def test_a_turn_holding_text_that_is_not_valid_utf8_is_a_named_problem_and_the_o
     assert codes[1:4] == [1, 1, 1], out
     assert database[LEGACY_TURNS].count_documents({"conversation_id": "c-bad"}) == 2
     assert "c-bad" in out
+
+
+def test_a_copy_leaves_a_turn_holding_text_that_is_not_valid_utf8_where_it_is_and_names_it() -> (
+    None
+):
+    """MIGRATION.md: a copy (the server refused the rename, or `agent_conversations` holds
+    conversation documents too) cannot write a text that is not valid UTF-8 back as stored:
+    it moves every other turn and leaves that one in `agent_conversations` as stored, named by
+    its `_id` and field; the gate refuses while it stands there."""
+    database: Any = mongomock.MongoClient(tz_aware=True)["copy_not_utf8"]
+    database[CONVERSATIONS].insert_many(_turns_one_not_utf8("user_message"))
+    hold_not_utf8(database[CONVERSATIONS])
+
+    moved = relocate.relocate(database, allow_rename=False)
+
+    assert moved.moved == 3
+    assert "'t-bad' (user_message holds bytes" in moved.detail
+    assert "not valid UTF-8" in moved.detail
+    left = list(database[CONVERSATIONS].find())
+    assert [(t["_id"], t["user_message"]) for t in left] == [("t-bad", NOT_UTF8)]
+    assert database[LEGACY_TURNS].count_documents({"_id": "t-bad"}) == 0
+
+
+class StoredWithAFieldNameTwice:
+    """A fake of `agent_conversations` on a server holding a turn whose `user_message` is stored
+    twice ("FIRST WORDS", then "SECOND WORDS"; MongoDB keeps what a writer's bytes say): a
+    decoded read shows the field once, with its last value (mongomock holds that view), the
+    stored bytes hold both (an undecoded read, `RawBSONDocument`), and the exact delete of the
+    copy matches nothing, as the server finds the stored document unlike the copy."""
+
+    def __init__(self, real: Any, turn: dict[str, Any]) -> None:
+        self._real = real
+        twice = bson.encode({**turn, "user_message": "FIRST WORDS", "ZZer_message": "X"})
+        self._stored = bson.raw_bson.RawBSONDocument(twice.replace(b"ZZ", b"us"))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def with_options(self, codec_options: Any) -> Any:
+        assert codec_options.document_class is bson.raw_bson.RawBSONDocument
+        stored = self._stored
+        return type("Undecoded", (), {"find_one": lambda _, query: stored})()
+
+    def bulk_write(self, requests: Any, ordered: bool = True) -> Any:
+        return type("Result", (), {"deleted_count": 0})()
+
+    def delete_one(self, query: Any) -> Any:
+        return type("Result", (), {"deleted_count": 0})()
+
+
+def test_the_move_never_deletes_a_turn_it_cannot_copy_byte_for_byte() -> None:
+    """MIGRATION.md: where the exact delete of a copied turn fails and the turn reads as its
+    copy, the move deletes it by `_id` only when its stored bytes are the copy's (the embedded
+    server's binary subtypes it cannot compare); a turn stored otherwise than any decoded read
+    shows it (a field name twice) stays in `agent_conversations` as stored, its copy taken
+    back, and is left for an operator (was: deleted, its first value in no collection)."""
+    client: Any = mongomock.MongoClient(tz_aware=True)
+    turn = legacy_turn("t-dup", "c-dup", 0, "dup") | {"user_message": "SECOND WORDS"}
+    client.db[CONVERSATIONS].insert_one(turn)
+    client.db[LEGACY_TURNS].insert_one(turn)
+    source = StoredWithAFieldNameTwice(client.db[CONVERSATIONS], turn)
+
+    left = relocate._delete_as_copied([turn], source, client.db[LEGACY_TURNS])
+
+    assert left == ["t-dup"]
+    assert client.db[CONVERSATIONS].find_one({"_id": "t-dup"}) == turn
+    assert client.db[LEGACY_TURNS].count_documents({}) == 0
