@@ -2325,3 +2325,28 @@ async def test_a_legacy_turn_the_driver_cannot_decode_is_a_storage_failure_not_a
         with pytest.raises(StorageFailure, match="not valid UTF-8") as caught:
             await read
         assert "0xc3" not in str(caught.value)
+
+
+async def test_the_api_answers_a_legacy_turn_the_driver_cannot_decode_with_its_error_body() -> None:
+    """API.md: the owner's read and delete of a conversation whose legacy turn the driver
+    cannot decode (text that is not valid UTF-8) are answered with the API's error body,
+    `storage_failure`, not an unhandled exception out of the app."""
+    from tests.api_harness import auth_headers, mongomock_db, serve
+
+    db = mongomock_db()
+    await db[LEGACY_TURNS].insert_one(
+        {"_id": "t-1", "conversation_id": "c-bad", "user_id": "alice",
+         "created_at": MESSY_START, "user_message": "question"}
+    )  # fmt: skip
+    async with serve(db, seeded=False) as served:
+        served.store.legacy._turns = UndecodableReplies(served.store.legacy._turns)
+        headers = auth_headers(user="alice")
+        for method, path in [
+            ("GET", "/v1/conversations/c-bad"),
+            ("GET", "/v1/conversations/c-bad/messages"),
+            ("DELETE", "/v1/conversations/c-bad"),
+        ]:
+            answer = await served.http.request(method, path, headers=headers)
+            assert answer.status_code == 500, (method, path)
+            assert answer.json()["error"]["code"] == "storage_failure"
+            assert "not valid UTF-8" in answer.json()["error"]["message"]
