@@ -140,17 +140,39 @@ def held_back(db: Database[dict[str, Any]]) -> set[str]:
     Migrated without it, a conversation would be served without its words and opened to
     live turns, or lose its migrated messages; so it waits, whole, until an operator moves
     or corrects the document, and the next run migrates it with the turn in its place. One
-    read of each collection a run (few such documents stand: each is named as work left)."""
+    read of each collection a run (few such documents stand: each is named as work left).
+    So too a turn a copy left in `agent_conversations` holding text that is not valid UTF-8
+    (`left_not_utf8`)."""
     held: set[str] = set()
     for name, query in UNREAD:
         for document in db[name].find(query, {"_id": 1, "conversation_id": 1}):
             if name == CONVERSATIONS and isinstance(document["_id"], str):
                 held.add(document["_id"])
-            try:
-                held.add(stored_conversation_id(document))
-            except InvalidInput:  # an id no turn can be filed under: none is held by it
-                continue
+            held |= _filed_under(document)
+    for document in left_not_utf8(db):
+        held |= _filed_under(document)
     return held
+
+
+def _filed_under(document: Mapping[str, Any]) -> set[str]:
+    """The conversation a turn is stored under (`stored_conversation_id`), or none for an id
+    no turn can be filed under (one holding text that is not valid UTF-8 among them)."""
+    try:
+        return {stored_conversation_id(document)}
+    except (InvalidInput, UnicodeEncodeError):
+        return set()
+
+
+def left_not_utf8(db: Database[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The turns a copy left in `agent_conversations` holding text that is not valid UTF-8
+    (`_copy_all`), read only once the legacy collection stands: then the turns there are
+    those left or logged since, few (before any move, every turn is there, and the
+    conversion makes such a turn's conversation an `invalid_conversation` problem)."""
+    if not db.list_collection_names(filter={"name": LEGACY_TURNS}):
+        return
+    for document in db[CONVERSATIONS].find(TURN_FILTER):
+        if not_utf8_at(document) is not None:
+            yield document
 
 
 def late_bytes(ids: list[Any]) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import re
@@ -7916,3 +7917,23 @@ def test_the_move_never_deletes_a_turn_it_cannot_copy_byte_for_byte() -> None:
     assert left == ["t-dup"]
     assert client.db[CONVERSATIONS].find_one({"_id": "t-dup"}) == turn
     assert client.db[LEGACY_TURNS].count_documents({}) == 0
+
+
+def test_a_turn_a_copy_leaves_for_text_that_is_not_valid_utf8_holds_its_conversation_back(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md: the conversation of a turn a copy left in `agent_conversations` (text that
+    is not valid UTF-8) is held back, nothing of it written, as on a rename, where its
+    conversation is an `invalid_conversation` problem: never migrated without that turn's
+    words; the others migrate and the gate holds, the turn named."""
+    copying = functools.partial(relocate.relocate, allow_rename=False)
+    monkeypatch.setattr(relocate, "relocate", copying)
+    codes, database = _commands_on_mongomock(monkeypatch, _turns_one_not_utf8("user_message"))
+    out = capsys.readouterr().out
+
+    assert codes[0] == 0, out
+    assert "turn 't-bad' (user_message holds bytes that are not valid UTF-8)" in out
+    migrated = {m["conversation_id"] for m in database[MESSAGES].find()}
+    assert migrated == {"c-good-1", "c-good-2"}
+    assert database[CONVERSATIONS].find_one({"_id": "c-bad"}) is None
+    assert codes[1:4] == [1, 1, 1], out
