@@ -46,7 +46,7 @@ from migrations import (
 )
 from migrations import problems as problem_report
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS
-from migrations.connection import URI_VARIABLES, database
+from migrations.connection import URI_VARIABLES, database, read_as_stored
 from migrations.errors import MigrationError, Misuse
 from migrations.settings import service_environment
 from migrations.verify import verify
@@ -818,7 +818,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with database(args) as (client, where):
             if where != "--uri" and where not in URI_VARIABLES:
                 print(f"database {args.database!r} on {where}")
-            return COMMANDS[args.command](client[args.database], args)
+            return COMMANDS[args.command](read_as_stored(client[args.database]), args)
     except KeyboardInterrupt as exc:
         stopped_by = signal.SIGTERM if isinstance(exc, Stopped) else signal.SIGINT
         print(

@@ -23,6 +23,7 @@ from typing import Any
 
 from bson.codec_options import DatetimeConversion
 from pymongo import MongoClient
+from pymongo.database import Database
 from pymongo.errors import ConfigurationError, PyMongoError
 
 from agent_store.embedded import (
@@ -125,3 +126,19 @@ def database(args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
                 f"cannot reach MongoDB at {redact_uri(uri)!r} within {args.timeout:g}s: {exc}"
             ) from exc
         yield client, where
+
+
+def read_as_stored(db: Any) -> Any:
+    """`db` reading a text holding bytes that are not valid UTF-8 (MongoDB stores the bytes a
+    writer gave unchecked) with each such byte a lone surrogate (`surrogateescape`): a batch
+    holding one is read whole (was: `InvalidBSON`, and the command stopped), and no byte is
+    replaced or dropped, so no copy or delete takes it for what it is not. No write encodes
+    such a text: the conversion names its turn (`agent_store.legacy.not_utf8_at`), and the move
+    leaves it where it is (`relocate`). PyMongo's client takes only the strict, lossy handlers;
+    a database takes any. A database of no real server (mongomock, which holds Python values
+    and decodes nothing) is as it is."""
+    if not isinstance(db, Database):
+        return db
+    return db.with_options(
+        codec_options=db.codec_options.with_options(unicode_decode_error_handler="surrogateescape")
+    )

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import bson
+from bson.codec_options import CodecOptions
+from bson.raw_bson import RawBSONDocument
 from pymongo import DeleteOne
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError, OperationFailure
@@ -48,6 +50,7 @@ from agent_store.legacy import (
     MIGRATION_STATE,
     MIGRATION_STATE_ID,
     TURN_ONLY_FIELDS,
+    not_utf8_at,
     stored_conversation_id,
 )
 from agent_store.store import CONVERSATIONS, only_duplicates
@@ -137,17 +140,39 @@ def held_back(db: Database[dict[str, Any]]) -> set[str]:
     Migrated without it, a conversation would be served without its words and opened to
     live turns, or lose its migrated messages; so it waits, whole, until an operator moves
     or corrects the document, and the next run migrates it with the turn in its place. One
-    read of each collection a run (few such documents stand: each is named as work left)."""
+    read of each collection a run (few such documents stand: each is named as work left).
+    So too a turn a copy left in `agent_conversations` holding text that is not valid UTF-8
+    (`left_not_utf8`)."""
     held: set[str] = set()
     for name, query in UNREAD:
         for document in db[name].find(query, {"_id": 1, "conversation_id": 1}):
             if name == CONVERSATIONS and isinstance(document["_id"], str):
                 held.add(document["_id"])
-            try:
-                held.add(stored_conversation_id(document))
-            except InvalidInput:  # an id no turn can be filed under: none is held by it
-                continue
+            held |= _filed_under(document)
+    for document in left_not_utf8(db):
+        held |= _filed_under(document)
     return held
+
+
+def _filed_under(document: Mapping[str, Any]) -> set[str]:
+    """The conversation a turn is stored under (`stored_conversation_id`), or none for an id
+    no turn can be filed under (one holding text that is not valid UTF-8 among them)."""
+    try:
+        return {stored_conversation_id(document)}
+    except (InvalidInput, UnicodeEncodeError):
+        return set()
+
+
+def left_not_utf8(db: Database[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The turns a copy left in `agent_conversations` holding text that is not valid UTF-8
+    (`_copy_all`), read only once the legacy collection stands: then the turns there are
+    those left or logged since, few (before any move, every turn is there, and the
+    conversion makes such a turn's conversation an `invalid_conversation` problem)."""
+    if not db.list_collection_names(filter={"name": LEGACY_TURNS}):
+        return
+    for document in db[CONVERSATIONS].find(TURN_FILTER):
+        if not_utf8_at(document) is not None:
+            yield document
 
 
 def late_bytes(ids: list[Any]) -> int:
@@ -356,13 +381,27 @@ def relocate(
         )
     state({"$set": {COPYING: utc_now()}})
     recorded = _late(db, start_over=start_over) if late else None
+    kept: list[str] = []
     copy = functools.partial(
         _copy_batch, source=source, target=target, progress=progress, fence=fence, state=state,
-        late=recorded, own=_KilledCopy.recorded(db),
+        late=recorded, own=_KilledCopy.recorded(db), kept=kept,
     )  # fmt: skip
-    moved = _copy_all(source, batch_size, copy)
+    moved = _copy_all(source, batch_size, copy, kept)
     state({"$unset": dict.fromkeys(_COPY_RECORDS, "")})
-    return Relocation("copied", moved, reason)
+    return Relocation("copied", moved, "; ".join(filter(None, [reason, _not_copied(kept)])))
+
+
+def _not_copied(kept: list[str]) -> str:
+    """What the copy says of the turns it left in `agent_conversations` (`_copy_all`,
+    `_copy_batch`): the first few by `_id` and why, and how many."""
+    if not kept:
+        return ""
+    more = f" and {len(kept) - 3} more" if len(kept) > 3 else ""
+    return (
+        f"left in {CONVERSATIONS} as stored, no copy kept: turn {', '.join(kept[:3])}{more}; "
+        f"correct it there, then `run` again (the gate refuses while {CONVERSATIONS} holds a "
+        "turn)"
+    )
 
 
 def _renamed(
@@ -382,13 +421,20 @@ def _renamed(
     return Relocation("renamed", count)
 
 
-def _copy_all(source: Any, batch_size: int, copy: Callable[[list[dict[str, Any]]], int]) -> int:
+def _copy_all(
+    source: Any, batch_size: int, copy: Callable[[list[dict[str, Any]]], int], kept: list[str]
+) -> int:
     """Copy the turns batch by batch (`copy`: `_copy_batch`); how many moved. One scan in
     stored order: copied in that order, turns at the same time keep their order (a turn's time
-    ties are broken by it), and the scan never reads a document twice."""
+    ties are broken by it), and the scan never reads a document twice. A turn holding text
+    that is not valid UTF-8 (`not_utf8_at`: no write can give its bytes back) is left where
+    it is, as stored, and named in `kept` (its `_id`, where): the others move."""
     moved = 0
     batch: list[dict[str, Any]] = []
     for document in _in_stored_order(source, batch_size):
+        if (where := not_utf8_at(document)) is not None:
+            kept.append(f"{document.get('_id')!r} ({where} holds bytes that are not valid UTF-8)")
+            continue
         batch.append(document)
         if len(batch) == batch_size:
             moved += copy(batch)
@@ -422,6 +468,7 @@ def _copy_batch(
     state: Callable[[dict[str, Any]], None],
     late: _Late | None = None,
     own: _KilledCopy | None = None,
+    kept: list[str] | None = None,
 ) -> int:
     """Insert the batch into the target, take back the copies of the turns deleted from the
     source since the batch was read, check the copy of every other arrived (`_arrived`),
@@ -436,7 +483,8 @@ def _copy_batch(
     the others are recorded as confirmed (`CONFIRMED`) before their delete, and taken out
     of both records once it returned (three more writes a batch): a copy killed part-way
     leaves in both collections only turns still recorded, and a resumed copy tells a turn
-    it moved from one deleted since (`_settle_killed_batch`)."""
+    it moved from one deleted since (`_settle_killed_batch`). The turns left in the source
+    are named in `kept`."""
     fence()
     ids = [doc["_id"] for doc in batch]
     digests = [copied_as(doc) for doc in batch]
@@ -450,6 +498,10 @@ def _copy_batch(
     still = [copy["_id"] for copy in copies]
     state({"$addToSet": {CONFIRMED: {"$each": still}}})
     left = _delete_as_copied(copies, source, target)
+    if kept is not None:
+        kept += [
+            f"{i!r} (edited again during the copy, or stored as no read shows it)" for i in left
+        ]
     recopied = [copied_as(copy) for copy in copies]  # the copies the check made again
     state({"$pullAll": {IN_FLIGHT: ids, CONFIRMED: still, COPIED_AS: digests + recopied}})
     if progress is not None:
@@ -571,18 +623,38 @@ def _read_again(tried: list[dict[str, Any]], source: Any, target: Any) -> list[d
     its copy; one it holds unchanged is content the server cannot compare (the embedded
     server matches no binary value of subtype 3, 5 or 128, not even to itself): it is
     deleted by `_id` and its copy made what that delete returned (an edit landing between
-    this read and that delete is lost only if the run is killed right after it)."""
+    this read and that delete is lost only if the run is killed right after it), but only
+    when its stored bytes are the copy's (`_stored_as`): one stored otherwise than any decoded
+    read shows it (a field name twice) is never deleted, as one edited again."""
     now = _standing([copy["_id"] for copy in tried], source, target)
     edited = []
     for copy in tried:
         current = now.get(matched_key(copy["_id"]))
         if current is not None and not same_document(current, copy):
             edited.append(current)
+        elif current is not None and not _stored_as(copy, source):
+            edited.append(current)  # tried again, then left in the source, its copy taken back
         elif current is not None:
             deleted = source.find_one_and_delete({"_id": copy["_id"], **TURN_FILTER})
             if deleted is not None and not same_document(deleted, copy):
                 target.replace_one({"_id": copy["_id"]}, deleted)
     return edited
+
+
+_UNDECODED = CodecOptions(document_class=RawBSONDocument)
+
+
+def _stored_as(copy: dict[str, Any], source: Any) -> bool:
+    """Whether the source stores the turn of `copy` as the copy's BSON, byte for byte: read
+    undecoded, so a document holding what a decoded read cannot show (a field name twice,
+    its first value hidden) is not. A collection holding Python values, not bytes
+    (mongomock), stores what it shows: true."""
+    try:
+        undecoded = source.with_options(codec_options=_UNDECODED)
+    except NotImplementedError:
+        return True
+    stored = undecoded.find_one({"_id": copy["_id"], **TURN_FILTER})
+    return stored is not None and stored.raw == bson.encode(copy)
 
 
 def _settle_killed_batch(

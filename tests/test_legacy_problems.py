@@ -15,6 +15,7 @@ import pytest
 from bson import Code, DatetimeMS, Decimal128, Int64, ObjectId
 
 from agent_store import ConversationStore, LegacyTurns
+from agent_store.core import StorageFailure
 from agent_store.legacy import (
     LEGACY_TURNS,
     as_text,
@@ -2283,3 +2284,69 @@ async def test_a_legacy_conversation_holding_dates_outside_pythons_range_is_read
     assert [m.role for m in transcript] == ["user", "assistant", "tool"]
     assert str(2**62) in transcript[1].model_dump_json()
     assert str(-62_198_755_200_000) in (transcript[2].content or "")
+
+
+class UndecodableReplies:
+    """A fake of the legacy collection on a server holding a turn whose text is not valid
+    UTF-8 (MongoDB stores such bytes unchecked; the stand-ins refuse them): every read of it
+    fails as PyMongo's strict decoding of such a reply does, with `InvalidBSON`."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("find", "find_one", "aggregate", "find_one_and_delete", "count_documents"):
+            raise bson.errors.InvalidBSON(
+                "'utf-8' codec can't decode byte 0xc3 in position 7: invalid continuation byte"
+            )
+        return getattr(self._real, name)
+
+
+async def test_a_legacy_turn_the_driver_cannot_decode_is_a_storage_failure_not_a_crash(
+    backend: Backend,
+) -> None:
+    """DESIGN.md: errors are translated at the storage boundary. A legacy turn holding text
+    that is not valid UTF-8, which the driver refuses to decode (`InvalidBSON`), makes the
+    store's reads and delete of its conversation a StorageFailure saying so (the API's error
+    body), never an unhandled driver error; the message repeats none of the stored bytes."""
+    await backend.db[LEGACY_TURNS].insert_one(
+        {"_id": "t-1", "conversation_id": "c-bad", "user_id": "alice",
+         "created_at": MESSY_START, "user_message": "question"}
+    )  # fmt: skip
+    legacy = LegacyTurns(backend.db)
+    legacy._turns = UndecodableReplies(legacy._turns)
+    store = ConversationStore(backend.db, legacy=legacy)
+
+    for read in (
+        store.get_conversation("c-bad", user_id="alice"),
+        store.transcript("c-bad", user_id="alice"),
+        store.delete("c-bad", user_id="alice"),
+    ):
+        with pytest.raises(StorageFailure, match="not valid UTF-8") as caught:
+            await read
+        assert "0xc3" not in str(caught.value)
+
+
+async def test_the_api_answers_a_legacy_turn_the_driver_cannot_decode_with_its_error_body() -> None:
+    """API.md: the owner's read and delete of a conversation whose legacy turn the driver
+    cannot decode (text that is not valid UTF-8) are answered with the API's error body,
+    `storage_failure`, not an unhandled exception out of the app."""
+    from tests.api_harness import auth_headers, mongomock_db, serve
+
+    db = mongomock_db()
+    await db[LEGACY_TURNS].insert_one(
+        {"_id": "t-1", "conversation_id": "c-bad", "user_id": "alice",
+         "created_at": MESSY_START, "user_message": "question"}
+    )  # fmt: skip
+    async with serve(db, seeded=False) as served:
+        served.store.legacy._turns = UndecodableReplies(served.store.legacy._turns)
+        headers = auth_headers(user="alice")
+        for method, path in [
+            ("GET", "/v1/conversations/c-bad"),
+            ("GET", "/v1/conversations/c-bad/messages"),
+            ("DELETE", "/v1/conversations/c-bad"),
+        ]:
+            answer = await served.http.request(method, path, headers=headers)
+            assert answer.status_code == 500, (method, path)
+            assert answer.json()["error"]["code"] == "storage_failure"
+            assert "not valid UTF-8" in answer.json()["error"]["message"]

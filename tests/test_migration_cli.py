@@ -1627,6 +1627,26 @@ def test_the_migrations_client_decodes_a_date_outside_pythons_range(wire_uri: st
     assert decoded["t"] == DatetimeMS(2**62)
 
 
+NOT_UTF8 = bson.encode({"t": "words ZZ more"}).replace(b"ZZ", b"\xc3\x28")
+"""A BSON string holding bytes that are not valid UTF-8, as MongoDB stores what a writer gave."""
+
+
+@pytest.mark.wire
+def test_the_migrations_client_reads_text_that_is_not_valid_utf8_keeping_every_byte(
+    wire_uri: str,
+) -> None:
+    """The migration's client reads a legacy text holding bytes that are not valid UTF-8 with
+    each such byte a lone surrogate (`surrogateescape`), never stopping a run on its batch
+    (was: `InvalidBSON`, whole batches refused), and never replacing a byte: the text read
+    gives back the bytes stored."""
+    args = parser().parse_args(["status", "--uri", wire_uri])
+    with database(args) as (client, _):
+        db = connection.read_as_stored(client["any"])
+        decoded = bson.decode(NOT_UTF8, codec_options=db.codec_options)
+    assert decoded["t"] == "words \udcc3( more"
+    assert decoded["t"].encode("utf-8", "surrogateescape") == b"words \xc3\x28 more"
+
+
 SERVICE_TURN_SETTINGS = {
     "AGENT_STORE_RUNTIME_CONTEXT_START": "<ctx>",
     "AGENT_STORE_RUNTIME_CONTEXT_END": "</ctx>",

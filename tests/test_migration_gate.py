@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import re
@@ -7560,6 +7561,7 @@ def _commands_on_mongomock(
     monkeypatch.setattr(cli_module, "database", on_mongomock)
     _without_sort(monkeypatch)
     database[CONVERSATIONS].insert_many(turns)
+    hold_not_utf8(database[CONVERSATIONS])  # none holds the marker but those made to
     commands = [
         ("run", "--spread", "1"),
         ("verify",),
@@ -7953,3 +7955,159 @@ def test_a_rerun_keeps_the_epoch_the_migration_drew_and_so_the_version(
     assert (again["epoch"], again["epoch_marks"]) == (written["epoch"], True)
     assert Conversation.model_validate(again).version == before
     assert writes.written_by_migration(again)
+
+
+NOT_UTF8 = "words \udcc3( more"
+"""A legacy text stored as bytes that are not valid UTF-8 (`b"\\xc3\\x28"`), as the migration's
+client reads it (`surrogateescape`: each such byte a lone surrogate no valid text holds)."""
+MARKER = "«NOT UTF-8»"
+
+
+def _not_utf8(value: Any) -> Any:
+    """`value` with each `MARKER` made `NOT_UTF8`, keys too."""
+    if isinstance(value, str):
+        return value.replace(MARKER, NOT_UTF8)
+    if isinstance(value, dict):
+        return {_not_utf8(k): _not_utf8(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_not_utf8(v) for v in value]
+    return value
+
+
+def hold_not_utf8(collection: Any) -> None:
+    """A fake of a server holding text that is not valid UTF-8 (mongomock encodes what it is
+    given, and refuses such text): the documents mongomock stores, rewritten in its store,
+    each `MARKER` the text the migration's client reads such bytes as (`NOT_UTF8`)."""
+    store = collection._store
+    for key in list(store._documents):
+        store._documents[key] = _not_utf8(store._documents[key])
+
+
+def _turns_one_not_utf8(field: str) -> list[dict[str, Any]]:
+    """Good turns of two conversations, and of a third one turn holding text that is not valid
+    UTF-8 in `field` (a key too: `field` "key")."""
+    bad = legacy_turn("t-bad", "c-bad", 2, "bad")
+    if field == "key":
+        bad["note " + MARKER] = 1
+    elif field == "response_parts":
+        bad["response_parts"].append({"type": "text", "content": MARKER})
+    else:
+        bad[field] = MARKER
+    return [
+        legacy_turn("t-1", "c-good-1", 0, "one"),
+        legacy_turn("t-2", "c-good-2", 1, "two"),
+        legacy_turn("t-bad-0", "c-bad", 1, "before"),
+        bad,
+    ]
+
+
+@pytest.mark.parametrize("field", ["user_message", "response_parts", "legacy_note", "key"])
+def test_a_turn_holding_text_that_is_not_valid_utf8_is_a_named_problem_and_the_others_migrate(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], field: str
+) -> None:
+    """MIGRATION.md: a legacy turn holding bytes that are not valid UTF-8 never stops a run:
+    its conversation is an `invalid_conversation` problem naming the turn and the field, its
+    turns stay in the legacy collection as they are, the other conversations migrate, and the
+    gate holds (`verify`, `finish`, the drop) until an operator corrects it or accepts it."""
+    codes, database = _commands_on_mongomock(monkeypatch, _turns_one_not_utf8(field))
+    out = capsys.readouterr().out
+
+    assert codes[0] == 0, out
+    migrated = {m["conversation_id"] for m in database[MESSAGES].find()}
+    assert migrated == {"c-good-1", "c-good-2"}
+    problem = database[PROBLEMS].find_one({"conversation_id": "c-bad"})
+    assert problem is not None
+    assert problem["kind"] == "invalid_conversation"
+    assert "legacy turn 't-bad'" in problem["detail"]
+    assert "not valid UTF-8" in problem["detail"]
+    assert (field if field != "key" else "<key>") in problem["detail"]
+    assert codes[1:4] == [1, 1, 1], out
+    assert database[LEGACY_TURNS].count_documents({"conversation_id": "c-bad"}) == 2
+    assert "c-bad" in out
+
+
+def test_a_copy_leaves_a_turn_holding_text_that_is_not_valid_utf8_where_it_is_and_names_it() -> (
+    None
+):
+    """MIGRATION.md: a copy (the server refused the rename, or `agent_conversations` holds
+    conversation documents too) cannot write a text that is not valid UTF-8 back as stored:
+    it moves every other turn and leaves that one in `agent_conversations` as stored, named by
+    its `_id` and field; the gate refuses while it stands there."""
+    database: Any = mongomock.MongoClient(tz_aware=True)["copy_not_utf8"]
+    database[CONVERSATIONS].insert_many(_turns_one_not_utf8("user_message"))
+    hold_not_utf8(database[CONVERSATIONS])
+
+    moved = relocate.relocate(database, allow_rename=False)
+
+    assert moved.moved == 3
+    assert "'t-bad' (user_message holds bytes" in moved.detail
+    assert "not valid UTF-8" in moved.detail
+    left = list(database[CONVERSATIONS].find())
+    assert [(t["_id"], t["user_message"]) for t in left] == [("t-bad", NOT_UTF8)]
+    assert database[LEGACY_TURNS].count_documents({"_id": "t-bad"}) == 0
+
+
+class StoredWithAFieldNameTwice:
+    """A fake of `agent_conversations` on a server holding a turn whose `user_message` is stored
+    twice ("FIRST WORDS", then "SECOND WORDS"; MongoDB keeps what a writer's bytes say): a
+    decoded read shows the field once, with its last value (mongomock holds that view), the
+    stored bytes hold both (an undecoded read, `RawBSONDocument`), and the exact delete of the
+    copy matches nothing, as the server finds the stored document unlike the copy."""
+
+    def __init__(self, real: Any, turn: dict[str, Any]) -> None:
+        self._real = real
+        twice = bson.encode({**turn, "user_message": "FIRST WORDS", "ZZer_message": "X"})
+        self._stored = bson.raw_bson.RawBSONDocument(twice.replace(b"ZZ", b"us"))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def with_options(self, codec_options: Any) -> Any:
+        assert codec_options.document_class is bson.raw_bson.RawBSONDocument
+        stored = self._stored
+        return type("Undecoded", (), {"find_one": lambda _, query: stored})()
+
+    def bulk_write(self, requests: Any, ordered: bool = True) -> Any:
+        return type("Result", (), {"deleted_count": 0})()
+
+    def delete_one(self, query: Any) -> Any:
+        return type("Result", (), {"deleted_count": 0})()
+
+
+def test_the_move_never_deletes_a_turn_it_cannot_copy_byte_for_byte() -> None:
+    """MIGRATION.md: where the exact delete of a copied turn fails and the turn reads as its
+    copy, the move deletes it by `_id` only when its stored bytes are the copy's (the embedded
+    server's binary subtypes it cannot compare); a turn stored otherwise than any decoded read
+    shows it (a field name twice) stays in `agent_conversations` as stored, its copy taken
+    back, and is left for an operator (was: deleted, its first value in no collection)."""
+    client: Any = mongomock.MongoClient(tz_aware=True)
+    turn = legacy_turn("t-dup", "c-dup", 0, "dup") | {"user_message": "SECOND WORDS"}
+    client.db[CONVERSATIONS].insert_one(turn)
+    client.db[LEGACY_TURNS].insert_one(turn)
+    source = StoredWithAFieldNameTwice(client.db[CONVERSATIONS], turn)
+
+    left = relocate._delete_as_copied([turn], source, client.db[LEGACY_TURNS])
+
+    assert left == ["t-dup"]
+    assert client.db[CONVERSATIONS].find_one({"_id": "t-dup"}) == turn
+    assert client.db[LEGACY_TURNS].count_documents({}) == 0
+
+
+def test_a_turn_a_copy_leaves_for_text_that_is_not_valid_utf8_holds_its_conversation_back(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md: the conversation of a turn a copy left in `agent_conversations` (text that
+    is not valid UTF-8) is held back, nothing of it written, as on a rename, where its
+    conversation is an `invalid_conversation` problem: never migrated without that turn's
+    words; the others migrate and the gate holds, the turn named."""
+    copying = functools.partial(relocate.relocate, allow_rename=False)
+    monkeypatch.setattr(relocate, "relocate", copying)
+    codes, database = _commands_on_mongomock(monkeypatch, _turns_one_not_utf8("user_message"))
+    out = capsys.readouterr().out
+
+    assert codes[0] == 0, out
+    assert "turn 't-bad' (user_message holds bytes that are not valid UTF-8)" in out
+    migrated = {m["conversation_id"] for m in database[MESSAGES].find()}
+    assert migrated == {"c-good-1", "c-good-2"}
+    assert database[CONVERSATIONS].find_one({"_id": "c-bad"}) is None
+    assert codes[1:4] == [1, 1, 1], out

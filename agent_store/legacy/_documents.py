@@ -42,6 +42,7 @@ from agent_store.core import (
     InvalidInput,
     describe_validation_error,
     epoch_millis,
+    shown_key,
     to_utc,
     to_utc_millis,
     utc_now,
@@ -710,6 +711,12 @@ def parse_turns(
     document no model holds."""
     turns = []
     for document in documents:
+        if (where := not_utf8_at(document)) is not None:
+            raise InvalidInput(
+                f"legacy turn {document.get('_id')!r}: {where} holds bytes that are not valid "
+                "UTF-8 (kept as stored; no message can hold them): correct the text in the "
+                "database, then run again"
+            )
         try:
             turn = LegacyTurn.model_validate(read_code_as_text(document))
         except ValidationError as exc:
@@ -1123,6 +1130,26 @@ def dumps(value: Any, *, compact: bool = False) -> tuple[str, bool]:
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def not_utf8_at(value: Any, where: str = "") -> str | None:
+    """Where in a stored document a text (a key too) holds bytes that are not valid UTF-8, as
+    a client decoding with `surrogateescape` reads them (the migration's): each such byte a
+    lone surrogate, which no valid UTF-8 spells, so a document read from BSON holds one only
+    so (`a.0.b`, a key that is no plain name shown as `<key>`); None when none does."""
+    if isinstance(value, str):
+        return where or "a text" if _LONE_SURROGATE.search(value) else None
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            at = f"{where}.{shown_key(str(key))}" if where else shown_key(str(key))
+            found = at if _LONE_SURROGATE.search(str(key)) else not_utf8_at(item, at)
+            if found is not None:
+                return found
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            if (found := not_utf8_at(item, f"{where}.{index}")) is not None:
+                return found
+    return None
 
 
 def encodes(value: Any) -> bool:

@@ -13,6 +13,7 @@ from contextvars import ContextVar
 from types import TracebackType
 from typing import Any
 
+from bson.errors import InvalidBSON
 from dns.exception import DNSException
 from pymongo import AsyncMongoClient, MongoClient
 from pymongo import errors as mongo_errors
@@ -194,6 +195,12 @@ def store_error(action: str, exc: BaseException) -> StoreError | None:
         return StorageFailure(f"could not {action}: the database refused the operation")
     if isinstance(exc, NotImplementedError):
         return Unsupported(f"could not {action}: this database does not support it")
+    if isinstance(exc, InvalidBSON):  # a reply the driver cannot decode, bytes of it quoted
+        return StorageFailure(
+            f"could not {action}: a stored document holds what the driver cannot decode "
+            "(such as text that is not valid UTF-8, which MongoDB stores unchecked): an "
+            "operator corrects it in the database"
+        )
     return None
 
 
