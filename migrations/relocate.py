@@ -497,7 +497,7 @@ def _copy_batch(
     copies = _arrived(_still_in_source(batch, source, target, state), source, target)
     still = [copy["_id"] for copy in copies]
     state({"$addToSet": {CONFIRMED: {"$each": still}}})
-    left = _delete_as_copied(copies, source, target)
+    left = _delete_as_copied(copies, source, target, state)
     if kept is not None:
         kept += [
             f"{i!r} (edited again during the copy, or stored as no read shows it)" for i in left
@@ -577,7 +577,9 @@ def _as_copied(copy: dict[str, Any]) -> dict[str, Any]:
     return {"_id": copy["_id"], **TURN_FILTER, "$expr": {"$eq": ["$$ROOT", {"$literal": copy}]}}
 
 
-def _delete_as_copied(copies: list[dict[str, Any]], source: Any, target: Any) -> list[Any]:
+def _delete_as_copied(
+    copies: list[dict[str, Any]], source: Any, target: Any, state: Callable[[dict[str, Any]], None]
+) -> list[Any]:
     """Delete each turn of `copies` from the source while it is still what its copy holds
     (`_as_copied`; one round trip for the batch), and the `_id`s of those left there: a
     turn the old service edited since its copy (still in the source once the delete
@@ -591,19 +593,25 @@ def _delete_as_copied(copies: list[dict[str, Any]], source: Any, target: Any) ->
     if source.bulk_write(deletes, ordered=False).deleted_count == len(copies):
         return []
     ids = [copy["_id"] for copy in copies]
-    return _delete_edited(list(source.find({"_id": {"$in": ids}, **TURN_FILTER})), source, target)
+    edited = list(source.find({"_id": {"$in": ids}, **TURN_FILTER}))
+    return _delete_edited(edited, source, target, state)
 
 
-def _delete_edited(edited: list[dict[str, Any]], source: Any, target: Any) -> list[Any]:
+def _delete_edited(
+    edited: list[dict[str, Any]], source: Any, target: Any, state: Callable[[dict[str, Any]], None]
+) -> list[Any]:
     """The turns the old service edited since their copy (`edited`, as they stand now): each
     copy made the turn as it stands, then the turn deleted while it is still that (one
     delete each, so a turn not deleted is known), up to `EDIT_ROUNDS` times (`_read_again`
     between). Those edited again before each of those deletes stay in the source, as they
     stand, and their copies are taken back: no turn is in both collections, none lost, and
     the next run moves them (the gate refuses while `agent_conversations` holds a turn).
-    Their `_id`s."""
+    Their `_id`s. Each round's copies are recorded (`COPIED_AS`) before they are written: a
+    copy killed after this read takes the turn as it stands for the one it read
+    (`_KilledCopy`); the records go with the copy's (`relocate`)."""
     for _ in range(EDIT_ROUNDS):
         again = []
+        state({"$addToSet": {COPIED_AS: {"$each": [copied_as(turn) for turn in edited]}}})
         for current in edited:
             target.replace_one({"_id": current["_id"]}, current)
             if source.delete_one(_as_copied(current)).deleted_count == 0:
@@ -713,12 +721,17 @@ class _KilledCopy:
             frozenset(state.get(COPIED_AS) or []),
         )
 
-    def wrote(self, copy: dict[str, Any]) -> bool:
-        """Whether `copy` is one the killed copy wrote of a turn still in flight: confirmed
-        (the copy's own, whatever the old service's edits since), or still as recorded. A
-        moved turn under the `_id` of a late one is neither: no longer in flight."""
+    def wrote(self, copy: dict[str, Any], turn: dict[str, Any]) -> bool:
+        """Whether `copy`, standing under the `_id` of `turn` (as the source holds it now), is
+        a copy the killed copy wrote of that very turn, edited since: a turn still in flight
+        whose copy is one the copy recorded (`COPIED_AS`), and, once the copy had confirmed it
+        (its delete may have run), the turn too as the copy read it. A turn logged under a
+        moved turn's `_id` while the copy was down, or edited when the copy could not see it,
+        is neither: the two cannot be told apart, and the copy is refused."""
         key = matched_key(copy["_id"])
-        return key in self.confirmed or (key in self.in_flight and copied_as(copy) in self.digests)
+        if key not in self.in_flight or copied_as(copy) not in self.digests:
+            return False
+        return key not in self.confirmed or copied_as(turn) in self.digests
 
 
 def _accept_identical_copies(
@@ -737,8 +750,8 @@ def _accept_identical_copies(
         turn = wanted.get(matched_key(found["_id"]), {})
         if same_document(found, turn):
             continue
-        if not own.wrote(found):
-            raise _other_content(found["_id"]) from error
+        if not own.wrote(found, turn):
+            raise _replaced(found["_id"], own) from error
         target.replace_one({"_id": found["_id"]}, turn)
 
 
@@ -749,4 +762,22 @@ def _other_content(turn_id: Any) -> WorkLeft:
         f"turn document {turn_id!r} exists in {LEGACY_TURNS} with other content; "
         f"refusing to overwrite or delete it: give the turn in {CONVERSATIONS} another "
         "_id, then `run` again"
+    )
+
+
+def _replaced(turn_id: Any, own: _KilledCopy) -> WorkLeft:
+    """The refusal of a copy meeting, under the `_id` of a turn it reads, a document in the
+    target it may not overwrite: `_other_content`, or, for a turn a killed copy had confirmed
+    (its delete may have moved it), what neither the copy nor the operator can tell apart
+    without looking: the turn edited after the copy confirmed it, or another turn the old
+    service logged under the moved turn's `_id`."""
+    if matched_key(turn_id) not in own.confirmed:
+        return _other_content(turn_id)
+    return WorkLeft(
+        f"turn document {turn_id!r} in {CONVERSATIONS} is not the one a killed copy confirmed "
+        f"moving, which {LEGACY_TURNS} holds as that copy read it: the old service edited it "
+        "since, or logged another turn under its _id after the copy moved it. Refusing to "
+        f"overwrite or delete either: if the turn in {CONVERSATIONS} is another turn, give it "
+        f"another _id; if it is the moved turn edited, delete its copy from {LEGACY_TURNS}; "
+        "then `run` again"
     )

@@ -998,11 +998,44 @@ def test_a_turn_the_old_service_edits_before_every_delete_stays_in_place_edited(
     assert not relocate.holds_turns(db, CONVERSATIONS)
 
 
-def test_a_copy_killed_after_an_edit_foiled_its_delete_resumes_with_the_edit(
+@pytest.mark.parametrize("logged_in", ["another conversation", "the same conversation"])
+def test_a_turn_logged_under_the_id_of_one_a_killed_copy_moved_never_overwrites_it(
+    monkeypatch: pytest.MonkeyPatch, logged_in: str
+) -> None:
+    """A copy killed right after its batch's delete moved `t-1`; while it is down the old
+    service logs another turn under that `_id`. The resumed copy cannot tell it from an edit
+    of `t-1` the delete missed: it refuses, exit 1, and the moved turn stays as moved (was:
+    taken for the killed copy's own, confirmed, and overwritten: its words in no collection,
+    `run`, `verify` and `finish` at 0)."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[CONVERSATIONS].insert_many([latency_turn(n, 7) for n in range(3)])
+    kill_the_first_copy_batch_after(monkeypatch, "deleted")
+    with pytest.raises(KilledRun):
+        relocate.relocate(db, allow_rename=False)
+    monkeypatch.undo()
+    conversation = (
+        "c-other" if logged_in == "another conversation" else latency_turn(1, 7)["conversation_id"]
+    )
+    db[CONVERSATIONS].insert_one(latency_turn(1, 9) | {"conversation_id": conversation})
+
+    with pytest.raises(MigrationError, match="'t-1'"):
+        relocate.relocate(db, allow_rename=False)
+
+    moved = db[LEGACY_TURNS].find_one({"_id": "t-1"})
+    assert (moved["conversation_id"], moved["latency_ms"]) == ("c-1", 7)
+    assert db[CONVERSATIONS].find_one({"_id": "t-1"})["latency_ms"] == 9
+
+
+def test_a_copy_killed_after_an_edit_foiled_its_delete_refuses_until_the_operator_says_which(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A copy killed after the old service's edit kept a turn from its delete: the resumed
-    copy moves the turn as edited, and every other turn once."""
+    """A copy killed after the old service's edit, made once the copy confirmed the turn, kept
+    the turn from its delete: the resumed copy cannot tell that edit from another turn logged
+    under the moved turn's `_id` (a killed copy's delete may have moved it), so it refuses,
+    exit 1, nothing overwritten nor deleted. Told that the turn is the moved one edited, the
+    operator deletes its stale copy, as the refusal says: the next run moves the turn as
+    edited, and every other turn once (was: taken as the copy's own whatever it was, which
+    overwrote a moved turn under a reused `_id`)."""
     db: Any = mongomock.MongoClient()["legacy"]
     db[CONVERSATIONS].insert_many(corpus())
     edited = corpus()[0]["_id"]
@@ -1021,6 +1054,12 @@ def test_a_copy_killed_after_an_edit_foiled_its_delete_resumes_with_the_edit(
     with pytest.raises(KeyboardInterrupt):
         relocate.relocate(db, allow_rename=False)
     monkeypatch.undo()
+
+    with pytest.raises(MigrationError, match="is not the one a killed copy confirmed moving"):
+        relocate.relocate(db, allow_rename=False)
+    assert db[LEGACY_TURNS].find_one({"_id": edited})["user_message"] == corpus()[0]["user_message"]
+    assert db[CONVERSATIONS].find_one({"_id": edited})["user_message"] == "EDITED 1"
+    db[LEGACY_TURNS].delete_one({"_id": edited})  # the operator: the moved turn, edited
 
     relocate.relocate(db, allow_rename=False)
 

@@ -8086,7 +8086,8 @@ def test_the_move_never_deletes_a_turn_it_cannot_copy_byte_for_byte() -> None:
     client.db[LEGACY_TURNS].insert_one(turn)
     source = StoredWithAFieldNameTwice(client.db[CONVERSATIONS], turn)
 
-    left = relocate._delete_as_copied([turn], source, client.db[LEGACY_TURNS])
+    recorded: list[dict[str, Any]] = []
+    left = relocate._delete_as_copied([turn], source, client.db[LEGACY_TURNS], recorded.append)
 
     assert left == ["t-dup"]
     assert client.db[CONVERSATIONS].find_one({"_id": "t-dup"}) == turn
