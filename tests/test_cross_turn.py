@@ -50,7 +50,7 @@ from agent_store.integrations.streams import (
     turn_from_metadata,
     turn_from_sse,
 )
-from agent_store.store import CONVERSATIONS, PENDING_CALLS_KEPT
+from agent_store.store import PENDING_CALLS_KEPT
 from agent_store.store._logger import Corrected, OtherContent
 from agent_store.store._reservation import DELETING, BeingDeleted
 from agent_store.store._turns import answered_in, message_id, pending_after
@@ -8051,37 +8051,19 @@ def _asking(call_id: str, request_id: str) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-ANSWERS_KEPT_HERE = 5
-"""The bound of the answers recorded (`RESOLVED_PROMPTS_KEPT`, 100) made small for the tests
-past it, which would otherwise log a hundred turns and pop them again on every backend."""
-
-
-@pytest.fixture
-def few_answers_kept(monkeypatch: pytest.MonkeyPatch) -> int:
-    """The store records the newest `ANSWERS_KEPT_HERE` answers to prompts, as the update
-    pipelines and the fold read the bound when they run."""
-    from agent_store.store import _fork, _reservation
-
-    for module in (_fork, _reservation):
-        monkeypatch.setattr(module, "RESOLVED_PROMPTS_KEPT", ANSWERS_KEPT_HERE)
-    return ANSWERS_KEPT_HERE
-
-
-async def _approved_then_past_the_bound(backend: Backend, kept: int) -> Runtime:
-    """Call `k-0` asked about by prompt `r-0` and approved, its result not in yet; then `kept`
-    more prompts, each asked (one message a turn) and answered: the bounded records of the
-    answers no longer hold the answer to `r-0`."""
+async def _approved_then_past_the_bound(backend: Backend) -> Runtime:
+    """Call `k-0` asked about by prompt `r-0` and approved, its result not in yet; then
+    `RESOLVED_PROMPTS_KEPT` more prompts, each asked (one message a turn) and answered: the
+    bounded records of the answers no longer hold the answer to `r-0`."""
     runtime = Runtime(backend)
     log = runtime.logger.log_messages
     await log(CID, [{"role": "user", "content": "Go."}, *_asking("k-0", "r-0")], turn_id="t-0")
     await runtime.store.resolve_hitl(CID, "r-0")
-    for n in range(1, kept + 1):
+    for n in range(1, RESOLVED_PROMPTS_KEPT + 1):
         asked = {"action": "confirm", "params": {}, "request_id": f"r-{n}"}
         question = {"role": "assistant", "content": f"Go on? ({n})", "hitl_action": asked}
         await log(CID, [question], turn_id=f"t-{n}")
         await runtime.store.resolve_hitl(CID, f"r-{n}")
-    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
-    assert "r-0" not in (conversation.get("resolved_hitl") or [])  # the bound took it
     return runtime
 
 
@@ -8103,12 +8085,12 @@ async def _asked_nothing_and_the_call_released(runtime: Runtime, cid: str) -> No
 
 
 async def test_a_fork_at_an_approved_prompt_asks_it_no_more_however_many_answers_followed(
-    backend: Backend, few_answers_kept: int
+    backend: Backend,
 ) -> None:
     """A fork is the same whenever it is taken: at a prompt a person approved, its call still
     pending, it asks nothing and its call is released, also once more answers came since
     than the conversation records."""
-    runtime = await _approved_then_past_the_bound(backend, few_answers_kept)
+    runtime = await _approved_then_past_the_bound(backend)
 
     await runtime.logger.fork(CID, 2, "fork")
 
@@ -8116,11 +8098,11 @@ async def test_a_fork_at_an_approved_prompt_asks_it_no_more_however_many_answers
 
 
 async def test_a_pop_back_to_an_approved_prompt_asks_it_no_more_however_many_answers_followed(
-    backend: Backend, few_answers_kept: int
+    backend: Backend,
 ) -> None:
     """Popped back to a prompt a person approved, its call still pending, a conversation asks
     nothing and its call is released, also once more answers came since than it records."""
-    runtime = await _approved_then_past_the_bound(backend, few_answers_kept)
+    runtime = await _approved_then_past_the_bound(backend)
 
     while (await runtime.store.transcript(CID))[-1].seq != 2:
         await runtime.store.pop_last_message(CID)
@@ -8129,12 +8111,12 @@ async def test_a_pop_back_to_an_approved_prompt_asks_it_no_more_however_many_ans
 
 
 async def test_a_prompt_asked_again_under_an_approved_id_stays_pending_past_the_answers_kept(
-    backend: Backend, few_answers_kept: int
+    backend: Backend,
 ) -> None:
     """A question asked again under the request id of a prompt a person approved, its call
     still pending, is a new one: a fork of it all asks it, once more answers came since the
     approval than the conversation records too, and the approved call stays released."""
-    runtime = await _approved_then_past_the_bound(backend, few_answers_kept)
+    runtime = await _approved_then_past_the_bound(backend)
     again = {"action": "confirm", "params": {}, "request_id": "r-0"}
     await runtime.logger.log_messages(
         CID, [{"role": "assistant", "content": "Sure again?", "hitl_action": again}], turn_id="t-a"
