@@ -1400,9 +1400,7 @@ class Conversation(_Model):
     """The prompts `resolve_hitl` resolved, by asking (`AnsweredPrompt`, one per answer, the
     newest `RESOLVED_PROMPTS_KEPT`; the store's bookkeeping, never served): a prompt
     asked again under the request id leaves `resolved_hitl`, but a pop of it, or a fork cut
-    before it, brings back no prompt of that id asked before the answer. An answer whose
-    entry the bound dropped is read from the approvals of pending calls it gave
-    (`approved_calls`, `_fork.answered_by_kept_approvals`)."""
+    before it, brings back no prompt of that id asked before the answer."""
     approved_calls: list[ApprovedCall] = Field(default_factory=list, exclude=True)
     """The calls a person's answer released, those still pending and the newest
     `RESOLVED_PROMPTS_KEPT` others (the store's bookkeeping, never served): they await their

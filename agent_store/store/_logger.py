@@ -79,7 +79,6 @@ from agent_store.store._driver import (
 )
 from agent_store.store._fork import (
     ForkAnswers,
-    answered_by_kept_approvals,
     answers_before,
     answers_in_fork,
     approvals_in_fork,
@@ -1406,18 +1405,12 @@ class AgentMessageLogger:
         messages it copies, the request ids they leave resolved and the approvals they gave."""
         answered = answered_in(source)
         copied = answers_before(answered, await self._answers_reach(source, end, answered))
-        approved = source.get("approved_calls") or ()
-        folded = answered_by_kept_approvals(
-            fork_fold(messages, end, fork_turns_of(source), copied),
-            [m for m in messages if (m.seq or 0) <= end],
-            approved,
-            answered,
-        )
+        folded = fork_fold(messages, end, fork_turns_of(source), copied)
         return ForkAnswers(
             copied=copied,
             folded=folded,
             resolved=resolved_in_fork(source.get("resolved_hitl") or (), answered, copied, folded),
-            approved=approvals_in_fork(approved, answered, folded),
+            approved=approvals_in_fork(source.get("approved_calls") or (), answered, folded),
         )
 
     async def _answers_reach(

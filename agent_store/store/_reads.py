@@ -60,7 +60,7 @@ from agent_store.core import (
 from agent_store.store._blobs import FullTextStore, parts_by_whole_text
 from agent_store.store._deletions import DeletionRecords, recorded_as, refuse_unless_found_standing
 from agent_store.store._driver import Database, async_database, pause, storage_errors
-from agent_store.store._fork import answered_by_kept_approvals, approvals_withdrawn, fork_turns_of
+from agent_store.store._fork import approvals_withdrawn, fork_turns_of
 from agent_store.store._indexes import (
     CONVERSATIONS,
     LANGGRAPH_CHECKPOINTS,
@@ -1282,10 +1282,7 @@ class ConversationStore:
             )
         starts = fork_turns_of(conversation or {}) if forked else []
         answered = answered_in(conversation)
-        approved = (conversation or {}).get("approved_calls") or ()
-        folded = answered_by_kept_approvals(
-            folded_after(messages, starts, answered), messages, approved, answered
-        )
+        folded = folded_after(messages, starts, answered)
         stored = {m.seq for m in messages}
         assert popped.seq is not None
         gaps = Gaps.of(conversation)
@@ -1293,7 +1290,9 @@ class ConversationStore:
         return LeftBefore(
             calls=folded.calls,
             prompt=folded.hitl,
-            withdrawn=approvals_withdrawn(approved, answered, folded),
+            withdrawn=approvals_withdrawn(
+                (conversation or {}).get("approved_calls") or (), answered, folded
+            ),
             missing=missing,
             settled=None if conversation is None or missing else settled(conversation, folded),
         )

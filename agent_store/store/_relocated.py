@@ -50,7 +50,6 @@ from agent_store.core import (
 from agent_store.store._driver import storage_errors
 from agent_store.store._fork import (
     ApprovalKey,
-    answered_by_kept_approvals,
     approval_key,
     approvals_withdrawn,
     fork_turns_of,
@@ -451,13 +450,11 @@ async def refold(
     if gaps.written(missing, now=utc_now(), abandon_after=abandon_after) is not None:
         return Refold(conversation, [], None, None, stored, folded=False) if partial else None
     answered = answered_in(conversation)
-    approved = conversation.get("approved_calls") or ()
-    folded = answered_by_kept_approvals(
-        folded_after(stored, fork_turns_of(conversation), answered), stored, approved, answered
-    )
+    folded = folded_after(stored, fork_turns_of(conversation), answered)
     kept = conversation.get("resolved_hitl") or ()
     alone = all(s in gaps.popped or s in own for s in missing)
     resolved = resolved_in_fork(kept, answered, answered, folded) if alone else None
+    approved = conversation.get("approved_calls") or ()
     withdrawn = approvals_withdrawn(approved, answered, folded) if alone else []
     return Refold(conversation, folded.calls, folded.hitl, resolved, stored, withdrawn=withdrawn)
 

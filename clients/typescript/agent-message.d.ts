@@ -270,7 +270,7 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   resolved_hitl?: unknown[];
   /**
-   * The prompts `resolve_hitl` resolved, by asking (`AnsweredPrompt`, one per answer, the newest `RESOLVED_PROMPTS_KEPT`; the store's bookkeeping, never served): a prompt asked again under the request id leaves `resolved_hitl`, but a pop of it, or a fork cut before it, brings back no prompt of that id asked before the answer. An answer whose entry the bound dropped is read from the approvals of pending calls it gave (`approved_calls`, `_fork.answered_by_kept_approvals`).
+   * The prompts `resolve_hitl` resolved, by asking (`AnsweredPrompt`, one per answer, the newest `RESOLVED_PROMPTS_KEPT`; the store's bookkeeping, never served): a prompt asked again under the request id leaves `resolved_hitl`, but a pop of it, or a fork cut before it, brings back no prompt of that id asked before the answer.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
    */
