@@ -486,6 +486,8 @@ def _copy_batch(
     it moved from one deleted since (`_settle_killed_batch`). The turns left in the source
     are named in `kept`."""
     fence()
+    if own is not None:
+        own.refuse_others(batch, target)
     ids = [doc["_id"] for doc in batch]
     digests = [copied_as(doc) for doc in batch]
     in_flight = {"$addToSet": {IN_FLIGHT: {"$each": ids}, COPIED_AS: {"$each": digests}}}
@@ -732,6 +734,22 @@ class _KilledCopy:
         if key not in self.in_flight or copied_as(copy) not in self.digests:
             return False
         return key not in self.confirmed or copied_as(turn) in self.digests
+
+    def refuse_others(self, batch: list[dict[str, Any]], target: Any) -> None:
+        """Before a batch holding turns the killed copy had in flight is recorded: the
+        refusal (`_replaced`) of a document under one of their `_id`s that is neither the turn
+        nor a copy the killed copy wrote of it (`wrote`). Judged before this run records the
+        batch, whose records (its `_id`s in flight, its digests) would make the next run take
+        that document for the copy's own. One read, of those turns' copies, only then."""
+        resumed = {
+            matched_key(d["_id"]): d for d in batch if matched_key(d["_id"]) in self.in_flight
+        }
+        if not resumed:
+            return
+        for found in target.find({"_id": {"$in": [d["_id"] for d in resumed.values()]}}):
+            turn = resumed.get(matched_key(found["_id"]), {})
+            if not same_document(found, turn) and not self.wrote(found, turn):
+                raise _replaced(found["_id"], self)
 
 
 def _accept_identical_copies(
