@@ -173,7 +173,9 @@ def _document_reasons(
         ),
         key=lambda m: m.seq or 0,
     )
-    wanted = wanted_document(conversion, found, live, carried)
+    wanted = wanted_document(
+        conversion, found, live, None if carried is None else {"epoch": carried}
+    )
     if document_differs(found, wanted):
         return [
             "its conversation document differs from what its legacy turns convert to now "

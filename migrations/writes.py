@@ -70,7 +70,7 @@ from agent_store.store import (
     stored_turn_record,
     turns_of,
 )
-from migrations import full_texts
+from migrations import full_texts, lives
 from migrations.bounds import Bounds, bounded
 from migrations.keys import id_key, identity
 from migrations.lease import STATE, STATE_ID
@@ -497,18 +497,23 @@ def wanted_document(
     conversion: LegacyConversion,
     existing: dict[str, Any] | None,
     live: Sequence[AgentMessage],
-    carried: str | None,
+    earlier: Mapping[str, Any] | None,
 ) -> Conversation:
-    """The conversation document the legacy turns make now, as a run writes it: it never
-    gives back a `seq` a live message stored past the legacy ones holds (`live`, in `seq`
-    order), and holds what those live turns left (`_with_live_turns`), keeps what people
-    changed since (`existing`), and the conversation's life (`life_of`)."""
+    """The conversation document the legacy turns make now, as a run writes it: its life
+    (`life_of`: `earlier` the life it is written again with, `rebuilt_life`), the live
+    messages stored past the legacy ones of that life only (`live`, in `seq` order; those of
+    another epoch are a deleted conversation's late inserts, which the store's next turn
+    meeting them takes away: never counted, folded or recorded as this one's); it never
+    gives back a `seq` one of them holds, and holds what those live turns left
+    (`_with_live_turns`), and keeps what people changed since (`existing`)."""
     assert conversion.conversation is not None
+    life = life_of(existing, earlier, unmarked=any(m.epoch is None for m in live))
+    live = [m for m in live if m.epoch in (None, life["epoch"])]
     stored_to = max(((m.seq or 0) + 1 for m in live), default=0)
     document = conversion.conversation.model_copy(
         update={
             "message_count": max(conversion.conversation.message_count, stored_to),
-            **life_of(existing, live, carried),
+            **life,
         }
     )
     document = _kept_by_people(document, existing)
@@ -518,27 +523,69 @@ def wanted_document(
 
 
 def life_of(
-    existing: Mapping[str, Any] | None, live: Sequence[AgentMessage], carried: str | None
+    existing: Mapping[str, Any] | None, earlier: Mapping[str, Any] | None, *, unmarked: bool
 ) -> dict[str, Any]:
     """The `epoch` (with `epoch_marks` and `migrated`) of the conversation document a run
     writes: the one `existing` holds, as it holds them (a rerun never draws another: the
     version a read served, and what documents beside it name, stay the conversation's);
-    else the one its stored messages carry (`carried`, `carried_epochs`: live turns logged
-    before a rollback moved the document away; an epoch never changes once messages carry
-    it, a delete takes only its own); else, for a document the run creates where no live
-    message is stored, a new one as a live turn draws it (`new_life`), so a conversation the
-    migration creates again under an id after a delete is another life (another version,
-    none of the checkpoints of the one deleted), whatever time its first legacy turn gives
-    it. A document an earlier release migrated, which holds none, keeps none (its version
-    and the documents naming its creation time stay its own); the migration's own messages
-    carry none."""
+    else the life it is written again with (`earlier`, `rebuilt_life`: the one a run wrote
+    its document with before a rollback moved it away, or the one its live turns logged
+    meanwhile carry; an epoch never changes once messages carry it, a delete takes only its
+    own); else, for a document the run creates where no live message of an earlier release
+    is stored (`unmarked`: they carry none), a new one as a live turn draws it (`new_life`),
+    so a conversation the migration creates again under an id after a delete is another
+    life (another version, none of the checkpoints or late inserts of the one deleted),
+    whatever time its first legacy turn gives it. A document an earlier release migrated,
+    which holds none, keeps none (its version and the documents naming its creation time
+    stay its own); the migration's own messages carry none."""
     found = readable(existing)
     if isinstance(found.get("epoch"), str):
         marks, migrated = found.get("epoch_marks"), found.get("migrated")
         return {"epoch": found["epoch"], "epoch_marks": bool(marks), "migrated": bool(migrated)}
-    if carried is not None or existing is not None or live:
-        return {"epoch": carried}
+    if earlier is not None:
+        return {
+            "epoch": earlier.get("epoch"),
+            "epoch_marks": bool(earlier.get("epoch_marks")),
+            "migrated": bool(earlier.get("migrated")),
+        }
+    if existing is not None or unmarked:
+        return {"epoch": None}
     return new_life() | {"migrated": True}
+
+
+def of_life(live: Sequence[dict[str, Any]], epoch: str | None) -> list[dict[str, Any]]:
+    """The live messages of the conversation whose `epoch` this is (or of none: stored before
+    messages carried one), never a deleted conversation's late inserts (`wanted_document`)."""
+    return [d for d in live if d.get("epoch") in (None, epoch)]
+
+
+def rebuilt_life(
+    found: Mapping[str, Any] | None,
+    carried: str | None,
+    recorded: Mapping[str, Any] | None,
+    stored: Sequence[Mapping[str, Any]],
+    *,
+    held: bool,
+) -> Mapping[str, Any] | None:
+    """The life a run writes the conversation's document again with, other than the one the
+    document holds: for a standing document that holds none (an earlier release's), the
+    epoch its live messages carry (`carried`, `carried_epochs`). For one no document stands
+    for, the life a rollback moved away, and only while it was not deleted: a delete takes
+    every message of the conversation's life, the migration's own too (they carry no
+    epoch), and leaves at most late inserts of its live turns, none held by a dual-written
+    copy (the delete takes those too). So while some message of it a delete would have taken
+    is stored (among `stored`, its messages: the migration's; for one only dual-written
+    copies make, `held`, its live turns'), it is the life a run last wrote its document with
+    (`recorded`, `lives.recorded`), when its live messages carry that one or none, else the
+    epoch they carry; once deleted, none: the conversation the run creates again under the
+    id draws its own (`life_of`), and the deleted one's late inserts are no messages of it."""
+    if found is not None:
+        return None if carried is None else {"epoch": carried}
+    if not held and not any(is_migrated(d.get("turn_id")) for d in stored):
+        return None
+    if recorded is not None and carried in (None, recorded.get("epoch")):
+        return recorded
+    return None if carried is None else {"epoch": carried}
 
 
 def _with_live_turns(document: Conversation, live: Sequence[AgentMessage]) -> Conversation:
@@ -690,6 +737,7 @@ def plan(
     taken = _taken(db, [item.conversion for item in wanted])
     next_free = _next_free_seq(db, ids)
     carried = carried_epochs(db, ids)
+    recorded = lives.recorded(db, [cid for cid in ids if cid not in existing])
     for item in wanted:
         cid = item.conversion.conversation_id
         _plan_one(
@@ -699,7 +747,7 @@ def plan(
             existing.get(cid),
             taken[cid],
             next_free.get(cid, 0),
-            carried.get(cid),
+            (carried.get(cid), recorded.get(cid)),
         )
     kept = full_texts.present(db, (f.blob_id for f in planned.full_texts))
     stale_texts = set(planned.stale_texts)
@@ -716,13 +764,15 @@ def _plan_one(
     found: dict[str, Any] | None,
     stored: dict[int, dict[str, Any]],
     next_free: int,
-    carried: str | None,
+    lived: tuple[str | None, Mapping[str, Any] | None],
 ) -> None:
     """One conversation's writes: `found` its stored document, `stored` the messages at its
-    `seq` values, `next_free` the `seq` after its last stored message, `carried` the epoch its
-    stored messages carry (`carried_epochs`). Nothing of a conversation whose `_id` holds a
-    document with a legacy turn's fields (`holds_turn_fields`): a run never writes over it,
-    nor messages without their document; the gate names it (`gate.unread_documents`)."""
+    `seq` values, `next_free` the `seq` after its last stored message, `lived` the epoch its
+    stored messages carry (`carried_epochs`) and the life a run last wrote its document with
+    (`lives.recorded`), of which `rebuilt_life` takes the one it is written again with.
+    Nothing of a conversation whose `_id` holds a document with a legacy turn's fields
+    (`holds_turn_fields`): a run never writes over it, nor messages without their document;
+    the gate names it (`gate.unread_documents`)."""
     if found is not None and holds_turn_fields(found):
         return
     conversion = item.conversion
@@ -739,11 +789,12 @@ def _plan_one(
     ]
     past = _stored_past(db, cid, extent) if next_free > extent else []
     every = {int(d["seq"]): (str(d["_id"]), d.get("turn_id")) for d in [*stored.values(), *past]}
+    earlier = rebuilt_life(found, *lived, [*stored.values(), *past], held=bool(item.held))
     refused = _not_merged(db, item, found, every, foreign)
     if refused is not None:
         planned.live.append(refused)
         if found is None:  # live messages, no document: a rollback moved it away
-            _plan_moved_away(planned, item, [*stored.values(), *past], carried)
+            _plan_moved_away(planned, item, [*stored.values(), *past], earlier)
         return
     # Its own messages at other places than the legacy turns put them now (a turn edited
     # since gained or lost a message) are moved; live turns stored past the legacy ones
@@ -756,7 +807,8 @@ def _plan_one(
     for d in foreign:
         del stored[d["seq"]]
     live_messages = messages_adapter.validate_python(live)
-    document = wanted_document(conversion, found, live_messages, carried)
+    document = wanted_document(conversion, found, live_messages, earlier)
+    live = of_life(live, document.epoch)
     if item.held and live:
         document = _as_stored_messages_leave_it(document, live, planned.rules.name_chars)
     planned.read[cid] = found
@@ -852,7 +904,10 @@ def _dumped(
 
 
 def _plan_moved_away(
-    planned: Planned, item: Converted, stored: Sequence[dict[str, Any]], carried: str | None
+    planned: Planned,
+    item: Converted,
+    stored: Sequence[dict[str, Any]],
+    earlier: Mapping[str, Any] | None,
 ) -> None:
     """A conversation logged to live where its legacy turns go (a popped message's place, a
     legacy turn added since, or one the old service logged into a conversation the new
@@ -865,10 +920,10 @@ def _plan_moved_away(
         (d for d in stored if not is_migrated(d.get("turn_id"))), key=lambda d: int(d["seq"])
     )
     document = wanted_document(
-        item.conversion, None, messages_adapter.validate_python(live), carried
+        item.conversion, None, messages_adapter.validate_python(live), earlier
     )
     cid = item.conversion.conversation_id
-    planned.conversations.append(_dumped(document, live, planned.rules))
+    planned.conversations.append(_dumped(document, of_life(live, document.epoch), planned.rules))
     planned.read[cid] = None
     planned.converted[cid] = item
 
@@ -1299,7 +1354,8 @@ def _write_conversations(
     went or changed owner meanwhile is taken back out (as inserted: a live turn's or a
     person's since stays, and so does one a claim moved to the new owner). The conversations
     not as planned (`_not_as_planned`), those whose turns changed with None: nothing else of
-    them is written, and no problem of theirs is kept."""
+    them is written, and no problem of theirs is kept. The life of each document written is
+    kept apart from it (`lives.record`), for a second attempt after a rollback."""
     vanished = _changed_since(_turns_since(db, source, planned.converted), applied)
     documents = [d for d in planned.conversations if d["_id"] not in vanished]
     written = _write_documents(db, documents, planned.read, bounds)
@@ -1314,8 +1370,9 @@ def _write_conversations(
         document = inserted[cid]
         unchanged = {k: {"$exists": False} for k in PEOPLES_FIELDS if k not in document}
         db[CONVERSATIONS].delete_one({**_as_stored(db, document), **unchanged, **NO_TURN_FIELD})
-    skipped = _not_as_planned(db, planned, written)
-    return skipped | vanished | late
+    skipped = _not_as_planned(db, planned, written) | vanished | late
+    lives.record(db, (d for d in documents if d["_id"] not in skipped))
+    return skipped
 
 
 def _live_since(found: dict[str, Any] | None, read: dict[str, Any] | None) -> bool:

@@ -8112,3 +8112,123 @@ def test_a_turn_a_copy_leaves_for_text_that_is_not_valid_utf8_holds_its_conversa
     assert migrated == {"c-good-1", "c-good-2"}
     assert database[CONVERSATIONS].find_one({"_id": "c-bad"}) is None
     assert codes[1:4] == [1, 1, 1], out
+
+
+def _graph_checkpoint(wire_uri: str, database: Database[dict[str, Any]], cid: str) -> str:
+    """A service's graph checkpoints `cid` as its owner "u-1" (no new message: the migrated
+    transcript as is). The conversation's version, as read then."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    from agent_store.integrations.langgraph import AgentStoreSaver
+
+    async def put(db: Any) -> str:
+        state = empty_checkpoint()
+        state["channel_values"] = {"plan": "STEP 3"}
+        config = {"configurable": {"thread_id": cid, "user_id": "u-1"}}
+        await AgentStoreSaver(db).aput(config, state, {}, {})
+        store = ConversationStore(db, legacy=LegacyTurns(db))
+        return (await store.get_conversation(cid, user_id="u-1")).version
+
+    version: str = _on_its_database(wire_uri, database, put)
+    return version
+
+
+def _graph_state(wire_uri: str, database: Database[dict[str, Any]], cid: str) -> Any:
+    """What the owner's graph reads of `cid` (None: no state)."""
+    from agent_store.integrations.langgraph import AgentStoreSaver
+
+    async def read(db: Any) -> Any:
+        config = {"configurable": {"thread_id": cid, "user_id": "u-1"}}
+        found = await AgentStoreSaver(db).aget_tuple(config)
+        return found and found.checkpoint["channel_values"]
+
+    return _on_its_database(wire_uri, database, read)
+
+
+LIFE = ("epoch", "epoch_marks", "migrated")
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("live_turn", [False, True], ids=["checkpoint only", "live turn"])
+def test_a_conversation_the_migration_created_keeps_its_life_across_a_rollback(
+    wire_uri: str, database: Database[dict[str, Any]], live_turn: bool
+) -> None:
+    """MIGRATION.md "Rollback": the migration never drops or changes an epoch. A conversation
+    a run created, whose document a rollback moved away, is the same life after the second
+    attempt's run: its epoch, `epoch_marks` and `migrated` mark as they were, so its version
+    still names it and its graph's state is still its own, whether or not a live turn was
+    logged to it before the rollback."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "OLD"))
+    assert cli(wire_uri, database, "run") == 0
+    if live_turn:
+        log_live(wire_uri, database, "c-1", "live-1", "LIVE", dual_write=True)
+    version = _graph_checkpoint(wire_uri, database, "c-1")
+    written = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert written is not None
+    roll_back(database, clear_messages=False)
+
+    assert cli(wire_uri, database, "run") == 0
+
+    again = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert again is not None
+    assert {k: again.get(k) for k in LIFE} == {k: written.get(k) for k in LIFE}
+    assert Conversation.model_validate(again).version == version
+    assert _graph_state(wire_uri, database, "c-1") == {"plan": "STEP 3"}
+    assert cli(wire_uri, database, "verify") == 0
+
+
+@pytest.mark.wire
+def test_a_conversation_migrated_again_after_a_delete_takes_nothing_of_a_late_live_insert(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A conversation migrated anew after a delete is another life, even where a stalled
+    writer's insert of the deleted one's live turn landed after the delete (its messages
+    carry the deleted life's epoch): Mallory's `x` draws an epoch of its own, so its version
+    is not Ada's (her retried DELETE is 412, nothing deleted), a service's graph read of it
+    serves none of Ada's state, and it counts only its own messages."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    from agent_store.integrations.langgraph import CHECKPOINTS, AgentStoreSaver
+
+    _mixed_x(database)
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "x", "live-1", "ADA LIVE", user_id="u-ada")
+
+    async def ada(db: Any) -> str:
+        store = ConversationStore(db, legacy=LegacyTurns(db))
+        version = (await store.get_conversation("x", user_id="u-ada")).version
+        state = empty_checkpoint()
+        state["channel_values"] = {"plan": "ADA PRIVATE PLAN"}
+        config = {"configurable": {"thread_id": "x", "user_id": "u-ada"}}
+        await AgentStoreSaver(db).aput(config, state, {}, {})
+        late = await db[CHECKPOINTS].find({"thread_id": "x"}).to_list(None)
+        live = await db[MESSAGES].find({"conversation_id": "x", "turn_id": "live-1"}).to_list(None)
+        assert (await store.delete("x", user_id="u-ada", version=version)).conversations == 1
+        await db[MESSAGES].insert_many(live)  # the stalled writer's insert lands after it
+        await db[CHECKPOINTS].insert_many(late)  # and so does the graph's put
+        return version
+
+    version: str = _on_its_database(wire_uri, database, ada)
+    ada_epoch = database[MESSAGES].find_one({"turn_id": "live-1"})
+    assert ada_epoch is not None
+    assert cli(wire_uri, database, "run") == 0
+
+    again = database[CONVERSATIONS].find_one({"_id": "x"})
+    assert again is not None
+    assert again["user_id"] == "u-mallory"
+    assert again["epoch"] != ada_epoch["epoch"]
+    assert (again.get("epoch_marks"), again.get("migrated")) == (True, True)
+    assert again["message_count"] == 2
+
+    async def mallory(db: Any) -> tuple[str, Any]:
+        store = ConversationStore(db, legacy=LegacyTurns(db))
+        now = (await store.get_conversation("x", user_id="u-mallory")).version
+        with pytest.raises(VersionMismatch):
+            await store.delete("x", version=version)
+        found = await AgentStoreSaver(db).aget_tuple({"configurable": {"thread_id": "x"}})
+        return now, found and found.checkpoint["channel_values"]
+
+    now, served = _on_its_database(wire_uri, database, mallory)
+    assert now != version
+    assert served is None
+    assert database[CONVERSATIONS].find_one({"_id": "x"}) is not None
