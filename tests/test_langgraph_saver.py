@@ -602,6 +602,96 @@ async def test_an_answer_over_http_to_the_paused_call_is_kept_and_the_resume_cop
     _accepted_history((await graph.aget_state(ada)).values["messages"])
 
 
+_CLOSED_BY_THE_GRAPH = "cancelled: the person moved on"
+
+
+def _each_call_answered_once(transcript: list[Any]) -> Counter[str]:
+    """Every stored call answered by at most one stored result: per call id, as many results
+    as calls (each answer goes to the latest earlier call of its id still open). Answers how
+    often each call id is made."""
+    made = Counter(c.id for m in transcript for c in m.tool_calls or ())
+    answered = Counter(m.tool_call_id for m in transcript if m.role == "tool")
+    assert all(answered[call_id] <= made[call_id] for call_id in answered)
+    return made
+
+
+@pytest.mark.parametrize(
+    ("said", "when"), [("her denial", "before"), ("a late result", "after")], ids=str
+)
+async def test_the_graph_answering_a_call_the_person_answered_after_it_went_on_copies_the_call(
+    backend: Backend, said: str, when: str
+) -> None:
+    """Paused on call-2, the person asks another question instead; she answers call-2 over
+    HTTP (or the runtime a late result) before that question is put or after it. Then the
+    graph answers call-2 itself (`update_state` closing the dangling call). The call is
+    logged again for the graph's answer, as for a paused call she answered (LANGGRAPH.md):
+    each stored call answered once, hers stays the first call's, the graph's pairs with the
+    copy; the transcript is the same whenever she answered."""
+    ada = thread("user-ada")
+    thread_id = ada["configurable"]["thread_id"]
+    ours, theirs = approval_agent(AgentStoreSaver(backend.db)), approval_agent(InMemorySaver())
+    store = ConversationStore(backend.db)
+    closing = {"messages": [ToolMessage(_CLOSED_BY_THE_GRAPH, tool_call_id="call-2", id="c-2")]}
+    for graph in (ours, theirs):
+        await graph.ainvoke(question(2), ada)  # pauses on call-2
+    if when == "before":
+        await _answer_pending_call(backend.db, "user-ada", thread_id, 0, _HER_ANSWERS[said])
+    for graph in (ours, theirs):
+        await graph.ainvoke(question(3), ada)  # she asks something else instead
+    if when == "after":
+        await _answer_pending_call(backend.db, "user-ada", thread_id, 0, _HER_ANSWERS[said])
+    for graph in (ours, theirs):
+        await graph.aupdate_state(ada, closing)
+        await graph.ainvoke(question(5), ada)
+
+    transcript = await store.transcript(thread_id, user_id="user-ada")
+    assert _each_call_answered_once(transcript)["call-2"] == 2
+    results = [m.get("content") for m in chat_completions(transcript) if m["role"] == "tool"]
+    assert results[-1] == _CLOSED_BY_THE_GRAPH
+    assert await store.pending_calls(thread_id, user_id="user-ada") == []
+    mine = (await ours.aget_state(ada)).values["messages"]
+    assert comparable(mine) == comparable((await theirs.aget_state(ada)).values["messages"])
+    assert [m.content for m in transcript[-len(mine) + 1 :]] == [
+        m.content or None for m in mine[1:]
+    ]
+    cold = approval_agent(AgentStoreSaver(backend.db))
+    assert (await cold.aget_state(ada)).values["messages"] == mine
+
+
+@pytest.mark.parametrize("going_on", ["a note", "a question"])
+async def test_time_travel_to_a_decided_pause_copies_the_call_the_abandoned_branch_answered(
+    backend: Backend, going_on: str
+) -> None:
+    """LANGGRAPH.md "Time travel": paused on call-2 and resumed "yes", the graph goes back to
+    the pause and on with a person's note (`update_state`) or a new question: call-2 is left
+    open in the branch, and the abandoned branch's result is no answer of the branch's. The
+    call is logged again, pending, whichever way the branch goes on."""
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    ours, theirs = approval_agent(AgentStoreSaver(backend.db)), approval_agent(InMemorySaver())
+    store = ConversationStore(backend.db)
+    for graph in (ours, theirs):
+        await graph.ainvoke(question(2), config)  # pauses on call-2
+        await graph.ainvoke(Command(resume="yes"), config)
+        paused, *_ = [s.config async for s in graph.aget_state_history(config) if s.interrupts]
+        if going_on == "a note":
+            note = {"messages": [HumanMessage("note: use Celsius", id="note-1")]}
+            await graph.aupdate_state(paused, note)
+        else:
+            await graph.ainvoke(question(3), paused)
+
+    transcript = await store.transcript(thread_id)
+    assert _each_call_answered_once(transcript)["call-2"] == 2
+    assert [c.tool_call_id for c in await store.pending_calls(thread_id)] == ["call-2"]
+    mine = (await ours.aget_state(config)).values["messages"]
+    assert comparable(mine) == comparable((await theirs.aget_state(config)).values["messages"])
+    assert [m.content for m in transcript[-len(mine) + 1 :]] == [
+        m.content or None for m in mine[1:]
+    ]
+    cold = approval_agent(AgentStoreSaver(backend.db))
+    assert (await cold.aget_state(config)).values["messages"] == mine
+
+
 async def _paused_on_call_2(graph: Any, config: dict[str, Any]) -> AIMessage:
     await graph.ainvoke(question(2), config)  # pauses on call-2
     paused = (await graph.aget_state(config)).values["messages"][-1]

@@ -21,7 +21,7 @@ pairs with. Pure: the saver's transcript link does the reading and the logging.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from langchain_core.messages import AIMessage, BaseMessage, ToolCall, ToolMessage
 
@@ -51,9 +51,9 @@ def open_calls(
 def left_behind(messages: Sequence[BaseMessage]) -> frozenset[OpenCall]:
     """The calls the messages went on without: left open, and followed by a message other
     than a tool result (a person asked something else while the graph was paused on it). The
-    graph awaits nothing for such a call and no step of it answers it: an answer the transcript
-    holds for it further on (a denial over HTTP, a late result) is the call's own, not another
-    branch's, and no reason to log the branch again."""
+    graph awaits nothing for such a call and no step of it answers it: an answer given to it
+    outside the graph further on (a denial over HTTP, a late result) is the call's own, not
+    another branch's, and no reason to log the branch again (`logged_again_from`)."""
     went_on = [i for i, m in enumerate(messages) if not isinstance(m, ToolMessage)]
     last = went_on[-1] if went_on else -1
     return frozenset((index, call) for index, call in open_calls(messages) if index < last)
@@ -103,10 +103,16 @@ def logged_again_from(
     calls: Sequence[OpenCall],
     transcript: Mapping[int, BaseMessage],
     end: int,
+    *,
+    left: Collection[OpenCall] = (),
+    outside: Collection[int] = (),
 ) -> int | None:
     """The index of the branch's first message to log again: its first call (of `calls`) that
     a stored message further on in the transcript (before `end`), not one of the branch's own,
     answers or makes again (another branch's answer, or its copy of the call); None if none is.
+    For a call the branch went on without (`left`, `left_behind`), only a message the graph
+    logged counts: one logged outside it (`outside`: the `seq`s of a person's answer over
+    HTTP, a runtime's late result) is the call's own answer.
 
     `places` says where each of the branch's messages lives (`seats`).
     """
@@ -114,10 +120,11 @@ def logged_again_from(
     own = {seq for seq in seated if seq is not None}
     for index, call_id in sorted(calls):
         seq = seated[index]
+        its_own = outside if (index, call_id) in left else ()
         if seq is not None and any(
             _touches(transcript.get(later), call_id)
             for later in range(seq + 1, end)
-            if later not in own
+            if later not in own and later not in its_own
         ):
             return index
     return None

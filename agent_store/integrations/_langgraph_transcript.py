@@ -81,6 +81,7 @@ from agent_store.store import (
     ThreadLife,
     copied_from,
     copy_mark,
+    is_own_turn_id,
     storage_errors,
 )
 
@@ -116,8 +117,10 @@ class _Head:
     """The transcript's next `seq` as this checkpoint left it: a put going on from it logs
     there, unless another put logged messages since (the logger's `next_seq` checks it)."""
     settled: bool = True
-    """No open call is answered further on in the transcript: a checkpoint this saver wrote,
-    or the thread's latest; one read by its id (time travel) may not be."""
+    """No open call is answered further on in the transcript, unless by a message the
+    checkpoint refers around (an answer given outside the graph to a call it went on without,
+    which a put answering that call reads: `_settled`): a checkpoint this saver wrote, or the
+    thread's latest; one read by its id (time travel) may not be."""
 
 
 @dataclass
@@ -132,6 +135,11 @@ class _Thread:
     stored_ids: dict[int, str] = field(default_factory=dict)
     """The stored message (its `_id`) each cached `seq` holds: a message stored at that `seq`
     since (a pop gave the `seq` back, another writer took it) replaces the cached one."""
+    outside: set[int] = field(default_factory=set)
+    """The cached `seq`s whose message was logged outside the graph: by no turn of the
+    checkpointer's (`LANGGRAPH_TURN`) and kept by no checkpoint's extras (a copy of a thread
+    keeps those of the graph's messages). A person's answer over HTTP, a runtime's late result,
+    a message of another writer: none is a branch's answer (`_branch`)."""
     loaded_until: int = 0
     """Every stored message below this `seq` is in `by_seq`."""
     pops: int | None = None
@@ -145,13 +153,19 @@ class _Thread:
     def holds_anything(self) -> bool:
         return bool(self.by_seq or self.head is not None or self.admitted)
 
-    def remember(self, seq: int, message: BaseMessage, stored_id: str | None) -> None:
+    def remember(
+        self, seq: int, message: BaseMessage, stored_id: str | None, *, outside: bool = False
+    ) -> None:
         gone = self.by_seq.get(seq)
         if gone is not None and gone.id is not None and self.seq_by_id.get(gone.id) == seq:
             del self.seq_by_id[gone.id]
         self.by_seq[seq] = message
         if stored_id is not None:
             self.stored_ids[seq] = stored_id
+        if outside:
+            self.outside.add(seq)
+        else:
+            self.outside.discard(seq)
         if message.id is not None:
             self.seq_by_id[message.id] = seq
 
@@ -162,6 +176,7 @@ class _Thread:
             return
         for gone in [s for s in self.by_seq if s >= seq]:
             self.stored_ids.pop(gone, None)
+            self.outside.discard(gone)
             message = self.by_seq.pop(gone)
             if message.id is not None and self.seq_by_id.get(message.id) == gone:
                 del self.seq_by_id[message.id]
@@ -419,8 +434,7 @@ class TranscriptLink:
         segments, places, copies, next_seq = await self._places(state, step, moved)
         if moved is not None and attempt == _PLACE_ATTEMPTS - 1:
             next_seq = max(next_seq, moved)  # a turn never stored (a crash) leaves a gap
-        settled = step.base is not None and step.base.settled and moved is None
-        closing = [] if settled else _closing(state, segments, places)
+        closing = [] if _settled(state, step, moved) else _closing(state, segments, places)
         new = [p for p in places if isinstance(p, _New)]
         fork_id = step.checkpoint_id if copies else None  # names the copies' turn
         extras, replayed = await self._log_branch(state, step, (closing, new), fork_id, next_seq)
@@ -501,13 +515,14 @@ class TranscriptLink:
         Going on from a checkpoint this saver wrote, or the thread's latest, nothing is read:
         the parent's open calls are checked for a message the branch made again (a stored
         one, referenced). Otherwise — a branch (no `base`), a parent read by its id (time
-        travel), or a put that found the transcript `moved` on since its parent — the
-        transcript is read to its end, and every call the branch makes is checked (one that
-        makes none logs where the transcript ends); the calls the transcript leaves open that
-        the branch does not hold are closed then (`_closing`, in `_place_once`).
+        travel), a put that found the transcript `moved` on since its parent, or one answering
+        a call the parent refers around an answer to (`_settled`) — the transcript is read to
+        its end, and every call the branch makes is checked (one that makes none logs where
+        the transcript ends); the calls the transcript leaves open that the branch does not
+        hold are closed then (`_closing`, in `_place_once`).
         """
         base, messages = step.base, step.messages
-        settled = base is not None and base.settled and moved is None
+        settled = _settled(state, step, moved)
         start = len(base.messages) if base is not None else 0
         calls = step.calls if settled else made_calls(messages)
         read = not settled
@@ -637,7 +652,8 @@ class TranscriptLink:
             # Keep the graph's own objects, while the `seq` holds the message they stand for.
             if message.seq not in state.by_seq or state.stored_ids.get(message.seq) != message.id:
                 loaded = from_stored(message, extras.get(message.id))
-                state.remember(message.seq, loaded, message.id)
+                outside = message.id not in extras and not _logged_by_a_step(message)
+                state.remember(message.seq, loaded, message.id, outside=outside)
         last = stored[-1].seq if stored else None
         end = stop if stop is not None else (last + 1 if last is not None else start)
         state.loaded_until = max(state.loaded_until, end)
@@ -1217,6 +1233,12 @@ def _kept(target_id: str, copied: Copied, went: NotFound | None) -> StoreError:
     )
 
 
+def _logged_by_a_step(message: AgentMessage) -> bool:
+    """Whether a stored message was logged by a put of the graph's (the checkpointer's own
+    turn id, `LANGGRAPH_TURN`): its messages, their copies, the stand-ins it closed calls with."""
+    return is_own_turn_id(message.turn_id, LANGGRAPH_TURN)
+
+
 def _first_popped(found: Conversation, *, since: int) -> int:
     """The first `seq` the conversation's last `since` pops gave back (0 when it no longer
     lists them all: read everything again), or the one a pop under way gives back."""
@@ -1298,6 +1320,58 @@ def _copy(message: BaseMessage) -> BaseMessage | _New:
     return place
 
 
+def _settled(state: _Thread, step: _Step, moved: int | None) -> bool:
+    """Whether a put goes on from its parent without reading the transcript: the parent is
+    settled (`_Head.settled`), nothing was logged since (`moved`), and no call the parent
+    leaves open that the put's messages answer is answered already by a stored message the
+    parent refers around (`_answered_around`). Such a put is a branch (`_branch`): the call
+    answered twice is logged again for the graph's answer, as for a paused call answered
+    over HTTP."""
+    base = step.base
+    if base is None or not base.settled or moved is not None:
+        return False
+    answered = [call for call in base.open_calls if call not in step.calls]
+    return not _answered_around(state, base, answered)
+
+
+def _answered_around(state: _Thread, base: _Head, calls: Sequence[OpenCall]) -> bool:
+    """Whether a stored message after one of `calls` (calls of the parent's messages), before
+    the parent's end, that its segments do not refer to answers that call: an answer given
+    outside the graph to a call it went on without (her denial over HTTP, a late result:
+    `left_behind`), which the parent's messages leave out as LangGraph's state does. A `seq`
+    not cached counts as answering (the put reads the transcript). Costs nothing for a call
+    its parent refers to every message after (a resume)."""
+    referred = [s for s in base.segments if isinstance(s, SeqRange)]
+    for index, call_id in calls:
+        made = _seq_of(base.segments, index)
+        if made is None:  # an edit held inline: its calls are its stored message's
+            edited = base.messages[index].id
+            made = None if edited is None else state.seq_by_id.get(edited)
+        if made is None:
+            continue  # stored nowhere: nothing in the transcript answers it
+        for seq in range(made + 1, base.end):
+            if any(r.start <= seq < r.stop for r in referred):
+                continue
+            around = state.by_seq.get(seq) if seq < state.loaded_until else None
+            if around is None or (
+                isinstance(around, ToolMessage) and around.tool_call_id == call_id
+            ):
+                return True
+    return False
+
+
+def _seq_of(segments: Sequence[Segment], index: int) -> int | None:
+    """The `seq` of the segments' `index`-th message; None when they hold it inline."""
+    for segment in segments:
+        size = (
+            segment.stop - segment.start if isinstance(segment, SeqRange) else len(segment.messages)
+        )
+        if index < size:
+            return segment.start + index if isinstance(segment, SeqRange) else None
+        index -= size
+    return None
+
+
 def _branch(
     state: _Thread,
     messages: list[BaseMessage],
@@ -1309,16 +1383,16 @@ def _branch(
     answers further on, or which logs a call before its stored messages (an edited call, at
     the transcript's tail: `logged_before_stored`): from the first, its stored messages
     become copies to log, unless the transcript's tail already holds them (a step re-run
-    after a crash). A call the branch went on without (`left_behind`: a question asked
-    instead of deciding it) is no such call: what answers it further on is its own answer
-    (given over HTTP, a late result), not another branch's. Answers whether anything is
+    after a crash). For a call the branch went on without (`left_behind`: a question asked
+    instead of deciding it) only another branch's answer counts, one the graph logged (the
+    abandoned branch's result, time travel): an answer given outside the graph (`_Thread.
+    outside`: over HTTP, a late result) is the call's own. Answers whether anything is
     copied."""
     whole: list[int | BaseMessage | _New] = [*places_of(segments), *places]
     end = state.loaded_until
-    went_on_without = left_behind(messages)
-    awaited = [call for call in calls if call not in went_on_without]
+    left = left_behind(messages)
     starts = (
-        logged_again_from(whole, awaited, state.by_seq, end),
+        logged_again_from(whole, calls, state.by_seq, end, left=left, outside=state.outside),
         logged_before_stored(messages, whole),
     )
     start = min((s for s in starts if s is not None), default=None)
