@@ -36,7 +36,9 @@ from agent_store import (
     SteeringInbox,
     StorageFailure,
     StorageUnavailable,
+    TranscriptMoved,
     TurnRules,
+    VersionMismatch,
     with_retries,
 )
 from agent_store.legacy import LEGACY_TURNS
@@ -1843,13 +1845,26 @@ class RacedOnce:
         after: Callable[[], Awaitable[Any]],
         *,
         collides: bool = False,
+        read_back: Callable[[], Awaitable[Any]] | None = None,
     ) -> None:
         self._collection = collection
         self._before, self._after, self._collides = before, after, collides
+        self._read_back = read_back
+        """Runs once the turn read the conversation back (the first `find_one` after the
+        race), before it decides anything on what it read."""
         self.raced = False
 
     def __getattr__(self, name: str) -> Any:
         real = getattr(self._collection, name)
+        if name == "find_one" and self.raced and self._read_back is not None:
+            then, self._read_back = self._read_back, None
+
+            async def read_back(*args: Any, **kwargs: Any) -> Any:
+                found = await real(*args, **kwargs)
+                await then()
+                return found
+
+            return read_back
         if name != "find_one_and_update" or self.raced:
             return real
 
@@ -1965,6 +1980,96 @@ async def test_a_turn_making_a_call_whose_reservation_lost_a_race_is_stored_once
     store = ConversationStore(backend.db)
     assert "call-X" in [c.tool_call_id for c in await store.pending_calls(CID)]
     assert await summary_disagreements(store) == []
+
+
+def _answering(tag: str) -> list[dict[str, Any]]:
+    """A turn answering `call-<tag>` (made by turn `<tag>`, `_asking`)."""
+    return [{"role": "tool", "tool_call_id": f"call-{tag}", "content": f"{tag} done"}]
+
+
+@pytest.mark.parametrize(
+    ("turn", "conditions"),
+    [
+        pytest.param([{"role": "user", "content": "X?"}], {}, id="version-only"),
+        pytest.param(_asking("X"), {}, id="making-a-call"),
+        pytest.param(_asking("X"), {"next_seq": 2}, id="at-next-seq"),
+        pytest.param(_answering("A"), {"answers_to": True}, id="answering-a-call"),
+        pytest.param(
+            _answering("A") + _asking("X")[1:], {"answers_to": True}, id="answering-and-asking"
+        ),
+    ],
+)
+async def test_a_turn_naming_a_version_started_again_before_it_reserves_is_a_version_mismatch(
+    backend: Backend, turn: list[dict[str, Any]], conditions: dict[str, Any]
+) -> None:
+    """A turn logged with `version` into a conversation deleted and started again between the
+    version's check and the turn's reservation is refused `VersionMismatch` (412), nothing
+    written, whatever other condition it carries: never that condition's refusal, which the
+    new conversation, holding the same turn (so the same call, pending), meets."""
+    logger = AgentMessageLogger(backend.db)
+    made = (await logger.log_messages(CID, _asking("A"), turn_id="A")).messages[1].id
+    version = (await ConversationStore(backend.db).get_conversation(CID)).version
+
+    async def started_again() -> None:
+        await ConversationStore(backend.db).delete(CID)
+        await AgentMessageLogger(backend.db).log_messages(CID, _asking("A"), turn_id="A")
+
+    async def nothing() -> None:
+        return None
+
+    raced = RacedOnce(backend.db["agent_conversations"], started_again, nothing)
+    logger._conversations = raced
+    if conditions.pop("answers_to", False):
+        conditions["answers_to"] = {"call-A": made}
+
+    with pytest.raises(VersionMismatch, match="deleted and started again"):
+        await logger.log_messages(CID, turn, turn_id="X", version=version, **conditions)
+
+    assert raced.raced
+    assert await _stored_contents(backend) == ["A?", "A!"]
+    store = ConversationStore(backend.db)
+    assert [c.tool_call_id for c in await store.pending_calls(CID)] == ["call-A"]
+
+
+@pytest.mark.parametrize(
+    "turn",
+    [
+        pytest.param([{"role": "user", "content": "X?"}], id="at-next-seq"),
+        pytest.param(_asking("X"), id="at-next-seq-making-a-call"),
+    ],
+)
+async def test_a_turn_refused_after_a_lost_race_is_told_where_the_conversation_is_now(
+    backend: Backend, turn: list[dict[str, Any]]
+) -> None:
+    """A turn at `next_seq` whose reservation met a delete's mark (set just before it, cleared
+    just after), and another writer's turn logged once it read the conversation back: the
+    refusal (`TranscriptMoved`) names the conversation as the store judged it, its next seq
+    4, not the one read back before that writer's turn."""
+    logger = AgentMessageLogger(backend.db)
+    first = [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "A!"}]
+    await logger.log_messages(CID, first, turn_id="A")
+    conversations = backend.db["agent_conversations"]
+
+    async def marked() -> None:
+        marking = {"$set": {"deleting_since": datetime.now(UTC)}}
+        await conversations.update_one({"_id": CID}, marking)
+
+    async def unmarked() -> None:
+        await conversations.update_one({"_id": CID}, {"$unset": {"deleting_since": ""}})
+
+    async def another_turn() -> None:
+        other = [{"role": "user", "content": "B?"}, {"role": "assistant", "content": "B!"}]
+        await AgentMessageLogger(backend.db).log_messages(CID, other, turn_id="B")
+
+    raced = RacedOnce(conversations, marked, unmarked, read_back=another_turn)
+    logger._conversations = raced
+
+    with pytest.raises(TranscriptMoved, match="its next seq is 4, not 2") as refused:
+        await logger.log_messages(CID, turn, turn_id="X", next_seq=2)
+
+    assert raced.raced
+    assert refused.value.next_seq == 4
+    assert await _stored_contents(backend) == ["A?", "A!", "B?", "B!"]
 
 
 async def test_a_delete_run_again_finishes_and_a_turn_after_it_starts_a_new_conversation(

@@ -265,12 +265,22 @@ class Condition:
     `abandon_after`) must still hold where it lands, as it would logged there fresh: judged
     in the lookup of that block (`_relocated.Landing`); None: nothing more than the
     move's own rules."""
+    parts: tuple[Condition, ...] = ()
+    """A joined condition's (`_joined`): the two it holds, the one whose refusal comes first
+    first. Each is judged on its own when the reservation is refused (`judged`); empty: a
+    condition of its own."""
 
     def refused(self, conversation: Mapping[str, Any], *, own: bool = False) -> StoreError:
         """The error a conversation that does not meet the condition raises (`own`: met
         `again`, by the turn whose empty block was given back)."""
         explain = self.own_explain if own and self.own_explain is not None else self.explain
         return self.refusal if explain is None else explain(conversation)
+
+    def judged(self) -> tuple[Condition, ...]:
+        """The conditions the server judges one by one on a refused reservation, in the order
+        their refusals come first (`AgentMessageLogger._refuse_unless_met`): each joined
+        one's (`parts`), else this one."""
+        return tuple(c for part in self.parts for c in part.judged()) or (self,)
 
     def met_by_a_move(self, block: range) -> dict[str, Any]:
         """What a move of the turn from its empty `block` to a new one must meet:
@@ -2012,23 +2022,27 @@ class AgentMessageLogger:
         own: range | None,
     ) -> None:
         """For a reservation that matched nothing, of a turn the conversation `found` (read
-        back after it) holds no block of: the condition's refusal, explained by `found`, when
-        the conversation as it stands does not meet the condition (its `filter`, or `again`
-        for the turn whose empty block `own` was given back, as the attempt asked it), else
-        nothing, and the turn reserves again: its reservation failed for another reason, gone
-        by the read-back (a delete's or a pop's mark met, the delete or pop over since;
-        another writer's upsert creating the conversation first). Judged by the server on the
-        very filter the reservation added (one lookup, on that path only); none once a fold
-        owed was written (`_folded_owed`), which the turn is judged again on."""
+        back after it) holds no block of: the refusal of the condition the conversation as it
+        stands does not meet (its `filter`, or `again` for the turn whose empty block `own`
+        was given back, as the attempt asked it), else nothing, and the turn reserves again:
+        its reservation failed for another reason, gone by the read-back (a delete's or a
+        pop's mark met, the delete or pop over since; another writer's upsert creating the
+        conversation first). Judged by the server, condition by condition of those the
+        reservation joined (`Condition.judged`: a `version`'s first, then the turn's), each in
+        a lookup of the conversation that does not meet it: the first found is refused,
+        explained by the conversation as that lookup read it, never by `found` (another
+        writer's turn may have landed since). One lookup per condition, on that path only;
+        none once a fold owed was written (`_folded_owed`), which the turn is judged again on."""
         if condition is None or await self._folded_owed(plan, found):
             return
-        met = condition.filter if own is None else condition.again(own)
-        with storage_errors("read the conversation"):
-            now = await self._conversations.find_one(
-                {"_id": plan.conversation_id} | met, {"_id": 1}
-            )
-        if now is None:
-            raise condition.refused(found, own=own is not None)
+        for part in condition.judged():
+            asked = part.filter if own is None else part.again(own)
+            with storage_errors("read the conversation"):
+                unmet = await self._conversations.find_one(
+                    {"_id": plan.conversation_id, "$nor": [asked]}
+                )
+            if unmet is not None:
+                raise part.refused(unmet, own=own is not None)
 
     async def _folded_owed(self, plan: TurnPlan, found: Mapping[str, Any]) -> bool:
         """Before a reservation refused by its condition raises: whether the conversation
@@ -5118,9 +5132,11 @@ def _in_life(
 
 
 def _joined(first: Condition | None, second: Condition | None) -> Condition | None:
-    """Both conditions, in one reservation: the filters and stages together; a refusal is
-    the second's when the conversation found explains it (`Condition.explain`), else the
-    first's; a retry's, the second's, else the first's (`Condition.retried`)."""
+    """Both conditions, in one reservation: the filters and stages together; a refused
+    reservation's refusal, that of the first of the second and the first the server finds the
+    conversation does not meet (`parts`, `Condition.judged`); one told from a conversation
+    read (`check_turn`), the second's when the conversation explains it (`Condition.explain`),
+    else the first's; a retry's, the second's, else the first's (`Condition.retried`)."""
     if first is None or second is None:
         return first or second
     a, b = first, second
@@ -5150,6 +5166,7 @@ def _joined(first: Condition | None, second: Condition | None) -> Condition | No
         retried=retried,
         landing=b.landing if a.landing is None else a.landing.joined(b.landing),
         own=None if a.own is None and b.own is None else _owns_joined(a, b),
+        parts=(b, a),
         **_moves_joined(a, b),
     )
 
