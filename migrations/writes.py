@@ -578,10 +578,15 @@ def rebuilt_life(
     copies make, `held`, its live turns'), it is the life a run last wrote its document with
     (`recorded`, `lives.recorded`), when its live messages carry that one or none, else the
     epoch they carry; once deleted, none: the conversation the run creates again under the
-    id draws its own (`life_of`), and the deleted one's late inserts are no messages of it."""
+    id draws its own (`life_of`), and the deleted one's late inserts are no messages of it.
+    A message at its first `seq` counts too: a migrated conversation's first messages are the
+    migration's, so a late insert lands past them; only a person's pops give that `seq`
+    back, and a pop never ends a life (her turn logged again there after she popped every
+    migrated message)."""
     if found is not None:
         return None if carried is None else {"epoch": carried}
-    if not held and not any(is_migrated(d.get("turn_id")) for d in stored):
+    taken = (is_migrated(d.get("turn_id")) or d.get("seq") == 0 for d in stored)
+    if not held and not any(taken):
         return None
     if recorded is not None and carried in (None, recorded.get("epoch")):
         return recorded

@@ -1902,6 +1902,19 @@ def test_a_conversation_the_migration_creates_draws_an_epoch_its_live_turns_keep
     assert cli(wire_uri, database, "verify") == 0
 
 
+def _run_again_once_the_old_service_renamed(
+    wire_uri: str, database: Database[dict[str, Any]], conversation_id: str, name: str
+) -> dict[str, Any]:
+    """The conversation's document after the old service renamed its turn `t-1` (where the
+    move put it) and `run` ran again (exit 0)."""
+    moved = relocate.turns_at(database)
+    database[moved].update_one({"_id": "t-1"}, {"$set": {"name": name}})
+    assert cli(wire_uri, database, "run") == 0
+    again = database[CONVERSATIONS].find_one({"_id": conversation_id})
+    assert again is not None
+    return dict(again)
+
+
 @pytest.mark.wire
 def test_a_rerun_leaves_a_conversation_an_earlier_release_migrated_without_an_epoch(
     wire_uri: str, database: Database[dict[str, Any]]
@@ -1916,12 +1929,8 @@ def test_a_rerun_leaves_a_conversation_an_earlier_release_migrated_without_an_ep
     found = database[CONVERSATIONS].find_one({"_id": "c-o"})
     assert found is not None
     before = Conversation.model_validate(found).version
-    moved = relocate.turns_at(database)
-    database[moved].update_one({"_id": "t-1"}, {"$set": {"name": "Renamed"}})
+    again = _run_again_once_the_old_service_renamed(wire_uri, database, "c-o", "Renamed")
 
-    assert cli(wire_uri, database, "run") == 0
-    again = database[CONVERSATIONS].find_one({"_id": "c-o"})
-    assert again is not None
     assert again["name"] == "Renamed"
     assert not {"epoch", "epoch_marks", "migrated"} & set(again)
     assert Conversation.model_validate(again).version == before
@@ -7946,12 +7955,8 @@ def test_a_rerun_keeps_the_epoch_the_migration_drew_and_so_the_version(
     assert isinstance(written.get("epoch"), str)
     assert written.get("epoch_marks") is True
     before = Conversation.model_validate(written).version
-    moved = relocate.turns_at(database)
-    database[moved].update_one({"_id": "t-1"}, {"$set": {"name": "Renamed by the old service"}})
-    assert cli(wire_uri, database, "run") == 0
-    again = database[CONVERSATIONS].find_one({"_id": "c-1"})
-    assert again is not None
-    assert again["name"] == "Renamed by the old service"
+    again = _run_again_once_the_old_service_renamed(wire_uri, database, "c-1", "Renamed")
+    assert again["name"] == "Renamed"
     assert (again["epoch"], again["epoch_marks"]) == (written["epoch"], True)
     assert Conversation.model_validate(again).version == before
     assert writes.written_by_migration(again)
@@ -8175,6 +8180,44 @@ def test_a_conversation_the_migration_created_keeps_its_life_across_a_rollback(
     assert Conversation.model_validate(again).version == version
     assert _graph_state(wire_uri, database, "c-1") == {"plan": "STEP 3"}
     assert cli(wire_uri, database, "verify") == 0
+
+
+@pytest.mark.wire
+def test_a_conversation_whose_migrated_messages_were_all_popped_keeps_its_life_across_a_rollback(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A pop never ends a life: the owner popped every message the run stored and logged her
+    turn again live, then a rollback and the second attempt's run. The conversation keeps its
+    epoch, its live messages are served and counted, its graph's state is its own (was: taken
+    for a deleted conversation, another epoch drawn, her live messages served by no read)."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "OLD"))
+    assert cli(wire_uri, database, "run") == 0
+
+    async def pop_both(db: Any) -> None:
+        store = ConversationStore(db, legacy=LegacyTurns(db))
+        for _ in range(2):
+            await store.pop_last_message("c-1", user_id="u-1")
+
+    _on_its_database(wire_uri, database, pop_both)
+    log_live(wire_uri, database, "c-1", "live-1", "AGAIN")
+    version = _graph_checkpoint(wire_uri, database, "c-1")
+    written = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert written is not None
+    roll_back(database, clear_messages=False)
+
+    assert cli(wire_uri, database, "run") == 0
+
+    again = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert again is not None
+    assert again.get("epoch") == written.get("epoch")
+    assert Conversation.model_validate(again).version == version
+    assert _graph_state(wire_uri, database, "c-1") == {"plan": "STEP 3"}
+
+    async def served(db: Any) -> list[Any]:
+        store = ConversationStore(db, legacy=LegacyTurns(db))
+        return [m.content for m in await store.transcript("c-1", user_id="u-1")]
+
+    assert _on_its_database(wire_uri, database, served) == ["AGAIN?", "AGAIN"]
 
 
 @pytest.mark.wire
