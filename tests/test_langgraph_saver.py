@@ -692,6 +692,40 @@ async def test_time_travel_to_a_decided_pause_copies_the_call_the_abandoned_bran
     assert (await cold.aget_state(config)).values["messages"] == mine
 
 
+async def test_time_travel_in_a_copied_thread_takes_no_stand_in_for_an_answer_from_outside(
+    backend: Backend,
+) -> None:
+    """LANGGRAPH.md "Time travel", on a thread copied with `acopy_thread`: paused on call-2,
+    the graph went back to before the model ran with a note, and the saver closed the call it
+    left behind with an "interrupted" stand-in. In the copy, back to the pause with another
+    note: call-2 is open in the branch, and the stand-in is the saver's, no answer from
+    outside the graph; the call is logged again, pending, as on the thread it was copied from."""
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    saver = AgentStoreSaver(backend.db)
+    graph, store = approval_agent(saver), ConversationStore(backend.db)
+    await graph.ainvoke(question(2), config)  # pauses on call-2
+    history = [s async for s in graph.aget_state_history(config)][::-1]
+    asked = next(s.config for s in history if len(s.values.get("messages", [])) == 1)
+    await graph.aupdate_state(asked, {"messages": [HumanMessage("note 1", id="note-1")]})
+    copy_id = f"{thread_id}-copy"
+    await saver.acopy_thread(thread_id, copy_id)
+    copied = {"configurable": {"thread_id": copy_id}}
+
+    paused, *_ = [s.config async for s in graph.aget_state_history(copied) if s.interrupts]
+    await graph.aupdate_state(paused, {"messages": [HumanMessage("note 2", id="note-2")]})
+
+    mine = (await graph.aget_state(copied)).values["messages"]
+    assert [getattr(m, "tool_call_id", None) for m in mine] == [None, None, None]
+    assert [c.tool_call_id for c in await store.pending_calls(copy_id)] == ["call-2"]
+    transcript = await store.transcript(copy_id)
+    assert [m.content for m in transcript[-len(mine) + 1 :]] == [
+        m.content or None for m in mine[1:]
+    ]
+    cold = approval_agent(AgentStoreSaver(backend.db))
+    assert (await cold.aget_state(copied)).values["messages"] == mine
+
+
 async def _paused_on_call_2(graph: Any, config: dict[str, Any]) -> AIMessage:
     await graph.ainvoke(question(2), config)  # pauses on call-2
     paused = (await graph.aget_state(config)).values["messages"][-1]

@@ -44,9 +44,11 @@ from agent_store.core import (
     TranscriptMoved,
     VersionMismatch,
     conversation_version,
+    is_stand_in,
     stand_in_result,
     utc_now,
 )
+from agent_store.core import ToolMessage as StoredToolMessage
 from agent_store.integrations._langgraph_branches import (
     OpenCall,
     abandoned_calls,
@@ -137,9 +139,10 @@ class _Thread:
     since (a pop gave the `seq` back, another writer took it) replaces the cached one."""
     outside: set[int] = field(default_factory=set)
     """The cached `seq`s whose message was logged outside the graph: by no turn of the
-    checkpointer's (`LANGGRAPH_TURN`) and kept by no checkpoint's extras (a copy of a thread
-    keeps those of the graph's messages). A person's answer over HTTP, a runtime's late result,
-    a message of another writer: none is a branch's answer (`_branch`)."""
+    checkpointer's (`LANGGRAPH_TURN`), kept by no checkpoint's extras (a copy of a thread
+    keeps those of the graph's messages) and no stand-in (`_the_graphs_own`). A person's
+    answer over HTTP, a runtime's late result, a message of another writer: none is a
+    branch's answer (`_branch`)."""
     loaded_until: int = 0
     """Every stored message below this `seq` is in `by_seq`."""
     pops: int | None = None
@@ -652,7 +655,7 @@ class TranscriptLink:
             # Keep the graph's own objects, while the `seq` holds the message they stand for.
             if message.seq not in state.by_seq or state.stored_ids.get(message.seq) != message.id:
                 loaded = from_stored(message, extras.get(message.id))
-                outside = message.id not in extras and not _logged_by_a_step(message)
+                outside = message.id not in extras and not _the_graphs_own(message)
                 state.remember(message.seq, loaded, message.id, outside=outside)
         last = stored[-1].seq if stored else None
         end = stop if stop is not None else (last + 1 if last is not None else start)
@@ -1231,6 +1234,16 @@ def _kept(target_id: str, copied: Copied, went: NotFound | None) -> StoreError:
         "to, or whose source went on past it, since: it is kept as it is; delete it and copy "
         "again, or copy into a new id"
     )
+
+
+def _the_graphs_own(message: AgentMessage) -> bool:
+    """Whether a stored message the checkpoints keep no extras for is still the graph's: one
+    a put logged (`_logged_by_a_step`), or a stand-in, which only the saver makes (a copy of
+    the thread stores it under the fork's turn, and no checkpoint keeps its extras; one logged
+    otherwise is taken for the graph's, the safe side: a branch leaving its call open logs
+    the call again)."""
+    stand_in = isinstance(message, StoredToolMessage) and is_stand_in(message)
+    return stand_in or _logged_by_a_step(message)
 
 
 def _logged_by_a_step(message: AgentMessage) -> bool:
