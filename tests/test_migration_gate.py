@@ -8150,6 +8150,22 @@ def _graph_state(wire_uri: str, database: Database[dict[str, Any]], cid: str) ->
     return _on_its_database(wire_uri, database, read)
 
 
+def _checkpointed_rolled_back_and_run_again(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """A graph checkpoints "c-1", a rollback (`agent_messages` kept), and the second attempt's
+    run (exit 0): the version read at the checkpoint, and the conversation's document before
+    the rollback and after the run."""
+    version = _graph_checkpoint(wire_uri, database, "c-1")
+    written = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert written is not None
+    roll_back(database, clear_messages=False)
+    assert cli(wire_uri, database, "run") == 0
+    again = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert again is not None
+    return version, dict(written), dict(again)
+
+
 LIFE = ("epoch", "epoch_marks", "migrated")
 
 
@@ -8167,15 +8183,8 @@ def test_a_conversation_the_migration_created_keeps_its_life_across_a_rollback(
     assert cli(wire_uri, database, "run") == 0
     if live_turn:
         log_live(wire_uri, database, "c-1", "live-1", "LIVE", dual_write=True)
-    version = _graph_checkpoint(wire_uri, database, "c-1")
-    written = database[CONVERSATIONS].find_one({"_id": "c-1"})
-    assert written is not None
-    roll_back(database, clear_messages=False)
+    version, written, again = _checkpointed_rolled_back_and_run_again(wire_uri, database)
 
-    assert cli(wire_uri, database, "run") == 0
-
-    again = database[CONVERSATIONS].find_one({"_id": "c-1"})
-    assert again is not None
     assert {k: again.get(k) for k in LIFE} == {k: written.get(k) for k in LIFE}
     assert Conversation.model_validate(again).version == version
     assert _graph_state(wire_uri, database, "c-1") == {"plan": "STEP 3"}
@@ -8200,15 +8209,8 @@ def test_a_conversation_whose_migrated_messages_were_all_popped_keeps_its_life_a
 
     _on_its_database(wire_uri, database, pop_both)
     log_live(wire_uri, database, "c-1", "live-1", "AGAIN")
-    version = _graph_checkpoint(wire_uri, database, "c-1")
-    written = database[CONVERSATIONS].find_one({"_id": "c-1"})
-    assert written is not None
-    roll_back(database, clear_messages=False)
+    version, written, again = _checkpointed_rolled_back_and_run_again(wire_uri, database)
 
-    assert cli(wire_uri, database, "run") == 0
-
-    again = database[CONVERSATIONS].find_one({"_id": "c-1"})
-    assert again is not None
     assert again.get("epoch") == written.get("epoch")
     assert Conversation.model_validate(again).version == version
     assert _graph_state(wire_uri, database, "c-1") == {"plan": "STEP 3"}
