@@ -749,7 +749,7 @@ class _KilledCopy:
         for found in target.find({"_id": {"$in": [d["_id"] for d in resumed.values()]}}):
             turn = resumed.get(matched_key(found["_id"]), {})
             if not same_document(found, turn) and not self.wrote(found, turn):
-                raise _replaced(found["_id"], self)
+                raise _replaced(found, turn, self)
 
 
 def _accept_identical_copies(
@@ -769,7 +769,7 @@ def _accept_identical_copies(
         if same_document(found, turn):
             continue
         if not own.wrote(found, turn):
-            raise _replaced(found["_id"], own) from error
+            raise _replaced(found, turn, own) from error
         target.replace_one({"_id": found["_id"]}, turn)
 
 
@@ -783,19 +783,29 @@ def _other_content(turn_id: Any) -> WorkLeft:
     )
 
 
-def _replaced(turn_id: Any, own: _KilledCopy) -> WorkLeft:
-    """The refusal of a copy meeting, under the `_id` of a turn it reads, a document in the
-    target it may not overwrite: `_other_content`, or, for a turn a killed copy had confirmed
-    (its delete may have moved it), what neither the copy nor the operator can tell apart
-    without looking: the turn edited after the copy confirmed it, or another turn the old
-    service logged under the moved turn's `_id`."""
+def _replaced(copy: Mapping[str, Any], turn: Mapping[str, Any], own: _KilledCopy) -> WorkLeft:
+    """The refusal of a copy meeting, under the `_id` of a turn it reads (`turn`, as the source
+    holds it now), a document in the target it may not overwrite (`copy`): `_other_content`,
+    or, for a turn a killed copy had confirmed (its delete may have moved it), what neither
+    the copy nor the operator can tell apart without looking: the turn edited after the copy
+    confirmed it, or another turn the old service logged under the moved turn's `_id`. It
+    says whose each is (conversation, user, time), so the operator can."""
+    turn_id = copy["_id"]
     if matched_key(turn_id) not in own.confirmed:
         return _other_content(turn_id)
     return WorkLeft(
-        f"turn document {turn_id!r} in {CONVERSATIONS} is not the one a killed copy confirmed "
-        f"moving, which {LEGACY_TURNS} holds as that copy read it: the old service edited it "
-        "since, or logged another turn under its _id after the copy moved it. Refusing to "
-        f"overwrite or delete either: if the turn in {CONVERSATIONS} is another turn, give it "
-        f"another _id; if it is the moved turn edited, delete its copy from {LEGACY_TURNS}; "
+        f"turn document {turn_id!r} in {CONVERSATIONS} ({_whose(turn)}) is not the one a killed "
+        f"copy confirmed moving, which {LEGACY_TURNS} holds as that copy read it "
+        f"({_whose(copy)}): the old service edited it since, or logged another turn under its "
+        "_id after the copy moved it. Refusing to overwrite or delete either: if the turn in "
+        f"{CONVERSATIONS} is another turn (another conversation or user tells it), give it "
+        f"another _id; only if it is the moved turn edited, delete its copy from {LEGACY_TURNS}; "
         "then `run` again"
     )
+
+
+def _whose(turn: Mapping[str, Any]) -> str:
+    """A turn document's conversation, user and time, as a refusal names them."""
+    named = (turn.get(key) for key in ("conversation_id", "user_id", "created_at"))
+    conversation, user, at = (repr(value) for value in named)
+    return f"conversation {conversation}, user {user}, at {at}"

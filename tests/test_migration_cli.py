@@ -1019,8 +1019,11 @@ def test_a_turn_logged_under_the_id_of_one_a_killed_copy_moved_never_overwrites_
     db[CONVERSATIONS].insert_one(latency_turn(1, 9) | {"conversation_id": conversation})
 
     for _ in range(2):  # refused, and again: the refused run's own records take no part
-        with pytest.raises(MigrationError, match="'t-1'"):
+        with pytest.raises(MigrationError, match="'t-1'") as refused:
             relocate.relocate(db, allow_rename=False)
+        said = str(refused.value)  # whose each is, so the operator can tell them apart
+        assert f"({'conversation ' + repr(conversation)}, user 'u-1'" in said
+        assert "holds as that copy read it (conversation 'c-1', user 'u-1'" in said
 
     moved = db[LEGACY_TURNS].find_one({"_id": "t-1"})
     assert (moved["conversation_id"], moved["latency_ms"]) == ("c-1", 7)
