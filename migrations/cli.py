@@ -195,6 +195,12 @@ def _report_id_clustering(db: Database[dict[str, Any]], source: str, sample: int
         print(f"conversation ids: {seen} looked at, spread evenly (random ids)")
 
 
+STATE_INDEX = [("kind", 1), ("started_at", 1)]
+"""The index of the migration's state by `kind`: its reads of its run and acceptance records
+(the latest run by `started_at`) never scan the life record a run keeps per conversation it
+wrote (`migrations.lives`)."""
+
+
 def _source(
     db: Database[dict[str, Any]], args: argparse.Namespace, held: lease.Lease | None
 ) -> tuple[str, tuple[str, ...]]:
@@ -239,6 +245,7 @@ def _source(
     if not args.dry_run:
         # The only change made to the legacy collection: an index to read it by conversation.
         db[LEGACY_TURNS].create_index(LEGACY_INDEX, name="migration_conversation_id")
+        db[lease.STATE].create_index(STATE_INDEX, name="migration_state_kind")
         create_indexes_sync(db)
     return source, also
 

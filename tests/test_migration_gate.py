@@ -1916,6 +1916,20 @@ def _run_again_once_the_old_service_renamed(
 
 
 @pytest.mark.wire
+def test_a_run_indexes_its_state_by_kind_beside_a_life_record_per_conversation(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """The migration's state holds a life record per conversation a run wrote; its reads of
+    its run and acceptance records select by `kind` (the latest run by `started_at`), which
+    an index the run creates serves, so they never scan the life records."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "OLD"))
+    assert cli(wire_uri, database, "run") == 0
+
+    keys = [info["key"] for info in database[lease.STATE].index_information().values()]
+    assert [("kind", 1), ("started_at", 1)] in keys
+
+
+@pytest.mark.wire
 def test_a_rerun_leaves_a_conversation_an_earlier_release_migrated_without_an_epoch(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:
