@@ -20,6 +20,16 @@ LIFE_FIELDS = ("epoch", "epoch_marks", "migrated")
 """What a record keeps of the conversation document a run wrote."""
 
 
+def life(document: Mapping[str, Any]) -> dict[str, Any]:
+    """A conversation's life as a document (or a record of it) holds it: its `epoch`, and
+    whether it is epoch-marked and the migration's (`LIFE_FIELDS`)."""
+    return {
+        "epoch": document.get("epoch"),
+        "epoch_marks": bool(document.get("epoch_marks")),
+        "migrated": bool(document.get("migrated")),
+    }
+
+
 def _record_id(conversation_id: str) -> str:
     return f"{LIFE}|{conversation_id}"
 
@@ -30,15 +40,7 @@ def record(db: Database[dict[str, Any]], documents: Iterable[Mapping[str, Any]])
     writes = [
         UpdateOne(
             {"_id": _record_id(d["_id"])},
-            {
-                "$set": {
-                    "kind": LIFE,
-                    "conversation_id": d["_id"],
-                    "epoch": d["epoch"],
-                    "epoch_marks": bool(d.get("epoch_marks")),
-                    "migrated": bool(d.get("migrated")),
-                }
-            },
+            {"$set": {"kind": LIFE, "conversation_id": d["_id"], **life(d)}},
             upsert=True,
         )
         for d in documents

@@ -85,6 +85,12 @@ def copied_as(turn: Mapping[str, Any]) -> str:
     return hashlib.sha256(bson.encode(turn)).hexdigest()
 
 
+def _copies_recorded(turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """The state's update recording the copies about to be written of `turns` (`COPIED_AS`),
+    before they are: a copy killed after it is still the copy's own."""
+    return {"$addToSet": {COPIED_AS: {"$each": [copied_as(turn) for turn in turns]}}}
+
+
 _COPY_RECORDS = (COPYING, IN_FLIGHT, CONFIRMED, COPIED_AS)
 """The migration state's fields recording a copy under way."""
 EDIT_ROUNDS = 5
@@ -533,7 +539,7 @@ def _still_in_source(
         and not same_document(current, doc)
     ]
     if edited:
-        state({"$addToSet": {COPIED_AS: {"$each": [copied_as(turn) for turn in edited]}}})
+        state(_copies_recorded(edited))
     for current in edited:
         target.replace_one({"_id": current["_id"]}, current)
     return [now[key] for key in (matched_key(i) for i in ids) if key in now]
@@ -613,7 +619,7 @@ def _delete_edited(
     (`_KilledCopy`); the records go with the copy's (`relocate`)."""
     for _ in range(EDIT_ROUNDS):
         again = []
-        state({"$addToSet": {COPIED_AS: {"$each": [copied_as(turn) for turn in edited]}}})
+        state(_copies_recorded(edited))
         for current in edited:
             target.replace_one({"_id": current["_id"]}, current)
             if source.delete_one(_as_copied(current)).deleted_count == 0:

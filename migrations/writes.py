@@ -64,6 +64,7 @@ from agent_store.store import (
     kept_blob_ids,
     named_window,
     new_life,
+    of_epoch,
     only_duplicates,
     pending_after,
     renamed,
@@ -540,23 +541,12 @@ def life_of(
     stay its own); the migration's own messages carry none."""
     found = readable(existing)
     if isinstance(found.get("epoch"), str):
-        marks, migrated = found.get("epoch_marks"), found.get("migrated")
-        return {"epoch": found["epoch"], "epoch_marks": bool(marks), "migrated": bool(migrated)}
+        return lives.life(found)
     if earlier is not None:
-        return {
-            "epoch": earlier.get("epoch"),
-            "epoch_marks": bool(earlier.get("epoch_marks")),
-            "migrated": bool(earlier.get("migrated")),
-        }
+        return lives.life(earlier)
     if existing is not None or unmarked:
         return {"epoch": None}
     return new_life() | {"migrated": True}
-
-
-def of_life(live: Sequence[dict[str, Any]], epoch: str | None) -> list[dict[str, Any]]:
-    """The live messages of the conversation whose `epoch` this is (or of none: stored before
-    messages carried one), never a deleted conversation's late inserts (`wanted_document`)."""
-    return [d for d in live if d.get("epoch") in (None, epoch)]
 
 
 def rebuilt_life(
@@ -813,7 +803,7 @@ def _plan_one(
         del stored[d["seq"]]
     live_messages = messages_adapter.validate_python(live)
     document = wanted_document(conversion, found, live_messages, earlier)
-    live = of_life(live, document.epoch)
+    live = of_epoch(live, document.epoch)
     if item.held and live:
         document = _as_stored_messages_leave_it(document, live, planned.rules.name_chars)
     planned.read[cid] = found
@@ -928,7 +918,7 @@ def _plan_moved_away(
         item.conversion, None, messages_adapter.validate_python(live), earlier
     )
     cid = item.conversion.conversation_id
-    planned.conversations.append(_dumped(document, of_life(live, document.epoch), planned.rules))
+    planned.conversations.append(_dumped(document, of_epoch(live, document.epoch), planned.rules))
     planned.read[cid] = None
     planned.converted[cid] = item
 

@@ -1238,18 +1238,13 @@ def _kept(target_id: str, copied: Copied, went: NotFound | None) -> StoreError:
 
 def _the_graphs_own(message: AgentMessage) -> bool:
     """Whether a stored message the checkpoints keep no extras for is still the graph's: one
-    a put logged (`_logged_by_a_step`), or a stand-in, which only the saver makes (a copy of
-    the thread stores it under the fork's turn, and no checkpoint keeps its extras; one logged
-    otherwise is taken for the graph's, the safe side: a branch leaving its call open logs
-    the call again)."""
+    a put logged (the checkpointer's own turn id, `LANGGRAPH_TURN`: its messages, their
+    copies, the stand-ins it closed calls with), or a stand-in, which only the saver makes (a
+    copy of the thread stores it under the fork's turn, and no checkpoint keeps its extras;
+    one logged otherwise is taken for the graph's, the safe side: a branch leaving its call
+    open logs the call again)."""
     stand_in = isinstance(message, StoredToolMessage) and is_stand_in(message)
-    return stand_in or _logged_by_a_step(message)
-
-
-def _logged_by_a_step(message: AgentMessage) -> bool:
-    """Whether a stored message was logged by a put of the graph's (the checkpointer's own
-    turn id, `LANGGRAPH_TURN`): its messages, their copies, the stand-ins it closed calls with."""
-    return is_own_turn_id(message.turn_id, LANGGRAPH_TURN)
+    return stand_in or is_own_turn_id(message.turn_id, LANGGRAPH_TURN)
 
 
 def _first_popped(found: Conversation, *, since: int) -> int:
@@ -1354,16 +1349,17 @@ def _answered_around(state: _Thread, base: _Head, calls: Sequence[OpenCall]) -> 
     `left_behind`), which the parent's messages leave out as LangGraph's state does. A `seq`
     not cached counts as answering (the put reads the transcript). Costs nothing for a call
     its parent refers to every message after (a resume)."""
-    referred = [s for s in base.segments if isinstance(s, SeqRange)]
+    places = places_of(base.segments)
+    referred = {place for place in places if isinstance(place, int)}
     for index, call_id in calls:
-        made = _seq_of(base.segments, index)
-        if made is None:  # an edit held inline: its calls are its stored message's
+        made = places[index] if index < len(places) else None
+        if not isinstance(made, int):  # an edit held inline: its calls are its stored message's
             edited = base.messages[index].id
             made = None if edited is None else state.seq_by_id.get(edited)
         if made is None:
             continue  # stored nowhere: nothing in the transcript answers it
         for seq in range(made + 1, base.end):
-            if any(r.start <= seq < r.stop for r in referred):
+            if seq in referred:
                 continue
             around = state.by_seq.get(seq) if seq < state.loaded_until else None
             if around is None or (
@@ -1371,18 +1367,6 @@ def _answered_around(state: _Thread, base: _Head, calls: Sequence[OpenCall]) -> 
             ):
                 return True
     return False
-
-
-def _seq_of(segments: Sequence[Segment], index: int) -> int | None:
-    """The `seq` of the segments' `index`-th message; None when they hold it inline."""
-    for segment in segments:
-        size = (
-            segment.stop - segment.start if isinstance(segment, SeqRange) else len(segment.messages)
-        )
-        if index < size:
-            return segment.start + index if isinstance(segment, SeqRange) else None
-        index -= size
-    return None
 
 
 def _branch(

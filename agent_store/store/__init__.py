@@ -89,6 +89,7 @@ from agent_store.store._reservation import (
     BeingDeleted,
     being_migrated,
     new_life,
+    of_epoch,
     refuse_unless_fallback_serves,
     same_conversation,
 )
@@ -270,6 +271,7 @@ __all__ = [
     "message_text",
     "named_window",
     "new_life",
+    "of_epoch",
     "only_duplicates",
     "parse_messages",
     "pending_after",
