@@ -180,8 +180,8 @@ def _report_unread(db: Database[dict[str, Any]]) -> bool:
 def _report_id_clustering(db: Database[dict[str, Any]], source: str, sample: int = 1000) -> None:
     """Warn when legacy conversation ids are time-ordered: they cluster on a sharded cluster."""
     ids = (doc["_id"] for doc in db[source].aggregate(
-        [{"$match": explode.LEGACY_FILTER}, {"$group": {"_id": "$conversation_id"}},
-         {"$limit": sample}]))  # fmt: skip
+        [{"$match": {"$and": [explode.LEGACY_FILTER, order.GROUPED]}},
+         {"$group": {"_id": "$conversation_id"}}, {"$limit": sample}]))  # fmt: skip
     seen, kinds = order.id_clustering(ids)
     if seen and sum(kinds.values()) * 2 > seen:
         found = ", ".join(f"{n} {kind}" for kind, n in kinds.most_common())

@@ -29,6 +29,7 @@ any two writes is repaired by the next run, which recomputes the same documents.
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -56,6 +57,7 @@ from agent_store.legacy import (
     named_id,
     names_none,
     not_identifiers,
+    not_utf8_at,
     owner_of,
     parse_turns,
     prompt_conversation,
@@ -63,6 +65,7 @@ from agent_store.legacy import (
     scalar_filter,
     stored_conversation_id,
     tell_apart,
+    texts_not_identifiers,
     turns_known_as,
     with_session_prompts,
 )
@@ -302,13 +305,9 @@ def conversation_ids(db: Database[dict[str, Any]], *, source: str) -> Iterator[A
 
 
 def count_conversations(db: Database[dict[str, Any]], *, source: str) -> int:
-    pipeline: list[dict[str, Any]] = [
-        {"$match": LEGACY_FILTER},
-        {"$group": {"_id": "$conversation_id"}},
-        {"$count": "n"},
-    ]
-    found = list(db[source].aggregate(pipeline, allowDiskUse=True))
-    return int(found[0]["n"]) if found else 0
+    """How many conversation ids `conversation_ids` lists (each value a server cannot group,
+    such as a DBRef, counted too: `order.range_ids`)."""
+    return sum(1 for _ in conversation_ids(db, source=source))
 
 
 def batches(ids: Iterator[T], size: int) -> Iterator[list[T]]:
@@ -328,12 +327,31 @@ def read_turns(
     """The turns of some conversations, each list in stored order, by the id the reader
     names them (`id_text`): 7 and "7" are one conversation to it, so the turns under either
     are read whichever of them a batch holds (converted twice, the same way both times), as
-    are True and "True", or a Decimal128 and its JSON text."""
+    are True and "True", or a Decimal128 and its JSON text. An id holding text that is not
+    valid UTF-8, which no query names, by `_not_utf8_turns`."""
     grouped: dict[Any, tuple[Any, list[dict[str, Any]]]] = {_key(i): (i, []) for i in ids}
-    for doc in db[source].find(turns_filter(ids)):
+    sendable = [i for i in ids if not_utf8_at(i) is None]
+    found: Iterable[dict[str, Any]] = db[source].find(turns_filter(sendable)) if sendable else []
+    for doc in itertools.chain(found, _not_utf8_turns(db, ids, source)):
         raw = doc.get("conversation_id")
         grouped.setdefault(_key(raw), (raw, []))[1].append(doc)
     return list(grouped.values())
+
+
+def _not_utf8_turns(
+    db: Database[dict[str, Any]], ids: list[Any], source: str
+) -> Iterator[dict[str, Any]]:
+    """The turns under those of `ids` holding text that is not valid UTF-8 (`not_utf8_at`),
+    which no query can name (PyMongo encodes no such text): found among the turns whose
+    `conversation_id` is text that is no identifier (`texts_not_identifiers`), by the id each
+    holds as read. One scan of those, only for a batch holding such an id."""
+    wanted = {id_key(i) for i in ids if not_utf8_at(i) is not None}
+    if not wanted:
+        return
+    texts = texts_not_identifiers("conversation_id")
+    for doc in db[source].find({"$and": [texts, LEGACY_FILTER]}):
+        if id_key(doc.get("conversation_id")) in wanted:
+            yield doc
 
 
 def turns_filter(ids: list[Any]) -> dict[str, Any]:
@@ -447,14 +465,20 @@ def _parsed(
 def _unread(raw_id: Any, source: str) -> Problem:
     """An id listed as a conversation whose turns a read by it does not find: work left,
     never skipped (a drop would take turns no run converted)."""
+    why = (
+        "an id holding bytes that are not valid UTF-8, which no query can name; correct it "
+        "in the database"
+        if not_utf8_at(raw_id) is not None
+        else "a value this server does not match by equality, such as a legacy UUID, BSON "
+        "binary subtype 3; store the id as text"
+    )
     return Problem(
         conversation_id=str(raw_id),
         legacy_id="*",
         kind="unread_conversation",
         detail=(
             f"no legacy turns under this id: {source} lists {raw_id!r} as a conversation but "
-            "a read by it finds none (a value this server does not match by equality, such as "
-            "a legacy UUID, BSON binary subtype 3); store the id as text, then run again"
+            f"a read by it finds none ({why}), then run again"
         ),
         content={"conversation_id": raw_id},
     )
@@ -681,12 +705,7 @@ def _stood_for(
     conversations = {cid for cid in derived if cid.startswith(DERIVED_CONVERSATION_PREFIX)}
     if conversations:
         match = {"$and": [not_identifiers("conversation_id"), LEGACY_FILTER]}
-        pipeline: list[dict[str, Any]] = [
-            {"$match": match},
-            {"$group": {"_id": "$conversation_id"}},
-        ]
-        for found in db[source].aggregate(pipeline, allowDiskUse=True):
-            value = found["_id"]
+        for _, value in range_ids(db, source, match):
             if stored_conversation_id({"conversation_id": value}) in conversations:
                 clauses.append(named(value))
     made = turns_made_of(db, derived, source=source)

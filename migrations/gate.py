@@ -247,9 +247,21 @@ def _reasons(
         reasons
         + _past_count(found, messages)
         + name_reasons(found, messages)
-        + _problem_reasons(cid, unplaced, stored.recorded.get(cid, []), accepted.get(cid, []))
+        + _problem_reasons(
+            cid, unplaced, stored.recorded.get(cid, []), accepted.get(cid, []), found
+        )
         + _kept_reasons(conversion.problems, stored.kept.get(cid, []))
     )
+
+
+def _owned_as_stored(mixed: Sequence[str], found: Mapping[str, Any] | None) -> list[str]:
+    """Who owns a conversation whose turns name several users (`mixed`: its `mixed_user_ids`
+    details, naming the owner of what they convert to) as its stored document says: another
+    than they name when its legacy turns are not merged (`conversation_changed_since`)."""
+    if found is None or not mixed:
+        return []
+    owner = found.get("user_id")
+    return [f"as stored, {'no user' if owner is None else repr(owner)} owns it"]
 
 
 def _live_reasons(
@@ -404,10 +416,13 @@ def _problem_reasons(
     unplaced: Sequence[Problem],
     recorded: Sequence[dict[str, Any]],
     accepted: Sequence[str],
+    document: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Whether the content only the legacy data holds is recorded as it is now (each record
     holding what its problem holds, `held`), and accepted (by digest), so content edited after
-    the run or after the acceptance, or a record edited by hand, is work left."""
+    the run or after the acceptance, or a record edited by hand, is work left; with it, who
+    owns a conversation whose turns name several users, as converted and as stored (its
+    `document`: `_owned_as_stored`)."""
     found = Counter(problem_report.digest(p) for p in unplaced)
     reasons = _unplaced_reasons(
         cid,
@@ -416,6 +431,7 @@ def _problem_reasons(
         unaccepted=bool(found - Counter(accepted)),
     )
     owners = [p.detail for p in unplaced if p.kind == MIXED_USER_IDS]
+    owners += _owned_as_stored(owners, document)
     return reasons + (owners if reasons else [])
 
 

@@ -15,13 +15,19 @@ from typing import Any
 import bson
 from bson import Decimal128
 
+from agent_store.legacy import not_utf8_key
+
 _EXACT = Context(prec=1100)
 """Digits enough to write any double's or Decimal128's value exactly."""
 
 
 def id_key(value: Any) -> bytes:
-    """An `_id` as a key: its BSON, unique in its collection whatever its type."""
-    return bson.encode({"_id": value})
+    """An `_id` as a key: its BSON, unique in its collection whatever its type; one holding
+    text that is not valid UTF-8, which no BSON encodes, by `not_utf8_key`."""
+    try:
+        return bson.encode({"_id": value})
+    except UnicodeEncodeError:
+        return not_utf8_key(value)
 
 
 def identity(document: Mapping[str, Any]) -> bytes:

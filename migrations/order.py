@@ -26,6 +26,7 @@ from bson import Decimal128, ObjectId
 from pymongo.database import Database
 from pymongo.errors import OperationFailure
 
+from agent_store.legacy import not_utf8_at
 from migrations.keys import id_key
 
 _END = object()
@@ -43,9 +44,19 @@ kind every server sorts, and compares with `$gt`, alike; across kinds they do no
 embedded server sorts 64-bit integers after text), so a checkpoint never compares ids of two
 kinds. An array matches these by its elements: it is read with `REST`."""
 _ARRAY = {"conversation_id": {"$type": "array"}}
+_NOT_ARRAY = {"conversation_id": {"$not": {"$type": "array"}}}
 REST = "rest"
 """Every other id (an array, an embedded document, binary data, JavaScript code), read last,
-in the server's order; a resume skips those up to the checkpoint, found by its BSON."""
+in the server's order (embedded documents and arrays after the others, by their BSON:
+`_NESTED`); a resume skips those up to the checkpoint, found by its BSON."""
+_NESTED = {"$or": [
+    {"conversation_id": {"$type": "object"}}, _ARRAY, {"conversation_id.$ref": {"$exists": True}},
+]}  # fmt: skip
+"""The ids of `REST` that are an embedded document or an array (a DBRef too, which the
+embedded server types apart): such a value may hold one a server cannot group (the embedded
+one refuses a DBRef; a real MongoDB groups it), so the client lists them (`_nested_ids`)."""
+GROUPED = {"$nor": [_NESTED]}
+"""The turns whose conversation id every server groups (`$group`): not `_NESTED`."""
 _KINDS = [name for name, _ in _BRACKETS] + [REST]
 
 
@@ -101,6 +112,11 @@ class Ranges:
         return self.kinds.get(str(index)) or kind_of(value), value
 
     def mark(self, index: int, kind: str, value: Any) -> None:
+        """Record `value` as the last id done in range `index`: never one holding text that
+        is not valid UTF-8 (`not_utf8_at`), which no state document nor query holds; the
+        checkpoint stays before it, so a resume reads it again (its problem recorded again)."""
+        if not_utf8_at(value) is not None:
+            return
         self.done[str(index)] = value
         self.kinds[str(index)] = kind
 
@@ -129,7 +145,8 @@ def plan_ranges(
     except OperationFailure:
         return Ranges()
     edges = [b["_id"]["min"] for b in buckets] + [b["_id"]["max"] for b in buckets[-1:]]
-    if len(buckets) < 2 or not all(isinstance(edge, str) for edge in edges):
+    sendable = all(isinstance(edge, str) and not_utf8_at(edge) is None for edge in edges)
+    if len(buckets) < 2 or not sendable:
         return Ranges()
     return Ranges([None] + [b["_id"]["min"] for b in buckets[1:]])
 
@@ -183,27 +200,49 @@ def _kind_ids(
         # NaN sorts first among numbers, and `$gt` NaN matches nothing.
         nan = isinstance(past, float) and math.isnan(past)
         condition |= {"$ne": past} if nan else {"$gt": past}
-    for found in _sorted_ids(db, source, [*within, {"conversation_id": condition}]):
-        if not isinstance(found, list) and (kind != "null" or found is None):
+    for found in _sorted_ids(db, source, [*within, {"conversation_id": condition}, _NOT_ARRAY]):
+        if kind != "null" or found is None:
             yield found
 
 
 def _rest_ids(
     db: Database[dict[str, Any]], source: str, within: list[dict[str, Any]], past: Any
 ) -> Iterator[Any]:
-    """The ids of no kind of `_BRACKETS` (and arrays), in the server's order, past `past`:
-    those up to it are skipped when it is still there (found by its BSON), else none is.
-    Such ids are few: one more read of them finds the checkpoint."""
+    """The ids of no kind of `_BRACKETS` (and arrays), in order (those the server groups in
+    its order, then the others by their BSON: `_nested_ids`), past `past`: those up to it are
+    skipped when it is still there (found by its BSON), else none is. Such ids are few: one
+    more read of them finds the checkpoint."""
     others = {"$nor": [{"conversation_id": c} for _, c in _BRACKETS]}
     clauses = [*within, {"$or": [others, _ARRAY]}]
     skip = past is not _END and any(
-        id_key(i) == id_key(past) for i in _sorted_ids(db, source, clauses)
+        id_key(i) == id_key(past) for i in _every_rest_id(db, source, clauses)
     )
-    for found in _sorted_ids(db, source, clauses):
+    for found in _every_rest_id(db, source, clauses):
         if skip:
             skip = id_key(found) != id_key(past)
             continue
         yield found
+
+
+def _every_rest_id(
+    db: Database[dict[str, Any]], source: str, clauses: list[dict[str, Any]]
+) -> Iterator[Any]:
+    """The ids of `REST` matching `clauses`, in order: those the server groups, then the
+    embedded documents and arrays (`_NESTED`) the client lists."""
+    yield from _sorted_ids(db, source, [*clauses, GROUPED])
+    yield from _nested_ids(db, source, [*clauses, _NESTED])
+
+
+def _nested_ids(
+    db: Database[dict[str, Any]], source: str, clauses: list[dict[str, Any]]
+) -> Iterator[Any]:
+    """The distinct ids of the turns matching `clauses` (`_NESTED`), by their BSON
+    (`id_key`): listed by the client, never grouped by the server, which may refuse to group
+    such a value: one such turn never stops the listing of every other. Such ids are few."""
+    found: dict[bytes, Any] = {}
+    for turn in db[source].find({"$and": clauses}, {"conversation_id": 1}):
+        found.setdefault(id_key(turn.get("conversation_id")), turn.get("conversation_id"))
+    yield from (found[key] for key in sorted(found))
 
 
 def spread_ids(

@@ -66,6 +66,7 @@ from migrations import (
     full_texts,
     gate,
     lease,
+    order,
     orphan_prompts,
     relocate,
     writes,
@@ -3942,6 +3943,32 @@ def test_a_second_attempt_keeps_a_live_turn_logged_where_a_person_popped_a_migra
 
 
 @pytest.mark.wire
+def test_finish_says_who_owns_a_conversation_of_several_users_as_stored(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ada's migrated conversation, a live turn of hers, then a late legacy turn of Bob's the
+    run does not merge (`conversation_changed_since`): it stays Ada's, and `finish` says so
+    beside its `mixed_user_ids` problem, which names Bob as the owner of what the turns
+    convert to only (was: "the last one, 'bob', owns it and every message of it")."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-x", 0, "ADA") | {"user_id": "ada"})
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-x", "live-1", "LIVE", dual_write=True, user_id="ada")
+    database[CONVERSATIONS].insert_one(legacy_turn("t-late", "c-x", 2, "BOB") | {"user_id": "bob"})
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish") == 1
+    out = capsys.readouterr().out
+
+    stored = database[CONVERSATIONS].find_one({"_id": "c-x"})
+    assert stored is not None
+    assert stored["user_id"] == "ada"
+    assert "as stored, 'ada' owns it" in out
+    assert "'bob', owns it" not in out
+    assert "the conversation they convert to is the last one's, 'bob'" in out
+
+
+@pytest.mark.wire
 def test_finish_waits_for_no_run_holding_the_lock_and_drops_nothing_while_one_runs(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -7569,11 +7596,24 @@ def _without_sort(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(builder, name, without)
 
 
+_GATE_COMMANDS = [
+    ("run", "--spread", "1"),
+    ("verify",),
+    ("finish",),
+    ("finish", "--drop-legacy", "--yes"),
+    ("finish", "--accept", "c-dates"),
+    ("finish", "--drop-legacy", "--yes"),
+]
+
+
 def _commands_on_mongomock(
-    monkeypatch: pytest.MonkeyPatch, turns: list[dict[str, Any]]
+    monkeypatch: pytest.MonkeyPatch,
+    turns: list[dict[str, Any]],
+    commands: list[tuple[str, ...]] = _GATE_COMMANDS,
 ) -> tuple[list[int], Database[dict[str, Any]]]:
-    """The exit codes of `run`, `verify`, `finish` and `finish --drop-legacy` on `turns`, on
-    mongomock (which stores a `DatetimeMS` as given; a server holding one is a real MongoDB)."""
+    """The exit codes of `commands` (`run`, `verify`, `finish` and `finish --drop-legacy`) on
+    `turns`, on mongomock (which stores a `DatetimeMS` as given; a server holding one is a
+    real MongoDB)."""
     client: Any = mongomock.MongoClient(tz_aware=True)
     database = client["dates"]
 
@@ -7585,14 +7625,6 @@ def _commands_on_mongomock(
     _without_sort(monkeypatch)
     database[CONVERSATIONS].insert_many(turns)
     hold_not_utf8(database[CONVERSATIONS])  # none holds the marker but those made to
-    commands = [
-        ("run", "--spread", "1"),
-        ("verify",),
-        ("finish",),
-        ("finish", "--drop-legacy", "--yes"),
-        ("finish", "--accept", "c-dates"),
-        ("finish", "--drop-legacy", "--yes"),
-    ]
     return [cli("mongodb://unused", database, *command) for command in commands], database
 
 
@@ -8008,6 +8040,10 @@ def _turns_one_not_utf8(field: str) -> list[dict[str, Any]]:
     bad = legacy_turn("t-bad", "c-bad", 2, "bad")
     if field == "key":
         bad["note " + MARKER] = 1
+    elif field == "conversation_id":
+        bad["conversation_id"] = "c-bad" + MARKER
+    elif field == "_id":
+        bad["_id"] = "t-bad" + MARKER
     elif field == "response_parts":
         bad["response_parts"].append({"type": "text", "content": MARKER})
     else:
@@ -8043,6 +8079,82 @@ def test_a_turn_holding_text_that_is_not_valid_utf8_is_a_named_problem_and_the_o
     assert codes[1:4] == [1, 1, 1], out
     assert database[LEGACY_TURNS].count_documents({"conversation_id": "c-bad"}) == 2
     assert "c-bad" in out
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["renamed", "copied"])
+@pytest.mark.parametrize("field", ["conversation_id", "_id"])
+def test_a_turn_whose_id_holds_bytes_that_are_not_valid_utf8_is_a_named_problem(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], field: str, copy: bool
+) -> None:
+    """MIGRATION.md: a legacy turn whose `conversation_id` or `_id` holds bytes that are not
+    valid UTF-8 stops no command (was: a traceback out of `run`, nothing migrated, the turn
+    unnamed): `run --dry-run`, `run`, `status` and a second `run` go on, the turn is named (its
+    `_id` escaped) with the field, as a problem of its conversation (`invalid_conversation`) or
+    as a turn a copy leaves in `agent_conversations`, its turns stay as stored, every other
+    conversation migrates, and `verify` and `finish` exit 1."""
+    if copy:
+        monkeypatch.setattr(
+            relocate, "relocate", functools.partial(relocate.relocate, allow_rename=False)
+        )
+    commands = [("run", "--dry-run", "--spread", "1"), ("run", "--spread", "1"), ("status",),
+                ("run", "--spread", "1"), ("verify",), ("finish",)]  # fmt: skip
+    codes, database = _commands_on_mongomock(monkeypatch, _turns_one_not_utf8(field), commands)
+    out = capsys.readouterr().out
+
+    assert codes == [0, 0, 0, 0, 1, 1], out
+    bad_id = "t-bad" + (NOT_UTF8 if field == "_id" else "")  # named with each escape: repr
+    if copy:  # left in agent_conversations and named; the gate refuses while it is there
+        assert f"turn {bad_id!r} ({field} holds bytes that are not valid UTF-8)" in out
+    else:
+        named = f"legacy turn {bad_id!r}: {field} holds bytes that are not valid UTF-8"
+        problems = [p["kind"] for p in database[PROBLEMS].find() if named in p["detail"]]
+        assert problems == ["invalid_conversation"], out
+    migrated = {m["conversation_id"] for m in database[MESSAGES].find()}
+    assert migrated == {"c-good-1", "c-good-2"} | ({"c-bad"} if field != "_id" else set())
+    stored = database[CONVERSATIONS if copy else LEGACY_TURNS].find()
+    assert [t["conversation_id"] for t in stored if t["_id"] == bad_id] == [
+        "c-bad" + (NOT_UTF8 if field == "conversation_id" else "")
+    ]
+
+
+def test_an_id_holding_text_that_is_not_valid_utf8_is_no_checkpoint_and_a_key_apart() -> None:
+    """An id holding text that is not valid UTF-8 is never a range's checkpoint (no state
+    document nor query holds it: a resume reads it again), and is a key apart from any other
+    id, the text spelling its escape too (`id_key`)."""
+    ranges = order.Ranges()
+    ranges.mark(0, "string", "c-1")
+    ranges.mark(0, "string", NOT_UTF8)
+    assert ranges.done == {"0": "c-1"}
+    escaped = NOT_UTF8.encode("ascii", "backslashreplace").decode()
+    keys = {explode.id_key(v) for v in (NOT_UTF8, escaped, [NOT_UTF8], {"a": NOT_UTF8})}
+    assert len(keys) == 4
+
+
+@pytest.mark.wire
+def test_a_turn_whose_conversation_id_holds_a_dbref_is_a_named_problem_and_the_others_migrate(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md: a legacy turn whose `conversation_id` is a database reference (a DBRef),
+    or an embedded document or array holding one, stops no command (was: exit 4 out of `run`,
+    `verify`, `finish` and `status` alike on the embedded server, which groups no DBRef,
+    nothing migrated, the turn unnamed): each is an `invalid_conversation` problem naming the
+    turn and the field, its turn stays as stored, the others migrate, and the gate holds."""
+    ref = bson.DBRef("users", 5)
+    refs = {"t-ref": ref, "t-in-doc": {"user": ref}, "t-in-list": [ref, "c-1"]}
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-1", 0, "one")]
+        + [legacy_turn(tid, cid, 1, tid) for tid, cid in refs.items()]
+    )
+
+    codes = [cli(wire_uri, database, c) for c in ("run", "verify", "finish", "status")]
+    out = capsys.readouterr().out
+
+    assert codes == [0, 1, 1, 0], out
+    assert {m["conversation_id"] for m in database[MESSAGES].find()} == {"c-1"}
+    details = sorted(p["detail"] for p in database[PROBLEMS].find())
+    assert [d.split(":")[0] for d in details] == [f"legacy turn {t!r}" for t in sorted(refs)]
+    assert all("conversation_id holds a database reference" in d for d in details)
+    assert database[LEGACY_TURNS].count_documents({"_id": {"$in": list(refs)}}) == 3
 
 
 def test_a_copy_leaves_a_turn_holding_text_that_is_not_valid_utf8_where_it_is_and_names_it() -> (

@@ -1552,8 +1552,9 @@ def _owner(converter: _Converter, turns: list[LegacyTurn]) -> str | None:
         converter.problem(
             turns[-1],
             MIXED_USER_IDS,
-            f"turns name several users {sorted(set(user_ids))}; the last one, "
-            f"{user_ids[-1]!r}, owns it and every message of it, the others' words too",
+            f"turns name several users {sorted(set(user_ids))}; the conversation they "
+            f"convert to is the last one's, {user_ids[-1]!r}, every message of it, the "
+            "others' words too",
             field="user_id",
             content=_turns_by_user(converter, turns),
         )

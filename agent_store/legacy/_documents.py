@@ -22,7 +22,7 @@ from decimal import Decimal
 from typing import Any
 
 import bson
-from bson import Code, Decimal128, ObjectId, Timestamp, json_util
+from bson import Code, DBRef, Decimal128, ObjectId, Timestamp, json_util
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -213,11 +213,18 @@ def not_identifiers(field: str) -> dict[str, Any]:
     an array, whatever it holds (a query would match it by its elements)."""
     return {
         "$or": [
-            {"$and": [{field: {"$type": "string"}}, {"$nor": [{field: _IDENTIFIER}]}]},
+            texts_not_identifiers(field),
             {field: {"$exists": True, "$not": {"$type": _IDENTIFIER_TYPES}}},
             {field: {"$type": "array"}},
         ]
     }
+
+
+def texts_not_identifiers(field: str) -> dict[str, Any]:
+    """The filter of the documents whose `field` is text that is no identifier: among them
+    every text holding bytes that are not valid UTF-8 (no pattern matches such text, on a
+    server as in Python, where it holds lone surrogates)."""
+    return {"$and": [{field: {"$type": "string"}}, {"$nor": [{field: _IDENTIFIER}]}]}
 
 
 def may_not_be_identifiers(field: str) -> dict[str, Any]:
@@ -645,7 +652,7 @@ def key_of(text: str) -> str:
     spell it: the text itself when it is one, else `h` and its hash."""
     if _KEY.match(text):
         return text
-    return "h" + hashlib.sha256(text.encode()).hexdigest()[:32]
+    return "h" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -709,14 +716,51 @@ def parse_turns(
     """Legacy documents as models, each turn naming no conversation going by the name `alike`
     gives it (`Unnamed.names`; none given: its `_id`'s text). Raises InvalidInput only for a
     document no model holds."""
+    documents = list(documents)
+    for document in documents:
+        if (why := _unreadable(document)) is not None:
+            raise InvalidInput(f"legacy turn {document.get('_id')!r}: {why}")
+    return _as_turns(documents, alike)
+
+
+def _unreadable(document: Mapping[str, Any]) -> str | None:
+    """Why no conversion reads a turn as stored, or None: a text holding bytes that are not
+    valid UTF-8 (`not_utf8_at`), or a `conversation_id` holding a database reference
+    (`reference_in`). Its conversation is a problem naming it; its turns stay as stored."""
+    if (where := not_utf8_at(document)) is not None:
+        return (
+            f"{where} holds bytes that are not valid UTF-8 (kept as stored; no message can "
+            "hold them): correct the text in the database, then run again"
+        )
+    if (ref := reference_in(document.get("conversation_id"))) is not None:
+        return (
+            f"conversation_id holds a database reference (a DBRef to {ref.collection!r}), "
+            "which names no conversation and which not every server groups (kept as stored): "
+            "store the conversation's id in its place, then run again"
+        )
+    return None
+
+
+def reference_in(value: Any) -> DBRef | None:
+    """The first database reference (a DBRef: `{"$ref": …, "$id": …}`) `value` is or holds,
+    in an embedded document or an array at any depth; None when it holds none."""
+    if isinstance(value, DBRef):
+        return value
+    items = value.values() if isinstance(value, Mapping) else value
+    if isinstance(value, Mapping | list | tuple):
+        return next((r for item in items if (r := reference_in(item)) is not None), None)
+    return None
+
+
+def _as_turns(
+    documents: Iterable[Mapping[str, Any]], alike: Mapping[bytes, str] | None = None
+) -> list[LegacyTurn]:
+    """`parse_turns` without refusing text that is not valid UTF-8: what names a turn's
+    conversation (`stored_conversation_id`, `tell_apart`) reads its ids whatever bytes they
+    hold (an id holding such text is no identifier: a derived id names it, the conversion
+    names the turn as a problem)."""
     turns = []
     for document in documents:
-        if (where := not_utf8_at(document)) is not None:
-            raise InvalidInput(
-                f"legacy turn {document.get('_id')!r}: {where} holds bytes that are not valid "
-                "UTF-8 (kept as stored; no message can hold them): correct the text in the "
-                "database, then run again"
-            )
         try:
             turn = LegacyTurn.model_validate(read_code_as_text(document))
         except ValidationError as exc:
@@ -730,8 +774,20 @@ def parse_turns(
 
 
 def id_key(value: Any) -> bytes:
-    """An `_id` as a key, by its BSON value (an ObjectId is no text, 5 is not "5")."""
-    return bson.encode({"id": value})
+    """An `_id` as a key, by its BSON value (an ObjectId is no text, 5 is not "5"); one
+    holding text that is not valid UTF-8 by `not_utf8_key`."""
+    try:
+        return bson.encode({"id": value})
+    except UnicodeEncodeError:
+        return not_utf8_key(value)
+
+
+def not_utf8_key(value: Any) -> bytes:
+    """A value holding text that is not valid UTF-8 (read with `surrogateescape`: each such
+    byte a lone surrogate, which no BSON encodes) as a key: its canonical extended JSON, each
+    such byte an escape, behind four zero bytes, which begin no BSON document (its length)."""
+    exact = json_util.dumps(value, json_options=json_util.CANONICAL_JSON_OPTIONS)
+    return b"\0\0\0\0" + exact.encode()
 
 
 NAMING_FIELDS = {"_id": 1, "conversation_id": 1, "created_at": 1}
@@ -758,7 +814,7 @@ def tell_apart(documents: Iterable[Mapping[str, Any]]) -> Unnamed:
     turn go by that already), which `key_of` hashes. The converter, the read fallback, the
     deletes and the migration name them by this one function, over one scan of them all."""
     turns: dict[bytes, LegacyTurn] = {}
-    for turn in parse_turns({k: d.get(k) for k in NAMING_FIELDS} for d in documents):
+    for turn in _as_turns({k: d.get(k) for k in NAMING_FIELDS} for d in documents):
         if turn.conversation_id is None:
             turns.setdefault(id_key(turn.id), turn)
     taken = {key_of(str(t.id)) for t in turns.values()}  # names as derived ids spell them
@@ -799,7 +855,7 @@ def stored_conversation_id(
     (`LegacyTurn.stored_conversation_id`), read from its `_id` and `conversation_id` only, and,
     for one naming none, the name `alike` gives it (`Unnamed.names`)."""
     found = {"_id": document.get("_id"), "conversation_id": document.get("conversation_id")}
-    [turn] = parse_turns([found], alike)
+    [turn] = _as_turns([found], alike)
     return turn.stored_conversation_id
 
 

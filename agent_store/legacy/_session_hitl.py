@@ -464,8 +464,9 @@ def _mixed_users(
 
 
 def _mixed_detail(owner: str | None, users: Mapping[str, Any]) -> str:
-    """What the mixed users problem tells of a conversation: who owns it, and that a prompt
-    naming another user is never its pending prompt."""
+    """What the mixed users problem tells of a conversation: who owns what its turns convert
+    to (what is stored may be another's: `gate` says), and that a prompt naming another user
+    is never its pending prompt."""
     kept = "(a pending one is kept in a pending_prompt_not_placed problem)"
     if owner is None:
         return (
@@ -474,9 +475,9 @@ def _mixed_detail(owner: str | None, users: Mapping[str, Any]) -> str:
             f"prompt naming a user is never its pending prompt {kept}"
         )
     return (
-        f"turns and session_hitl prompts name several users {sorted(users)}; {owner!r} owns "
-        "it and every message of it, the other users' turns too; a prompt naming another "
-        f"user is never its pending prompt {kept}"
+        f"turns and session_hitl prompts name several users {sorted(users)}; the "
+        f"conversation its turns convert to is {owner!r}'s, every message of it, the other "
+        f"users' turns too; a prompt naming another user is never its pending prompt {kept}"
     )
 
 
