@@ -711,12 +711,7 @@ def parse_turns(
     document no model holds."""
     turns = []
     for document in documents:
-        if (where := not_utf8_at(document)) is not None:
-            raise InvalidInput(
-                f"legacy turn {document.get('_id')!r}: {where} holds bytes that are not valid "
-                "UTF-8 (kept as stored; no message can hold them): correct the text in the "
-                "database, then run again"
-            )
+        refuse_not_utf8(document, f"legacy turn {document.get('_id')!r}")
         try:
             turn = LegacyTurn.model_validate(read_code_as_text(document))
         except ValidationError as exc:
@@ -1150,6 +1145,19 @@ def not_utf8_at(value: Any, where: str = "") -> str | None:
             if (found := not_utf8_at(item, f"{where}.{index}")) is not None:
                 return found
     return None
+
+
+def refuse_not_utf8(document: Mapping[str, Any], named: str) -> None:
+    """InvalidInput when a legacy document (a turn, a `session_hitl` prompt), `named` so in
+    the message, holds bytes that are not valid UTF-8 anywhere (`not_utf8_at`, the message
+    naming where): no message or conversation document can hold them, and no lossy reading
+    is taken for them, so its conversation is converted by no reader until they are
+    corrected. The message quotes none of them (`!r` writes each as its escape)."""
+    if (where := not_utf8_at(document)) is not None:
+        raise InvalidInput(
+            f"{named}: {where} holds bytes that are not valid UTF-8 (kept as stored; no "
+            "message can hold them): correct the text in the database, then run again"
+        )
 
 
 def encodes(value: Any) -> bool:
