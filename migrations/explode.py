@@ -536,10 +536,39 @@ def convert_batch(
     hitl = read_session_hitl(
         db, {c.conversion.conversation_id: legacy_name(c.turns) for c in converted}
     )
-    for item in converted:
-        with_session_prompts(item.conversion, hitl.get(item.conversion.conversation_id, []))
+    converted, unreadable = _with_prompts(converted, hitl, source)
+    failed += unreadable
     converted += _answered_live(db, live_only(held_documents, set(groups), rules, undated_at))
     return converted, failed, turns
+
+
+def _with_prompts(
+    converted: list[Converted], hitl: Mapping[str, list[Any]], source: str
+) -> tuple[list[Converted], list[Problem]]:
+    """Each conversion with its `session_hitl` prompts (`with_session_prompts`), and a problem
+    for each whose prompts it cannot take (one holding text that is not valid UTF-8), as for
+    turns no model holds (`_parsed`): nothing of that conversation is written, its turns and
+    prompts stay as stored, the problem keeps the prompts, and the other conversations go on."""
+    kept: list[Converted] = []
+    failed: list[Problem] = []
+    for item in converted:
+        prompts = hitl.get(item.conversion.conversation_id, [])
+        try:
+            with_session_prompts(item.conversion, prompts)
+        except InvalidInput as exc:
+            failed.append(
+                Problem(
+                    conversation_id=item.conversion.conversation_id,
+                    legacy_id=SESSION_HITL,
+                    kind="invalid_conversation",
+                    detail=exc.message + f"; its {len(item.turns)} turns stay in {source}, "
+                    f"its {len(prompts)} prompts in {SESSION_HITL}",
+                    content=prompts,
+                )
+            )
+            continue
+        kept.append(item)
+    return kept, failed
 
 
 def _converted(

@@ -2,7 +2,8 @@
 
 A conversion reads a conversation's prompts with its turns (`read_session_hitl`), by the
 conversation each prompt names (`prompt_conversation`); a prompt naming none (a blank id,
-no session) or one without legacy turns would be dropped with the legacy data unseen. Which
+no session), one naming it in text that is not valid UTF-8 (no query names that), or one
+without legacy turns would be dropped with the legacy data unseen. Which
 prompts a conversion reads is decided by that same read. A run records each other as an
 unplaced problem, `orphan_pending_hitl`, holding the prompt document, for an operator to
 accept; the exit gate looks for them itself, so a prompt the old service records after the
@@ -25,6 +26,7 @@ from agent_store.legacy import (
     id_filter,
     is_pending_prompt,
     named_id,
+    not_utf8_at,
     prompt_conversation,
 )
 from migrations import problems as problem_report
@@ -36,16 +38,33 @@ CHUNK = 1000
 """Prompts read, and their orphans recorded or checked, at a time."""
 
 
-def _problem(prompt: Mapping[str, Any]) -> Problem:
+def _named(prompt: Mapping[str, Any]) -> str | None:
+    """The conversation a prompt names (`prompt_conversation`), but for one naming it in text
+    that is not valid UTF-8 (`not_utf8_at`): no query can name that one (no client encodes
+    it), so no conversion reads the prompt, and no record can name it either."""
     named = prompt_conversation(prompt)
+    return named if named is None or not_utf8_at(named) is None else None
+
+
+def _problem(prompt: Mapping[str, Any]) -> Problem:
+    named = _named(prompt)
+    detail = (
+        "a pending session_hitl prompt of a conversation without any legacy turn: no "
+        "conversation takes it"
+    )
+    if named is None and prompt_conversation(prompt) is not None:
+        named_by_id = named_id(prompt.get("conversation_id")) is not None
+        field = "conversation_id" if named_by_id else "session_id"
+        detail = (
+            f"a pending session_hitl prompt whose {field} holds bytes that are not valid UTF-8 "
+            "(kept as stored): it names no conversation a run reads, so no conversation takes "
+            "it; correct the text in the database, then run again"
+        )
     return Problem(
         conversation_id=named if named is not None else f"session_hitl|{prompt.get('_id')}",
         legacy_id=str(prompt.get("_id")),
         kind=ORPHAN_PENDING_HITL,
-        detail=(
-            "a pending session_hitl prompt of a conversation without any legacy turn: no "
-            "conversation takes it"
-        ),
+        detail=detail,
         content=dict(prompt),
     )
 
@@ -67,7 +86,7 @@ def _alone(
     """The prompts of `pending` no conversion reads, decided by the conversions' own read of
     prompts (`read_session_hitl`): a prompt naming no conversation, or one without legacy
     turns in `source`, or one that read does not find."""
-    names = {name for p in pending if (name := prompt_conversation(p)) is not None}
+    names = {name for p in pending if (name := _named(p)) is not None}
     converted = _with_turns(db, names, source)
     among = {"_id": {"$in": [p["_id"] for p in pending]}}
     read = read_session_hitl(db, {name: name for name in converted}, among=among)

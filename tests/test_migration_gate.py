@@ -7606,14 +7606,13 @@ _GATE_COMMANDS = [
 ]
 
 
-def _commands_on_mongomock(
+def _on_mongomock(
     monkeypatch: pytest.MonkeyPatch,
     turns: list[dict[str, Any]],
-    commands: list[tuple[str, ...]] = _GATE_COMMANDS,
-) -> tuple[list[int], Database[dict[str, Any]]]:
-    """The exit codes of `commands` (`run`, `verify`, `finish` and `finish --drop-legacy`) on
-    `turns`, on mongomock (which stores a `DatetimeMS` as given; a server holding one is a
-    real MongoDB)."""
+    prompts: list[dict[str, Any]] | None = None,
+) -> Database[dict[str, Any]]:
+    """A mongomock database the commands run on, holding `turns` and the `session_hitl`
+    `prompts`, each `MARKER` in them text that is not valid UTF-8 (`hold_not_utf8`)."""
     client: Any = mongomock.MongoClient(tz_aware=True)
     database = client["dates"]
 
@@ -7625,6 +7624,23 @@ def _commands_on_mongomock(
     _without_sort(monkeypatch)
     database[CONVERSATIONS].insert_many(turns)
     hold_not_utf8(database[CONVERSATIONS])  # none holds the marker but those made to
+    if prompts:
+        database[SESSION_HITL].insert_many(prompts)
+        hold_not_utf8(database[SESSION_HITL])
+    result: Database[dict[str, Any]] = database
+    return result
+
+
+def _commands_on_mongomock(
+    monkeypatch: pytest.MonkeyPatch,
+    turns: list[dict[str, Any]],
+    prompts: list[dict[str, Any]] | None = None,
+    commands: list[tuple[str, ...]] = _GATE_COMMANDS,
+) -> tuple[list[int], Database[dict[str, Any]]]:
+    """The exit codes of `commands` (`run`, `verify`, `finish` and `finish --drop-legacy`) on
+    `turns` (and `session_hitl` `prompts`), on mongomock (which stores a `DatetimeMS` as
+    given; a server holding one is a real MongoDB)."""
+    database = _on_mongomock(monkeypatch, turns, prompts)
     return [cli("mongodb://unused", database, *command) for command in commands], database
 
 
@@ -8098,7 +8114,9 @@ def test_a_turn_whose_id_holds_bytes_that_are_not_valid_utf8_is_a_named_problem(
         )
     commands = [("run", "--dry-run", "--spread", "1"), ("run", "--spread", "1"), ("status",),
                 ("run", "--spread", "1"), ("verify",), ("finish",)]  # fmt: skip
-    codes, database = _commands_on_mongomock(monkeypatch, _turns_one_not_utf8(field), commands)
+    codes, database = _commands_on_mongomock(
+        monkeypatch, _turns_one_not_utf8(field), commands=commands
+    )
     out = capsys.readouterr().out
 
     assert codes == [0, 0, 0, 0, 1, 1], out
@@ -8155,6 +8173,129 @@ def test_a_turn_whose_conversation_id_holds_a_dbref_is_a_named_problem_and_the_o
     assert [d.split(":")[0] for d in details] == [f"legacy turn {t!r}" for t in sorted(refs)]
     assert all("conversation_id holds a database reference" in d for d in details)
     assert database[LEGACY_TURNS].count_documents({"_id": {"$in": list(refs)}}) == 3
+
+
+HITL_PROMPT = {
+    "_id": "p-1", "conversation_id": "c-hitl", "user_id": "u-1", "request_id": "r-1",
+    "action": "pay", "prompt": "Pay Bob?", "status": "pending",
+    "created_at": datetime(2024, 1, 1, 3, tzinfo=UTC),
+}  # fmt: skip
+"""The pending `session_hitl` prompt of conversation `c-hitl` (`_turns_and_a_prompt`)."""
+
+
+def _turns_and_a_prompt(field: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Good turns of two conversations, and of a third, `c-hitl`, one raising request `r-1`,
+    whose pending `session_hitl` prompt holds text that is not valid UTF-8 in `field` (its
+    `note`, a field no reader takes, too; "not placed": in another pending prompt's `prompt`,
+    one no message raised)."""
+    raised = {"type": "hitl", "action": "pay", "request_id": "r-1", "prompt": "Pay Bob?"}
+    asking = legacy_turn("t-h", "c-hitl", 2, "pay") | {"response_parts": [raised]}
+    prompts = [dict(HITL_PROMPT)]
+    if field == "not placed":
+        prompts.append(HITL_PROMPT | {"_id": "p-2", "request_id": "r-9", "prompt": MARKER})
+    else:
+        prompts[0][field] = f"{prompts[0].get(field, '')} {MARKER}"
+    turns = [legacy_turn("t-1", "c-good-1", 0, "one"), legacy_turn("t-2", "c-good-2", 1, "two")]
+    return [*turns, asking], prompts
+
+
+@pytest.mark.parametrize("field", ["prompt", "action", "request_id", "note", "not placed"])
+def test_a_prompt_holding_text_that_is_not_valid_utf8_is_a_named_problem_and_the_others_migrate(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], field: str
+) -> None:
+    """MIGRATION.md: a `session_hitl` prompt holding bytes that are not valid UTF-8 is read as
+    a turn holding them is, never stopping a run (was: a traceback out of every run, no
+    conversation migrated): its conversation is an `invalid_conversation` problem naming the
+    prompt document and the field, nothing of it written, its turns and prompts left as they
+    are; the other conversations migrate, and the gate holds until it is corrected."""
+    turns, prompts = _turns_and_a_prompt(field)
+    codes, database = _commands_on_mongomock(monkeypatch, turns, prompts)
+    out = capsys.readouterr().out
+
+    assert codes[0] == 0, out
+    migrated = {m["conversation_id"] for m in database[MESSAGES].find()}
+    assert migrated == {"c-good-1", "c-good-2"}
+    assert database[CONVERSATIONS].find_one({"_id": "c-hitl"}) is None
+    problem = database[PROBLEMS].find_one({"conversation_id": "c-hitl"})
+    assert problem is not None
+    assert problem["kind"] == "invalid_conversation"
+    named = "'p-2'" if field == "not placed" else "'p-1'"
+    assert f"session_hitl prompt {named}" in problem["detail"]
+    assert "not valid UTF-8" in problem["detail"]
+    assert ("prompt" if field == "not placed" else field) in problem["detail"]
+    assert codes[1:4] == [1, 1, 1], out
+    assert "c-hitl" in out
+    assert database[LEGACY_TURNS].count_documents({"conversation_id": "c-hitl"}) == 1
+    assert database[SESSION_HITL].count_documents({}) == len(prompts)
+
+    database[SESSION_HITL].delete_many({})
+    database[SESSION_HITL].insert_many(
+        [{k: v.replace(MARKER, "corrected") if isinstance(v, str) else v for k, v in p.items()}
+         for p in prompts]
+    )  # fmt: skip
+    assert cli("mongodb://unused", database, "run", "--spread", "1") == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-hitl"}) is not None
+    assert cli("mongodb://unused", database, "verify") == 0
+
+
+def test_the_dry_run_counts_a_prompt_holding_text_that_is_not_valid_utf8_as_a_problem(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md "Runbook": the dry run prints the problems by kind the run will record: a
+    conversation whose pending prompt holds text that is not valid UTF-8 among them (was: no
+    problem, then the run stopped on it)."""
+    database = _on_mongomock(monkeypatch, *_turns_and_a_prompt("prompt"))
+
+    assert cli("mongodb://unused", database, "run", "--dry-run", "--spread", "1") == 0
+    out = capsys.readouterr().out
+
+    assert "'invalid_conversation': 1" in out, out
+    assert "2 not placed" not in out
+
+
+def _encoding_queries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mongomock's reads encoding their query as PyMongo's client does before sending it:
+    one holding a text no BSON holds (a lone surrogate) fails so, `UnicodeEncodeError`."""
+    for name in ("find", "distinct", "count_documents"):
+        method = getattr(mongomock.collection.Collection, name)
+
+        def encoding(self: Any, *args: Any, method: Any = method, **kwargs: Any) -> Any:
+            for value in [*args, *kwargs.values()]:
+                if isinstance(value, dict):
+                    bson.encode(value)
+            return method(self, *args, **kwargs)
+
+        monkeypatch.setattr(mongomock.collection.Collection, name, encoding)
+
+
+def test_a_pending_prompt_naming_its_conversation_in_text_that_is_not_valid_utf8_is_an_orphan(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md: a pending prompt whose `conversation_id` holds bytes that are not valid
+    UTF-8 names no conversation a run can read (no query can name it): it is an
+    `orphan_pending_hitl` problem under `session_hitl|<its _id>`, saying so, every
+    conversation migrates, and `finish` holds until it is corrected or accepted (was: a
+    traceback out of every `run` and `finish`, naming nothing)."""
+    turns, _ = _turns_and_a_prompt("prompt")
+    prompt = HITL_PROMPT | {"_id": "p-9", "conversation_id": f"c-{MARKER}"}
+    database = _on_mongomock(monkeypatch, turns, [prompt])
+    _encoding_queries(monkeypatch)
+
+    assert cli("mongodb://unused", database, "run", "--spread", "1") == 0
+    assert cli("mongodb://unused", database, "verify") == 0
+    capsys.readouterr()
+    assert cli("mongodb://unused", database, "finish") == 1
+    out = capsys.readouterr().out
+
+    migrated = {m["conversation_id"] for m in database[MESSAGES].find()}
+    assert migrated == {"c-good-1", "c-good-2", "c-hitl"}
+    problem = database[PROBLEMS].find_one({"kind": "orphan_pending_hitl"})
+    assert problem is not None
+    assert problem["conversation_id"] == "session_hitl|p-9"
+    assert "conversation_id holds bytes that are not valid UTF-8" in problem["detail"]
+    assert "session_hitl|p-9" in out
+    assert cli("mongodb://unused", database, "finish", "--accept", "session_hitl|p-9") == 0
+    assert cli("mongodb://unused", database, "finish") == 0
 
 
 def test_a_copy_leaves_a_turn_holding_text_that_is_not_valid_utf8_where_it_is_and_names_it() -> (

@@ -718,27 +718,15 @@ def parse_turns(
     document no model holds."""
     documents = list(documents)
     for document in documents:
-        if (why := _unreadable(document)) is not None:
-            raise InvalidInput(f"legacy turn {document.get('_id')!r}: {why}")
+        named = f"legacy turn {document.get('_id')!r}"
+        refuse_not_utf8(document, named)
+        if (ref := reference_in(document.get("conversation_id"))) is not None:
+            raise InvalidInput(
+                f"{named}: conversation_id holds a database reference (a DBRef to "
+                f"{ref.collection!r}), which names no conversation and which not every server "
+                "groups (kept as stored): store the conversation's id in its place, then run again"
+            )
     return _as_turns(documents, alike)
-
-
-def _unreadable(document: Mapping[str, Any]) -> str | None:
-    """Why no conversion reads a turn as stored, or None: a text holding bytes that are not
-    valid UTF-8 (`not_utf8_at`), or a `conversation_id` holding a database reference
-    (`reference_in`). Its conversation is a problem naming it; its turns stay as stored."""
-    if (where := not_utf8_at(document)) is not None:
-        return (
-            f"{where} holds bytes that are not valid UTF-8 (kept as stored; no message can "
-            "hold them): correct the text in the database, then run again"
-        )
-    if (ref := reference_in(document.get("conversation_id"))) is not None:
-        return (
-            f"conversation_id holds a database reference (a DBRef to {ref.collection!r}), "
-            "which names no conversation and which not every server groups (kept as stored): "
-            "store the conversation's id in its place, then run again"
-        )
-    return None
 
 
 def reference_in(value: Any) -> DBRef | None:
@@ -1206,6 +1194,19 @@ def not_utf8_at(value: Any, where: str = "") -> str | None:
             if (found := not_utf8_at(item, f"{where}.{index}")) is not None:
                 return found
     return None
+
+
+def refuse_not_utf8(document: Mapping[str, Any], named: str) -> None:
+    """InvalidInput when a legacy document (a turn, a `session_hitl` prompt), `named` so in
+    the message, holds bytes that are not valid UTF-8 anywhere (`not_utf8_at`, the message
+    naming where): no message or conversation document can hold them, and no lossy reading
+    is taken for them, so its conversation is converted by no reader until they are
+    corrected. The message quotes none of them (`!r` writes each as its escape)."""
+    if (where := not_utf8_at(document)) is not None:
+        raise InvalidInput(
+            f"{named}: {where} holds bytes that are not valid UTF-8 (kept as stored; no "
+            "message can hold them): correct the text in the database, then run again"
+        )
 
 
 def encodes(value: Any) -> bool:

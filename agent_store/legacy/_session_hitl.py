@@ -3,7 +3,9 @@
 A prompt document is read as turns are: `resolved: "false"` is false, a status as words
 saying answered or waiting (`answered_status`; any other is kept in a problem), a request
 id stored as a number by its text, a time as a datetime or an ISO string; its prompt,
-action and params as a HITL part's (`read_prompt`). Only the owner's prompts are the
+action and params as a HITL part's (`read_prompt`); one holding bytes that are not valid
+UTF-8 anywhere makes its conversation unconvertible, as such a turn does (`refuse_not_utf8`).
+Only the owner's prompts are the
 conversation's (`owners_prompt`): one
 naming another user is a `mixed_user_ids` problem, never the owner's pending prompt. A
 request recorded more than once is decided by its newest record (`_still_pending`). The
@@ -38,6 +40,7 @@ from agent_store.legacy._documents import (
     not_json,
     read_code_as_text,
     reference_text,
+    refuse_not_utf8,
     taken_time,
     user_named,
 )
@@ -488,8 +491,12 @@ def with_session_prompts(
     service resolved (`resolved_hitl`: the calls they held await their results); oddities
     become problems. Only the owner's prompts are its own (`owners_prompt`): a prompt naming
     another user makes it a `mixed_user_ids` problem, and a pending one is kept in a problem
-    of its own, never given to the owner."""
+    of its own, never given to the owner. Raises InvalidInput, changing nothing, when a prompt
+    holds bytes that are not valid UTF-8 anywhere (`refuse_not_utf8`, as a turn holding them
+    does): no conversation document can hold its text."""
     found = [read_code_as_text(d) for d in documents]
+    for document in found:
+        refuse_not_utf8(document, f"session_hitl prompt {document.get('_id')!r}")
     documents = [d for d in found if owners_prompt(conversion.owner, d)]
     others = [d for d in found if not owners_prompt(conversion.owner, d)]
     pending, notes = _pending_from(documents, conversion.messages)
