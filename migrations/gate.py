@@ -40,7 +40,7 @@ from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
 from migrations.relocate import UNREAD, held_back, turns_at
 from migrations.settings import SERVICE_DEFAULTS
-from migrations.verify import compare, name_reasons
+from migrations.verify import compare, name_reasons, of_its_life, unserved
 from migrations.writes import (
     ALREADY_LIVE,
     CHANGED_SINCE,
@@ -57,6 +57,7 @@ from migrations.writes import (
     owner_after,
     popped,
     readable,
+    rebuilt_life,
     stored_count,
     unmerged,
     wanted_document,
@@ -174,7 +175,7 @@ def _document_reasons(
         key=lambda m: m.seq or 0,
     )
     wanted = wanted_document(
-        conversion, found, live, None if carried is None else {"epoch": carried}
+        conversion, found, live, rebuilt_life(found, carried, None, (), held=False)
     )
     if document_differs(found, wanted):
         return [
@@ -235,7 +236,8 @@ def _reasons(
     every = {m.seq or 0: (str(m.id), m.turn_id) for m in messages}
     unplaced = list(conversion.unplaced)
     if cid in stored.live:
-        reasons = _live_reasons(item, stored, accepted.get(cid, []), messages, gone)
+        served = of_its_life(found, messages)
+        reasons = _live_reasons(item, stored, accepted.get(cid, []), served, gone)
         if found is None and conversion.conversation is not None:
             reasons.append(NO_DOCUMENT)  # a rollback moved it away since the run
     elif unmerged(found, conversion, every, gone):
@@ -245,6 +247,7 @@ def _reasons(
         reasons = _migrated_reasons(item, stored, messages, gone)
     return (
         reasons
+        + unserved(item, found, messages)
         + _past_count(found, messages)
         + name_reasons(found, messages)
         + _problem_reasons(
@@ -337,10 +340,9 @@ def _migrated_reasons(
     """A conversation the migration wrote: its document, messages and whole texts."""
     conversion = item.conversion
     cid = conversion.conversation_id
-    reasons = _differences(item, messages, gone)
-    reasons += _document_reasons(
-        item, stored.conversations.get(cid), messages, stored.epochs.get(cid)
-    )
+    found = stored.conversations.get(cid)
+    reasons = _differences(item, of_its_life(found, messages), gone)
+    reasons += _document_reasons(item, found, messages, stored.epochs.get(cid))
     missing = sum(
         1 for m in conversion.messages if m.id not in stored.messages and str(m.id) not in gone
     )

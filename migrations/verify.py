@@ -28,6 +28,7 @@ from agent_store.store import (
     MIGRATED_TURN_PREFIX,
     MIGRATING,
     TurnRules,
+    of_epoch,
     with_texts,
 )
 from migrations import dual_writes, full_texts
@@ -124,6 +125,49 @@ def compare(item: Converted, stored: list[AgentMessage], popped: Collection[str]
     return [
         f"{how}: `run` keeps them in that problem; once they are kept elsewhere, "
         f"`finish --accept {cid}`): " + "; ".join(unheld[:5])
+    ]
+
+
+def of_its_life(
+    found: Mapping[str, Any] | None, stored: Sequence[AgentMessage]
+) -> list[AgentMessage]:
+    """The stored messages the store serves as the conversation's: those of the life of its
+    document `found`, as the store's reads filter them (`of_epoch`: its `epoch`, and those
+    stored before epochs, the migration's own among them); every one where no document
+    stands (which is named apart)."""
+    if found is None:
+        return list(stored)
+    epochs = [{"epoch": epoch} for epoch in {m.epoch for m in stored}]
+    served = {d["epoch"] for d in of_epoch(epochs, found.get("epoch"))}
+    return [m for m in stored if m.epoch in served]
+
+
+SHOWN_UNSERVED = 5
+"""How many of a conversation's migrated messages its reads leave out `unserved` names."""
+
+
+def unserved(
+    item: Converted, found: Mapping[str, Any] | None, stored: Sequence[AgentMessage]
+) -> list[str]:
+    """The migration's messages stored under the conversation that the store serves as none
+    of its own (`of_its_life`): carrying another `epoch` than its document's, every read
+    takes them for another life's under the id (as it takes a deleted conversation's late
+    insert) and leaves them out, so its transcript lacks them however whole their content
+    is. A run writes them again as the migration's, carrying none
+    (`writes.served_as_written`)."""
+    served = {str(m.id) for m in of_its_life(found, stored)}
+    ids = {str(m.id) for m in item.conversion.messages}
+    hidden = [m for m in stored if str(m.id) in ids and str(m.id) not in served]
+    if not hidden:
+        return []
+    shown = ", ".join(f"{m.id} (seq {m.seq}, epoch {m.epoch!r})" for m in hidden[:SHOWN_UNSERVED])
+    more = ", …" if len(hidden) > SHOWN_UNSERVED else ""
+    epoch = (found or {}).get("epoch")
+    return [
+        f"{len(hidden)} of its migrated messages carry another epoch than its conversation "
+        f"document's, {epoch!r}, so the store serves them as another life's, never as this "
+        f"conversation's: {shown}{more}; run the migration again, which writes them again as "
+        "the migration's (carrying none)"
     ]
 
 
@@ -295,10 +339,11 @@ def _verify_batch(
         conversation_id = item.conversion.conversation_id
         result.conversations += 1
         result.unplaced += len(item.conversion.unplaced)
-        gone = popped(documents.get(conversation_id))
-        found = stored.invalid.get(conversation_id, []) + compare(
-            item, stored[conversation_id], gone
-        )
+        document = documents.get(conversation_id)
+        gone = popped(document)
+        served = of_its_life(document, stored[conversation_id])
+        found = stored.invalid.get(conversation_id, []) + compare(item, served, gone)
+        found += unserved(item, document, stored[conversation_id])
         found += owner_differences(item, documents.get(conversation_id), stored[conversation_id])
         found += unrecorded(item, recorded.get(conversation_id, []))
         found += name_reasons(documents.get(conversation_id), stored[conversation_id])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,6 +178,10 @@ def _stored_past(db: Database[dict[str, Any]], conversation_id: str, seq: int) -
     """The messages stored from `seq` on, in `seq` order."""
     query = {"conversation_id": conversation_id, "seq": {"$gte": seq}}
     return list(db[MESSAGES].find(query).sort("seq", 1))
+
+
+MIGRATED_TURN_ID = {"$regex": f"^{re.escape(MIGRATED_TURN_PREFIX)}"}
+"""The turn ids of the migration's own messages (`is_migrated`), as a query matches them."""
 
 
 def is_migrated(turn_id: Any) -> bool:
@@ -383,14 +388,17 @@ def _next_free_seq(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, in
 
 
 def carried_epochs(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, str]:
-    """conversation id -> the `epoch` its stored messages carry: that of the message with the
-    lowest `seq` carrying one, the first live message past the migrated ones (which carry
-    none), not a late insert of a conversation deleted earlier under the id lying past the
-    live turns (one aggregation on the `conversation_id, seq` index; conversations whose
-    messages carry none are left out)."""
+    """conversation id -> the `epoch` its stored live messages carry: that of the live message
+    with the lowest `seq` carrying one, the first past the migrated ones, not a late insert
+    of a conversation deleted earlier under the id lying past the live turns (one
+    aggregation on the `conversation_id, seq` index; conversations whose live messages
+    carry none are left out). The migration's own messages carry none, so one carrying an
+    epoch (edited so) tells no life: the store serves it as none of the conversation's, the
+    gate names it and a run writes it again (`served_as_written`)."""
+    live = {"epoch": {"$type": "string"}, "turn_id": {"$not": MIGRATED_TURN_ID}}
     found = db[MESSAGES].aggregate(
         [
-            {"$match": {"conversation_id": {"$in": ids}, "epoch": {"$type": "string"}}},
+            {"$match": {"conversation_id": {"$in": ids}, **live}},
             {"$sort": {"conversation_id": 1, "seq": 1}},
             {"$group": {"_id": "$conversation_id", "epoch": {"$first": "$epoch"}}},
         ]
@@ -559,15 +567,17 @@ def rebuilt_life(
 ) -> Mapping[str, Any] | None:
     """The life a run writes the conversation's document again with, other than the one the
     document holds: for a standing document that holds none (an earlier release's), the
-    epoch its live messages carry (`carried`, `carried_epochs`). For one no document stands
-    for, the life a rollback moved away, and only while it was not deleted: a delete takes
-    every message of the conversation's life, the migration's own too (they carry no
-    epoch), and leaves at most late inserts of its live turns, none held by a dual-written
-    copy (the delete takes those too). So while some message of it a delete would have taken
-    is stored (among `stored`, its messages: the migration's; for one only dual-written
-    copies make, `held`, its live turns'), it is the life a run last wrote its document with
-    (`recorded`, `lives.recorded`), when its live messages carry that one or none, else the
-    epoch they carry; once deleted, none: the conversation the run creates again under the
+    epoch its live messages carry (`carried`, `carried_epochs`), unmarked (the document
+    stood before epochs, so documents beside it may name only its creation time). For one
+    no document stands for, the life a rollback moved away, and only while it was not
+    deleted: a delete takes every message of the conversation's life, the migration's own
+    too (they carry no epoch), and leaves at most late inserts of its live turns, none held
+    by a dual-written copy (the delete takes those too). So while some message of it a
+    delete would have taken is stored (among `stored`, its messages: the migration's; for
+    one only dual-written copies make, `held`, its live turns'), it is the life a run last
+    wrote its document with (`recorded`, `lives.recorded`), when its live messages carry
+    that one or none, else the whole life they carry, its epoch and its marks
+    (`carried_life`); once deleted, none: the conversation the run creates again under the
     id draws its own (`life_of`), and the deleted one's late inserts are no messages of it.
     A message at its first `seq` counts too: a migrated conversation's first messages are the
     migration's, so a late insert lands past them; only a person's pops give that `seq`
@@ -580,7 +590,20 @@ def rebuilt_life(
         return None
     if recorded is not None and carried in (None, recorded.get("epoch")):
         return recorded
-    return None if carried is None else {"epoch": carried}
+    return None if carried is None else carried_life(carried, stored)
+
+
+def carried_life(epoch: str, stored: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The whole life whose `epoch` the live messages of a conversation no document stands
+    for carry (`stored`: every message stored under its id): epoch-marked (`epoch_marks`:
+    documents beside it name that epoch, so only those are its own) when none of them carries
+    no epoch, for its document was then created with it, by a release naming epochs (a
+    conversation the new service created during the transition); else not, as the store
+    leaves one whose document stood before epochs (its messages stored then, the migration's
+    of an earlier release among them, carry none), whose first turn since drew the epoch
+    and whose documents beside it may name only its creation time."""
+    marks = all(d.get("epoch") is not None for d in stored)
+    return {"epoch": epoch, "epoch_marks": marks}
 
 
 def _with_live_turns(document: Conversation, live: Sequence[AgentMessage]) -> Conversation:
@@ -687,12 +710,15 @@ def _plan_messages(
     planned: Planned,
     conversion: LegacyConversion,
     stored: dict[int, dict[str, Any]],
-    owner: str | None,
+    documents: tuple[dict[str, Any] | None, Conversation],
     gone: set[str],
 ) -> None:
     """The conversion's messages and files to write: those missing (`stored`, by `seq`), and
-    those stored with other content, another owner than the document's (`owner`) or a stale
-    file, rewritten; none of those a person popped (`gone`), nor their files."""
+    those stored with other content, another owner than the document's (`owner_after`), a
+    stale file, or an epoch the store's reads of it leave out (`served_as_written`), rewritten
+    (`documents`: the stored conversation document and the one the run writes); none of
+    those a person popped (`gone`), nor their files."""
+    owner, epoch = owner_after(*documents), documents[1].epoch
     kept = [f for f in conversion.full_texts if f.message_id not in gone]
     planned.full_texts += kept
     stale = _stale_texts(db, kept)
@@ -708,9 +734,18 @@ def _plan_messages(
             (read := full_texts.stored_message(found)[0]) is None
             or differs(read, m)
             or found.get("user_id") != owner
+            or not served_as_written(found, epoch)
             or stale & set(kept_blob_ids(m).values())
         ):
             planned.rewritten.append(dumped)
+
+
+def served_as_written(stored: Mapping[str, Any], epoch: str | None) -> bool:
+    """Whether the store serves a stored message of the migration's as the conversation's
+    whose document holds `epoch`, as its reads filter messages (`of_epoch`): the migration's
+    carry none; one carrying another (edited so) is left out of every read as another
+    life's, and a run writes it again as the migration writes it."""
+    return bool(of_epoch([stored], epoch))
 
 
 def plan(
@@ -809,7 +844,7 @@ def _plan_one(
     planned.read[cid] = found
     planned.converted[cid] = item
     before = len(planned.messages) + len(planned.rewritten)
-    _plan_messages(db, planned, conversion, stored, owner_after(found, document), gone)
+    _plan_messages(db, planned, conversion, stored, (found, document), gone)
     fills = cid in planned.moved or len(planned.messages) + len(planned.rewritten) > before
     _plan_document(planned, found, document, live, fills=fills)
 

@@ -8544,3 +8544,122 @@ def test_a_conversation_migrated_again_after_a_delete_takes_nothing_of_a_late_li
     assert now != version
     assert served is None
     assert database[CONVERSATIONS].find_one({"_id": "x"}) is not None
+
+
+def _served(wire_uri: str, database: Database[dict[str, Any]], cid: str) -> list[Any]:
+    """What the store serves of `cid`'s transcript to its owner "u-1"."""
+
+    async def read(db: Any) -> list[Any]:
+        store = ConversationStore(db, legacy=LegacyTurns(db, read_fallback=True))
+        return [m.content for m in await store.transcript(cid, user_id="u-1")]
+
+    return list(_on_its_database(wire_uri, database, read))
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("earlier", [False, True], ids=["its epoch", "an earlier release's"])
+def test_the_gate_holds_while_the_store_serves_a_migrated_message_as_another_lifes(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    earlier: bool,
+) -> None:
+    """`finish` exit 0 lets the operator drop the legacy turns, so every migrated message must
+    be one the store serves as its conversation's: of its document's life (`of_epoch`). One
+    carrying another epoch (as a message of another life under the id would) is left out of
+    every read: `verify` and `finish` exit 1 and name it (was: exit 0, the answer hidden), and
+    `run` writes it again as the migration's, served once more, the document's life as it
+    was (its epoch, or none for a document an earlier release migrated: never the one the
+    edited message carries)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-1", 0, "ONE"), legacy_turn("t-2", "c-1", 1, "TWO")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    if earlier:
+        life = dict.fromkeys(("epoch", "epoch_marks", "migrated"), "")
+        database[CONVERSATIONS].update_one({"_id": "c-1"}, {"$unset": life})
+    epoch, _ = _epochs(database, "c-1")
+    assert cli(wire_uri, database, "finish") == 0
+    whole = _served(wire_uri, database, "c-1")
+    last = database[MESSAGES].find_one({"conversation_id": "c-1"}, sort=[("seq", -1)])
+    assert last is not None
+    database[MESSAGES].update_one({"_id": last["_id"]}, {"$set": {"epoch": "0" * 16}})
+    assert _served(wire_uri, database, "c-1") == whole[:-1]
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify") == 1
+    assert str(last["_id"]) in capsys.readouterr().out
+    assert cli(wire_uri, database, "finish") == 1
+    said = capsys.readouterr().out
+    assert str(last["_id"]) in said
+    assert "another life" in said
+
+    assert cli(wire_uri, database, "run") == 0
+    assert _served(wire_uri, database, "c-1") == whole
+    assert _epochs(database, "c-1") == (epoch, [None] * 4)
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_conversation_created_live_keeps_its_epoch_marks_across_a_rollback(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A conversation the new service created (its own epoch, `epoch_marks`: documents beside
+    it name its epoch), dual-written, then the rollback (`agent_messages` kept) and the
+    second attempt's run: its document is written again with its whole life, the epoch its
+    live messages carry and its marks, so a graph checkpoint of its thread naming no life
+    (written before documents named one) is still none of its state (was: `epoch_marks`
+    dropped, and that checkpoint served to its owner)."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    from agent_store.integrations.langgraph import CHECKPOINTS, AgentStoreSaver
+
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "other", 0, "OTHER"))
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "x", "live-1", "LIVE", dual_write=True)
+
+    async def stray(db: Any) -> None:
+        state = empty_checkpoint()
+        state["channel_values"] = {"plan": "STRAY PLAN OF ANOTHER LIFE"}
+        config = {"configurable": {"thread_id": "x", "user_id": "u-1"}}
+        await AgentStoreSaver(db).aput(config, state, {}, {})
+        unnamed = {"epoch": "", "conversation_created_ms": ""}
+        await db[CHECKPOINTS].update_many({"thread_id": "x"}, {"$unset": unnamed})
+
+    _on_its_database(wire_uri, database, stray)
+    assert _graph_state(wire_uri, database, "x") is None
+    written = database[CONVERSATIONS].find_one({"_id": "x"})
+    assert written is not None
+    assert written.get("epoch_marks") is True
+    roll_back(database, clear_messages=False)
+
+    assert cli(wire_uri, database, "run") == 0
+    again = database[CONVERSATIONS].find_one({"_id": "x"})
+    assert again is not None
+    assert {k: again.get(k) for k in LIFE} == {k: written.get(k) for k in LIFE}
+    assert _graph_state(wire_uri, database, "x") is None
+    assert cli(wire_uri, database, "verify") == 0
+
+
+@pytest.mark.wire
+def test_a_conversation_an_earlier_release_migrated_stays_unmarked_across_a_rollback(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A conversation an earlier release migrated (no epoch, no life recorded) whose first
+    live turn since drew its epoch stays without `epoch_marks` after a rollback and the
+    second attempt's run: its migrated messages carry none, so documents beside it may
+    name only its creation time, and its graph's state stays its own."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "OLD"))
+    assert cli(wire_uri, database, "run") == 0
+    earlier = dict.fromkeys(LIFE, "")
+    database[CONVERSATIONS].update_one({"_id": "c-1"}, {"$unset": earlier})
+    database[lease.STATE].delete_many({"kind": "life"})
+    log_live(wire_uri, database, "c-1", "live-1", "LIVE", dual_write=True)
+    version, written, again = _checkpointed_rolled_back_and_run_again(wire_uri, database)
+
+    assert isinstance(written.get("epoch"), str)
+    life = {k: bool(again.get(k)) for k in LIFE}
+    assert life == {"epoch": True, "epoch_marks": False, "migrated": False}
+    assert again["epoch"] == written["epoch"]
+    assert Conversation.model_validate(again).version == version
+    assert _graph_state(wire_uri, database, "c-1") == {"plan": "STEP 3"}
