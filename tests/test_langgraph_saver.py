@@ -2627,6 +2627,75 @@ async def test_a_copy_into_a_fork_of_its_source_given_to_another_user_is_refused
     assert await db[CHECKPOINTS].count_documents({"thread_id": target_id}) == 0
 
 
+async def _a_store_fork_of_a_paused_thread(db: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Ada's graph pauses on call-2; she forks the conversation with the store's fork (what
+    POST /v1/conversations/{id}/forks and the viewer's "Continue from here" do): the configs
+    of her thread and of the fork's."""
+    store = ConversationStore(db)
+    source = thread("user-ada")
+    graph = approval_agent(AgentStoreSaver(db))
+    await graph.ainvoke(question(1), source)
+    await graph.ainvoke(question(2), source)  # pauses on call-2
+    source_id = source["configurable"]["thread_id"]
+    fork = thread("user-ada", source_id + "-fork")
+    last = (await store.messages_by_seq(source_id))[-1].seq
+    assert last is not None
+    await AgentMessageLogger(db).fork(
+        source_id, last, fork["configurable"]["thread_id"], user_id="user-ada", owner_only=True
+    )
+    return source, fork
+
+
+async def test_a_store_fork_of_a_paused_thread_is_a_transcript_the_graph_takes_with_copy_thread(
+    backend: Backend,
+) -> None:
+    """LANGGRAPH.md "The store's fork of a thread": the store's fork copies the messages, no
+    checkpoint, so the graph has nothing on the fork's thread yet; `copy_thread` into that
+    fork, before the graph runs there, gives it the source's checkpoints up to the fork's
+    `seq`: the graph resumes the paused call on the fork, which answers it there only."""
+    db, store = backend.db, ConversationStore(backend.db)
+    source, fork = await _a_store_fork_of_a_paused_thread(db)
+    source_id, fork_id = (c["configurable"]["thread_id"] for c in (source, fork))
+    graph = approval_agent(AgentStoreSaver(db))
+    assert await db[CHECKPOINTS].count_documents({"thread_id": fork_id}) == 0
+    assert (await graph.aget_state(fork)).values.get("messages", []) == []
+    assert [c.tool_call_id for c in await store.pending_calls(fork_id)] == ["call-2"]
+
+    await AgentStoreSaver(db).acopy_thread(source_id, fork_id)
+    assert (await graph.aget_state(fork)).next == ("approve",)
+    await graph.ainvoke(Command(resume="yes"), fork)
+
+    assert await store.pending_calls(fork_id) == []
+    assert [m.content for m in await store.transcript(fork_id)][-2:] == [
+        APPROVED,
+        f"Answer 2: {APPROVED}",
+    ]
+    assert [c.tool_call_id for c in await store.pending_calls(source_id)] == ["call-2"]
+
+
+async def test_a_graph_run_on_a_store_fork_it_was_not_copied_into_closes_the_paused_call(
+    backend: Backend,
+) -> None:
+    """LANGGRAPH.md "The store's fork of a thread": run on the fork's thread without
+    `copy_thread`, the graph starts from an empty state (its model sees none of the forked
+    messages) and its first turn closes the paused call with an `interrupted` stand-in, as
+    any turn past a paused call closes it: nothing is left pending on the fork for good."""
+    db, store = backend.db, ConversationStore(backend.db)
+    _, fork = await _a_store_fork_of_a_paused_thread(db)
+    fork_id = fork["configurable"]["thread_id"]
+    graph = approval_agent(AgentStoreSaver(db))
+
+    await graph.ainvoke(question(3), fork)
+
+    assert [m.content for m in (await graph.aget_state(fork)).values["messages"]] == [
+        "Question 3: how is the weather?",
+        "Answer 3: noted",
+    ]
+    assert await store.pending_calls(fork_id) == []
+    answers = [m.content for m in await store.transcript(fork_id) if m.tool_call_id == "call-2"]
+    assert answers == [INTERRUPTED_RESULT]
+
+
 async def _an_existing_target(db: Any, target: str) -> tuple[str, str]:
     """A graph-run thread and an existing conversation that is no copy of it (`target`):
     the ids of both."""

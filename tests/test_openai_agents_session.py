@@ -1054,6 +1054,38 @@ async def test_a_paused_call_answered_in_two_sessions_keeps_its_first_answer(
     assert len(await tab_a.get_items()) == 5
 
 
+async def test_the_sdks_rejection_of_a_call_she_denied_first_is_refused_as_an_output(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md "A denial she gave first": the person denies call_b1 over HTTP; the SDK's
+    `RunState.reject` of it, from a state read before, reaches the session as an ordinary
+    output ("A call the person rejects"), which to the store is a result: meeting her denial it
+    stays refused (`AnsweredBefore`), nothing of the add stored; only a denial meeting a
+    denial is dropped as settled (Pydantic AI's `ToolDenied`, a streamed refusal)."""
+    session, store = (
+        ConversationSession(CID, backend.db, user_id="u"),
+        ConversationStore(backend.db),
+    )
+    booking = {"type": "function_call", "name": "book_train", "arguments": "{}"}
+    await session.add_items(
+        [{"role": "user", "content": "Book it."}, {**booking, "call_id": "call_b1"}]
+    )
+    served = {c.tool_call_id: c.message_id for c in await store.pending_calls(CID, user_id="u")}
+    denial = {"role": "tool", "tool_call_id": "call_b1", "error": {"message": "tool call denied"}}
+    await session.logger.log_messages(
+        CID, [denial], user_id="u", owner_only=True, turn_id="her", answers_to=served
+    )
+    rejected = "Tool execution was not approved."
+    before = await store.transcript(CID, user_id="u")
+
+    with pytest.raises(AnsweredBefore, match="call_b1"):
+        await session.add_items(
+            [{"type": "function_call_output", "call_id": "call_b1", "output": rejected}]
+        )
+
+    assert await store.transcript(CID, user_id="u") == before
+
+
 async def test_a_call_answered_in_two_sessions_while_its_turn_is_still_written_keeps_one_answer(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

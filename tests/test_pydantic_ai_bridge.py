@@ -2378,6 +2378,93 @@ async def test_a_stale_tab_cut_off_resuming_a_run_another_tab_moved_on_is_answer
     assert await _answers(store) == [("c-A", "paid A")]
 
 
+async def _answered_over_http(
+    logger: AgentMessageLogger, store: ConversationStore, call_id: str, answer: dict[str, Any]
+) -> None:
+    """`call_id` answered over HTTP with `answer` (the person's turn, naming the call as she
+    was served it): her denial, or the result another tab's tool returned."""
+    served = {c.tool_call_id: c.message_id for c in await store.pending_calls(CID, user_id="u1")}
+    await logger.log_messages(
+        CID,
+        [{"role": "tool", "tool_call_id": call_id, **answer}],
+        user_id="u1",
+        owner_only=True,
+        turn_id="first-answer",
+        answers_to={call_id: served[call_id]},
+    )
+
+
+HER_DENIAL: dict[str, Any] = {"content": None, "error": {"message": "tool call denied"}}
+A_RESULT: dict[str, Any] = {"content": "paid B"}
+
+
+async def test_a_resumed_run_denying_a_call_she_denied_first_stores_the_result_of_the_tool_that_ran(
+    backend: Backend,
+) -> None:
+    """Run 1 pauses on bills A and B; the person denies B over HTTP; the runtime, from a read
+    before her denial, resumes approving A (it is paid) and denying B, agreeing with her.
+    Her denial settled B already, so the run's denial of it answers nothing: it is dropped and
+    the run is stored without it (as `log_streamed_turn` drops it): A's result is stored,
+    neither A nor B is pending, her denial is B's only answer, and the retry is the run's replay
+    (was: `AnsweredBefore` naming B, nothing stored, A pending again and paid twice when
+    resumed again from the store)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    agent = _billing_agent(["A", "B"], fail=set())
+    history = await _paused(logger, store, agent)
+    await _answered_over_http(logger, store, "c-B", HER_DENIAL)
+    results = DeferredToolResults(approvals={"c-A": True, "c-B": ToolDenied("Not B.")})
+    run = await agent.run(message_history=history, deferred_tool_results=results)
+    resumed = run.new_messages()
+
+    logged = await log_run(
+        logger, CID, resumed, turn_id="run-2", user_id="u1", deferred_tool_results=results
+    )
+
+    assert [m.tool_call_id for m in logged.messages if m.role == "tool"] == ["c-A"]
+    pending = [c.tool_call_id for c in await store.pending_calls(CID, user_id="u1")]
+    assert pending == ["c-C"]  # the run's next question; A and B are answered
+    assert await _answers(store) == [("c-B", None), ("c-A", "paid A")]
+    again = await log_run(
+        logger, CID, resumed, turn_id="run-2", user_id="u1", deferred_tool_results=results
+    )
+    assert again.replayed
+    assert [m.id for m in again.messages] == [m.id for m in logged.messages]
+    assert await _answers(store) == [("c-B", None), ("c-A", "paid A")]
+
+
+@pytest.mark.parametrize(
+    ("first", "b_answer"),
+    [("her-denial", "approved"), ("a-result", "denied"), ("a-result", "approved")],
+    ids=["result-meets-denial", "denial-meets-result", "result-meets-result"],
+)
+async def test_a_resumed_run_answering_a_call_answered_first_otherwise_is_refused_nothing_stored(
+    backend: Backend, first: str, b_answer: str
+) -> None:
+    """Only a denial meeting a denial is settled: the run's result for B meeting her denial,
+    its denial of B meeting a result stored first, or its result meeting that result, is
+    refused (`AnsweredBefore` naming B), nothing of the run stored, A still pending."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    agent = _billing_agent(["A", "B"], fail=set())
+    history = await _paused(logger, store, agent)
+    await _answered_over_http(
+        logger, store, "c-B", HER_DENIAL if first == "her-denial" else A_RESULT
+    )
+    before = await store.transcript(CID, user_id="u1")
+    decision: Any = ToolDenied("Not B.") if b_answer == "denied" else True
+    results = DeferredToolResults(approvals={"c-A": True, "c-B": decision})
+    run = await agent.run(message_history=history, deferred_tool_results=results)
+    resumed = run.new_messages()
+
+    with pytest.raises(AnsweredBefore, match="'c-B'") as refused:
+        await log_run(
+            logger, CID, resumed, turn_id="run-2", user_id="u1", deferred_tool_results=results
+        )
+
+    assert refused.value.tool_call_ids == ("c-B",)
+    assert await store.transcript(CID, user_id="u1") == before
+    assert "c-A" in [c.tool_call_id for c in await store.pending_calls(CID, user_id="u1")]
+
+
 async def test_two_tabs_cut_off_resuming_one_paused_run_store_one_answer(backend: Backend) -> None:
     """Both tabs resume run 1 and are cut off while paying: the first closes the call, the
     second is `AnsweredBefore` (another tab acted), not an empty turn's `InvalidInput`."""

@@ -44,6 +44,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 from agent_store.core import AgentMessage, Conflict, InvalidInput
+from agent_store.integrations._answering import log_answering
 from agent_store.store import AgentMessageLogger, LoggedTurn, OtherContent
 
 _NOT_COMPARED = {"created_at"}
@@ -250,7 +251,9 @@ class Appends:
         at the place of the one that raised is its retry (`_at_place`). An append answering
         a call of an earlier turn names it (`AgentMessageLogger.calls_answered`, one read
         more, only then): answered first by another append (another tab), it is refused
-        `AnsweredBefore`, nothing written. A result whose tool the runtime says (`tool_names`,
+        `AnsweredBefore`, nothing written, but for a denial meeting a stored denial, dropped
+        as settled (`log_answering`; the SDK's and LangChain's messages carry none: a
+        rejection is an output to them). A result whose tool the runtime says (`tool_names`,
         call id to tool) answers the latest call of its id of that tool; one whose id only
         another tool's calls use is InvalidInput. The retry at the place of an append that
         was stored, its reply lost, is refused `OtherContent` saying so (`_stored_otherwise`)."""
@@ -260,20 +263,13 @@ class Appends:
         run = [] if messages and messages[0].role in ("user", "system") else self._runs.get(by, [])
         run = self._runs[by] = [*run[-(RUN_APPENDS_KEPT - 1) :], replace(done, turn_id=turn_id)]
         try:
-            answers_to = await self.logger.calls_answered(
+            return await log_answering(
+                self.logger,
                 self.conversation_id,
                 messages,
+                turn_id=turn_id,
                 user_id=self.user_id,
                 tool_names=tool_names,
-                strict_owner=self.user_id is not None,
-            )
-            return await self.logger.log_messages(
-                self.conversation_id,
-                messages,
-                user_id=self.user_id,
-                turn_id=turn_id,
-                answers_to=answers_to,
-                strict_owner=self.user_id is not None,
             )
         except BaseException as exc:
             self._failed(by, run, refused=isinstance(exc, InvalidInput | Conflict))

@@ -115,6 +115,7 @@ from agent_store.core import (
     utc_now,
     whole_millis,
 )
+from agent_store.integrations._answering import log_answering
 from agent_store.integrations._native import kept_form, native_form, runtime_json, with_native
 from agent_store.integrations._pairing import (
     CallKey,
@@ -1146,7 +1147,11 @@ async def log_run(
     `deferred_tool_results` answers calls of an earlier run: it names them
     (`AgentMessageLogger.calls_answered`, one read more, only then), so when another run
     answered one of them first (two tabs resuming one paused run) it is refused
-    (`AnsweredBefore`), nothing stored; its retry is still a replay. Each result names its
+    (`AnsweredBefore`), nothing stored; its retry is still a replay. A denial of a call whose
+    first answer was a denial too (the person denied it over HTTP after the runtime read the
+    history) answers nothing new: it is dropped, and the run is stored without it, the
+    results of the tools that ran included (`_answering.log_answering`); the turn returned
+    holds no message for that call. Each result names its
     tool (`ToolReturnPart.tool_name`) and answers the latest call of its id of that tool; one
     whose id only another tool's calls use (a provider numbering calls per response, the
     conversation deleted and started again since) is refused InvalidInput, nothing stored.
@@ -1167,20 +1172,14 @@ async def log_run(
     stored = messages_from_run(
         messages, markers=logger.rules.markers, resumed=resumed, prompted=user_prompt is not None
     )
-    return await logger.log_messages(
+    return await log_answering(
+        logger,
         conversation_id,
         stored,
-        user_id=user_id,
         turn_id=turn_id,
+        user_id=user_id,
         name=name,
-        answers_to=await logger.calls_answered(
-            conversation_id,
-            stored,
-            user_id=user_id,
-            tool_names=_tools_returned(messages),
-            strict_owner=user_id is not None,
-        ),
-        strict_owner=user_id is not None,
+        tool_names=_tools_returned(messages),
     )
 
 

@@ -66,6 +66,7 @@ from agent_store.core import (
     tool_outcome,
     utc_now,
 )
+from agent_store.integrations._answering import without_denials
 from agent_store.integrations._stream_events import (
     ConfirmRequired,
     ConfirmResolved,
@@ -717,7 +718,7 @@ async def log_streamed_turn(
     try:
         logged = await _logged(logger, conversation_id, messages, turn, turn_id, user_id)
     except AnsweredBefore as refused:
-        without = _without_denials(messages, refused.tool_call_ids)
+        without = without_denials(messages, refused.tool_call_ids)
         if len(without) == len(messages):
             raise
         try:  # the turn as logged when the approval came first (by this call or a retry)
@@ -828,7 +829,7 @@ async def _checked(
     try:
         await check(messages)
     except AnsweredBefore as refused:
-        without = _without_denials(messages, refused.tool_call_ids)
+        without = without_denials(messages, refused.tool_call_ids)
         if len(messages) - len(without) < len(set(refused.tool_call_ids)):
             raise  # an answer other than a denial (a result): the turn is refused
         await check(without)
@@ -902,23 +903,6 @@ def _calls_named(
 ) -> dict[str, str]:
     """The entries of `named` (`StreamedTurn.refused_prompts`, `answered_calls`) for the calls
     of earlier turns the turn's `messages` answer, as `log_messages` takes them: logged
-    without its stale denials (`_without_denials`), a turn names the calls it answers then."""
+    without its stale denials (`without_denials`), a turn names the calls it answers then."""
     answered = {m.tool_call_id for m in messages if isinstance(m, ToolMessage)}
     return {call_id: value for call_id, value in named if call_id in answered}
-
-
-def _without_denials(
-    messages: list[AgentMessage | Mapping[str, Any]], call_ids: Sequence[str]
-) -> list[AgentMessage | Mapping[str, Any]]:
-    """`messages` without the denials the builders made for the calls `call_ids` of earlier
-    turns (a refused confirmation's stand-in, `tool call denied`)."""
-    made = {c.id for m in messages if isinstance(m, AssistantMessage) for c in m.tool_calls or ()}
-
-    def dropped(message: AgentMessage | Mapping[str, Any]) -> bool:
-        if not isinstance(message, ToolMessage) or message.tool_call_id in made:
-            return False
-        outcome = tool_outcome(message)
-        denied = outcome is not None and outcome[0] == "denied"
-        return denied and message.tool_call_id in call_ids
-
-    return [m for m in messages if not dropped(m)]

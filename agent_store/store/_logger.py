@@ -48,19 +48,23 @@ from agent_store.core import (
     ForkOrigin,
     ForkTooLarge,
     InvalidInput,
+    MessageError,
     NotFound,
     PendingCall,
     StorageUnavailable,
     StoreError,
+    ToolMessage,
     TranscriptMoved,
     TurnRecord,
     VersionMismatch,
+    answers_instead,
     awaiting_results,
     conversation_version,
     listed,
     messages_adapter,
     shown,
     to_utc_millis,
+    tool_outcome,
     utc_now,
 )
 from agent_store.store._blobs import (
@@ -145,6 +149,7 @@ from agent_store.store._reservation import (
     ShownBefore,
     answer_found,
     answered_since,
+    answers_found,
     answers_hold,
     answers_lookup,
     approvals_left_unstored,
@@ -1048,6 +1053,41 @@ class AgentMessageLogger:
         if unmade := sorted(c for c, m in wanted.items() if not m):
             wanted.update(await self._made_unstored(found, unmade))
         return {c: m for c, m in wanted.items() if isinstance(m, str) and m}
+
+    async def calls_denied_first(
+        self,
+        conversation_id: str,
+        answers_to: Mapping[str, str],
+        *,
+        user_id: str | None = None,
+        strict_owner: bool = False,
+    ) -> set[str]:
+        """Those of the calls `answers_to` names (call id to the message making it, as
+        `calls_answered` names them) whose answer stored in this life of the conversation is a
+        denial (`tool call denied`; a real result stored after an `interrupted` stand-in is
+        the answer, as every replay takes it): what a bridge drops as settled when the turn it
+        logs denies them too and the logger refused it `AnsweredBefore`. None for a call not
+        answered, or answered otherwise (a result, a failure), or a conversation the caller
+        may not name (another user's; with `strict_owner`, an unowned one too). Two reads: the
+        conversation, then the messages making or answering the calls (`answers_lookup`)."""
+        if not answers_to:
+            return set()
+        scope = {"_id": validate_identifier(conversation_id, "conversation_id")}
+        with storage_errors("read the answers to the calls"):
+            found = await self._conversations.find_one(scope, {"user_id": 1, "epoch": 1})
+            if found is None or not _reaches(
+                found.get("user_id"), user_id, strict_owner=strict_owner
+            ):
+                return set()
+            query = answers_lookup(scope["_id"], answers_to, None)
+            read = {**ANSWERS_READ, "error": 1}
+            docs = await self._messages.find(query, read).sort("seq", 1).to_list(None)
+        life = of_epoch(docs, found["epoch"]) if "epoch" in found else docs
+        return {
+            call_id
+            for call_id, made_by in answers_to.items()
+            if _standing_outcome(answers_found(life, call_id, made_by)) == "denied"
+        }
 
     async def _made_by_stored(
         self, conversation: Mapping[str, Any], call_ids: Sequence[str], tools: Mapping[str, str]
@@ -4888,6 +4928,27 @@ def _answer_being_written(plan: TurnPlan, call_ids: Sequence[str]) -> StorageUna
         "being written by another turn (its insert may still land): retry shortly. Once it "
         "is stored this turn's answer is refused; once that turn is abandoned it is stored",
     )
+
+
+def _standing_outcome(answers: Sequence[Mapping[str, Any]]) -> str | None:
+    """The outcome (`core.tool_outcome`: "denied", "failed", ...; "result" for a plain one) of
+    the answer that stands among a call's stored `answers` (in `seq` order): the first, but
+    a real result after an `interrupted` stand-in (`core.answers_instead`). None for none."""
+    standing: ToolMessage | None = None
+    for doc in answers:
+        error = doc.get("error")
+        said = error.get("message") if isinstance(error, Mapping) else None
+        answer = ToolMessage(
+            tool_call_id=str(doc.get("tool_call_id")),
+            content=None,
+            error=MessageError(message=said) if isinstance(said, str) else None,
+        )
+        if answers_instead(answer, standing):
+            standing = answer
+    if standing is None:
+        return None
+    outcome = tool_outcome(standing)
+    return "result" if outcome is None else outcome[0]
 
 
 def _answered_first(plan: TurnPlan, call_ids: Sequence[str]) -> AnsweredBefore:

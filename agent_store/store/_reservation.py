@@ -1160,18 +1160,40 @@ def answer_found(found: Sequence[Mapping[str, Any]], call_id: str, made_by: str)
     start = next((i for i, d in enumerate(found) if d.get("_id") == made_by), None)
     if start is None:
         return None
+    calls, answers = _paired(found, call_id, start)
+    if start in answers:
+        return "answered"
+    return "followed" if any(c not in answers for c in calls if c != start) else None
+
+
+def answers_found(
+    found: Sequence[Mapping[str, Any]], call_id: str, made_by: str
+) -> list[Mapping[str, Any]]:
+    """The stored answers among `found` (`answers_lookup`, in `seq` order) that the pairing
+    of `answer_found` gives the call `call_id` the message `made_by` makes, in `seq` order."""
+    start = next((i for i, d in enumerate(found) if d.get("_id") == made_by), None)
+    if start is None:
+        return []
+    _, answers = _paired(found, call_id, start)
+    return [found[index] for index in answers.get(start, ())]
+
+
+def _paired(
+    found: Sequence[Mapping[str, Any]], call_id: str, start: int
+) -> tuple[list[int], dict[int, list[int]]]:
+    """From `found[start]` on, the messages making a call of `call_id` (their indexes), and
+    the answers each takes (an answer takes the latest earlier call of its id without one)."""
     calls: list[int] = []
-    taken: set[int] = set()
+    answers: dict[int, list[int]] = {}
     for index in range(start, len(found)):
         message = found[index]
         made = {c.get("id") for c in message.get("tool_calls") or () if isinstance(c, Mapping)}
         if call_id in made:
             calls.append(index)
         elif message.get("role") == "tool" and message.get("tool_call_id") == call_id and calls:
-            taken.add(next((c for c in reversed(calls) if c not in taken), calls[-1]))
-    if start in taken:
-        return "answered"
-    return "followed" if any(c not in taken for c in calls if c != start) else None
+            taken = next((c for c in reversed(calls) if c not in answers), calls[-1])
+            answers.setdefault(taken, []).append(index)
+    return calls, answers
 
 
 @dataclass(frozen=True)
