@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from agent_store.store import PENDING_CALLS_KEPT
 from tests.api_harness import (
     OTHER,
     OWNER,
@@ -177,6 +178,75 @@ async def test_a_user_token_cannot_log_a_turn_for_another_user() -> None:
         )
         assert response.status_code == 403
         assert await api.digest() == before
+
+
+def _holding_every_kept_call(tag: str) -> list[dict[str, Any]]:
+    """A turn making as many calls as `pending_calls` keeps, the first held by its prompt
+    (`<tag>-prompt`): a later turn making a call would push it off (409)."""
+    calls = [
+        {"id": f"{tag}-call-{i}", "type": "function",
+         "function": {"name": "lookup", "arguments": "{}"}}
+        for i in range(PENDING_CALLS_KEPT)
+    ]  # fmt: skip
+    prompt = {
+        "action": "confirm",
+        "request_id": f"{tag}-prompt",
+        "tool_call_ids": [f"{tag}-call-0"],
+    }
+    return [
+        {"role": "user", "content": f"{tag}?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "assistant", "content": None, "hitl_action": prompt},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("started_by", "if_match"),
+    [pytest.param(OTHER, False, id="another-user"), pytest.param(None, True, id="unowned")],
+)
+async def test_a_refused_turn_never_names_a_conversation_started_under_its_id_meanwhile(
+    started_by: str | None, if_match: bool
+) -> None:
+    """API.md: to a user token another user's conversation is missing. A user's turn her own
+    conversation refuses (409: it would push off a call her prompt holds), the conversation
+    deleted (her other tab) and started again by another user (or a service, unowned) between
+    the store's read-back and the refusal: 404 `not_found`, naming nothing of the new
+    conversation (was: 409 naming its prompt and call), with `If-Match` or without."""
+    from tests.test_reliability import RacedOnce
+
+    async with serve(mongomock_db(), seeded=False) as api:
+        mine, url = auth_headers(user=OWNER), "/v1/conversations/X/turns"
+        first = {"messages": _holding_every_kept_call("owner"), "turn_id": "t1"}
+        assert (await api.http.post(url, json=first, headers=mine)).status_code == 201
+        headers = dict(mine)
+        if if_match:
+            headers["If-Match"] = (await api.http.get(url[:-6], headers=mine)).headers["etag"]
+        theirs = auth_headers(user=started_by) if started_by else auth_headers()
+
+        async def deleted_and_started_again() -> None:
+            assert (await api.http.delete(url[:-6], headers=mine)).status_code == 200
+            started = {"messages": _holding_every_kept_call("theirs"), "turn_id": "t1"}
+            assert (await api.http.post(url, json=started, headers=theirs)).status_code == 201
+
+        async def nothing() -> None:
+            return None
+
+        logger = api.store.logger
+        logger._conversations = raced = RacedOnce(
+            logger._conversations, nothing, nothing, read_back=deleted_and_started_again
+        )
+        call = {
+            "id": "c-new",
+            "type": "function",
+            "function": {"name": "lookup", "arguments": "{}"},
+        }
+        turn = [{"role": "user", "content": "more"}, {"role": "assistant", "tool_calls": [call]}]
+        answer = await api.http.post(url, json={"messages": turn, "turn_id": "t2"}, headers=headers)
+
+        assert raced.raced
+        assert answer.status_code == 404, answer.text
+        assert answer.json()["error"]["code"] == "not_found"
+        assert "theirs" not in answer.text
 
 
 async def test_a_user_token_cannot_page_another_users_messages_with_a_cursor() -> None:

@@ -8,6 +8,7 @@ import hashlib
 import json
 import uuid
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 import bson
@@ -15,7 +16,7 @@ import pytest
 from bson import Code, DatetimeMS, Decimal128, Int64, ObjectId
 
 from agent_store import ConversationStore, LegacyTurns
-from agent_store.core import StorageFailure
+from agent_store.core import NotFound, StorageFailure
 from agent_store.legacy import (
     LEGACY_TURNS,
     as_text,
@@ -2350,3 +2351,108 @@ async def test_the_api_answers_a_legacy_turn_the_driver_cannot_decode_with_its_e
             assert answer.status_code == 500, (method, path)
             assert answer.json()["error"]["code"] == "storage_failure"
             assert "not valid UTF-8" in answer.json()["error"]["message"]
+
+
+class UndecodableText:
+    """A fake of the legacy collection on a server holding the turn `bad` whose
+    `user_message` is not valid UTF-8: a reply carrying that field fails as PyMongo's strict
+    decoding of it does (`InvalidBSON`); one leaving it out (a projection of other fields)
+    decodes."""
+
+    def __init__(self, real: Any, bad: str) -> None:
+        self._real, self._bad = real, bad
+
+    def _decoded(self, documents: list[Any]) -> list[Any]:
+        if any(d.get("_id") == self._bad and "user_message" in d for d in documents if d):
+            raise bson.errors.InvalidBSON(
+                "'utf-8' codec can't decode byte 0xc3 in position 7: invalid continuation byte"
+            )
+        return documents
+
+    def find(self, *args: Any, **kwargs: Any) -> Any:
+        cursor, decoded = self._real.find(*args, **kwargs), self._decoded
+
+        class Replies:
+            async def to_list(self, length: int | None = None) -> list[Any]:
+                return decoded(await cursor.to_list(length))
+
+        return Replies()
+
+    async def find_one(self, *args: Any, **kwargs: Any) -> Any:
+        return self._decoded([await self._real.find_one(*args, **kwargs)])[0]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+async def _undecodable_legacy_of_alice(db: Any) -> None:
+    """Alice's legacy-only conversations: `c-bad`, holding a turn whose text the driver
+    cannot decode (`UndecodableText`), and `c-clean`."""
+    await db[LEGACY_TURNS].insert_many(
+        [
+            {"_id": f"t-{name}", "conversation_id": f"c-{name}", "user_id": "alice",
+             "created_at": MESSY_START, "user_message": f"alice's {name} question"}
+            for name in ("bad", "clean")
+        ]
+    )  # fmt: skip
+
+
+async def test_another_users_legacy_turn_the_driver_cannot_decode_is_not_found_to_a_user(
+    backend: Backend,
+) -> None:
+    """API.md: to a user another user's conversation is missing, whatever it holds. Mallory's
+    reads and writes of Alice's legacy conversation holding a turn the driver cannot decode
+    are NotFound, as for Alice's clean one or a missing id (never the StorageFailure that
+    tells the id holds another user's undecodable text), nothing deleted; Alice, its owner,
+    still gets the StorageFailure."""
+    await _undecodable_legacy_of_alice(backend.db)
+    legacy = LegacyTurns(backend.db)
+    legacy._turns = UndecodableText(legacy._turns, "t-bad")
+    store = ConversationStore(backend.db, legacy=legacy)
+
+    for cid in ("c-bad", "c-clean", "c-missing"):
+        for call in (
+            partial(store.get_conversation, cid),
+            partial(store.transcript, cid),
+            partial(store.pending_hitl, cid),
+            partial(store.rename, cid, "mine"),
+            partial(store.resolve_hitl, cid, "confirm-1"),
+            partial(store.delete, cid),
+        ):
+            with pytest.raises(NotFound):
+                await call(user_id="mallory")
+
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 2
+    with pytest.raises(StorageFailure, match="not valid UTF-8"):
+        await store.get_conversation("c-bad", user_id="alice")
+    assert (await store.get_conversation("c-clean", user_id="alice")).user_id == "alice"
+
+
+async def test_the_api_answers_another_users_undecodable_legacy_conversation_with_a_404() -> None:
+    """API.md: a user token's requests on another user's legacy conversation holding a turn
+    the driver cannot decode are 404 `not_found`, as on a missing id (was: 500
+    `storage_failure`), and the owner's read is still the 500 naming the fault."""
+    from tests.api_harness import auth_headers, mongomock_db, serve
+
+    db = mongomock_db()
+    await _undecodable_legacy_of_alice(db)
+    async with serve(db, seeded=False) as served:
+        served.store.legacy._turns = UndecodableText(served.store.legacy._turns, "t-bad")
+        mallory = auth_headers(user="mallory")
+        for method, path, body in [
+            ("GET", "/v1/conversations/c-bad", None),
+            ("GET", "/v1/conversations/c-bad/transcript", None),
+            ("GET", "/v1/conversations/c-bad/messages", None),
+            ("GET", "/v1/conversations/c-bad/hitl", None),
+            ("PATCH", "/v1/conversations/c-bad", {"name": "mine"}),
+            ("POST", "/v1/conversations/c-bad/hitl/resolve", {"request_id": "confirm-1"}),
+            ("DELETE", "/v1/conversations/c-bad", None),
+        ]:
+            answer = await served.http.request(method, path, json=body, headers=mallory)
+            assert answer.status_code == 404, (method, path, answer.text)
+            assert answer.json()["error"]["code"] == "not_found"
+        owners = await served.http.get(
+            "/v1/conversations/c-bad", headers=auth_headers(user="alice")
+        )
+        assert owners.status_code == 500
+        assert owners.json()["error"]["code"] == "storage_failure"

@@ -27,6 +27,7 @@ from pymongo.errors import AutoReconnect
 
 from agent_store import (
     AgentMessageLogger,
+    AnsweredBefore,
     Conflict,
     ConversationStore,
     InvalidInput,
@@ -36,14 +37,15 @@ from agent_store import (
     SteeringInbox,
     StorageFailure,
     StorageUnavailable,
+    StoreError,
     TranscriptMoved,
     TurnRules,
     VersionMismatch,
     with_retries,
 )
 from agent_store.legacy import LEGACY_TURNS
-from agent_store.store import plan_turn, storage_errors
-from agent_store.store._logger import Corrected, OtherContent
+from agent_store.store import PENDING_CALLS_KEPT, plan_turn, storage_errors
+from agent_store.store._logger import Corrected, HeldOff, OtherContent
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
 from tests.conftest import COUNTED, Backend
 from tests.test_logger import log_example
@@ -2070,6 +2072,279 @@ async def test_a_turn_refused_after_a_lost_race_is_told_where_the_conversation_i
     assert raced.raced
     assert refused.value.next_seq == 4
     assert await _stored_contents(backend) == ["A?", "A!", "B?", "B!"]
+
+
+MALLORY, ADA = "user-mallory", "user-ada"
+
+_Refused = tuple[list[dict[str, Any]], dict[str, Any]]
+"""A turn a conversation refuses, and the arguments it is logged with."""
+
+
+async def _logged_by(db: Any, user: str | None, turn: list[dict[str, Any]], turn_id: str) -> Any:
+    """`turn` logged into `CID` by `user`'s token (None: a service's, unowned)."""
+    logger = AgentMessageLogger(db)
+    return await logger.log_messages(
+        CID, turn, user_id=user, owner_only=user is not None, turn_id=turn_id
+    )
+
+
+async def _held_off(db: Any, user: str | None, tag: str) -> _Refused:
+    """`user` starts the conversation with as many calls as `pending_calls` keeps, the first
+    held by a prompt (`<tag>-prompt`): a turn making one more call is `HeldOff`."""
+    calls = [
+        {"id": f"{tag}-call-{i}", "function": {"name": "lookup", "arguments": "{}"}}
+        for i in range(PENDING_CALLS_KEPT)
+    ]
+    prompt = {
+        "action": "confirm",
+        "request_id": f"{tag}-prompt",
+        "tool_call_ids": [f"{tag}-call-0"],
+    }
+    turn = [
+        {"role": "user", "content": f"{tag}?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "assistant", "content": None, "hitl_action": prompt},
+    ]
+    await _logged_by(db, user, turn, f"{tag}-asks")
+    return _asking("X"), {}
+
+
+async def _moved_on(db: Any, user: str | None, tag: str) -> _Refused:
+    """`user` starts the conversation with two messages: a turn at `next_seq` 1 is
+    `TranscriptMoved`."""
+    await _logged_by(db, user, _asking(tag), f"{tag}-asks")
+    return [{"role": "user", "content": "X?"}], {"next_seq": 1}
+
+
+async def _answered(db: Any, user: str | None, tag: str) -> _Refused:
+    """`user` starts the conversation with a call (`call-A`) and its answer: a turn answering
+    it again (`answers_to`) is `AnsweredBefore`."""
+    made = (await _logged_by(db, user, _asking("A"), f"{tag}-asks")).messages[1].id
+    await _logged_by(db, user, _answering("A"), f"{tag}-answers")
+    return _answering("A"), {"answers_to": {"call-A": made}}
+
+
+async def _approved(db: Any, user: str | None, tag: str) -> _Refused:
+    """`user` starts the conversation with a call a prompt (`prompt-P`) holds, and a person
+    answers the prompt: a turn denying the call is `AnsweredBefore`."""
+    call = {"id": "call-P", "function": {"name": "lookup", "arguments": "{}"}}
+    prompt = {"action": "confirm", "request_id": "prompt-P", "tool_call_ids": ["call-P"]}
+    asking = [
+        {"role": "user", "content": f"{tag}?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "assistant", "content": None, "hitl_action": prompt},
+    ]
+    await _logged_by(db, user, asking, f"{tag}-asks")
+    await ConversationStore(db).resolve_hitl(CID, "prompt-P", user_id=user)
+    denial = {"role": "tool", "tool_call_id": "call-P", "content": "denied",
+              "error": {"message": "tool call denied"}}  # fmt: skip
+    return [denial], {"refused_prompts": {"call-P": "prompt-P"}}
+
+
+async def _nothing() -> None:
+    return None
+
+
+def _swapped(
+    db: Any, started_by: Callable[..., Awaitable[_Refused]], user: str | None
+) -> RacedOnce:
+    """The conversations collection, where a turn's reservation fails (its conversation does
+    not meet its condition) and, once the turn read the conversation back, Mallory deletes the
+    conversation (from another tab) and `user` starts one under its id as `started_by` does,
+    then says one more thing in it."""
+
+    async def deleted_and_started() -> None:
+        await ConversationStore(db).delete(CID)
+        await started_by(db, user, user or "service")
+        await _logged_by(db, user, [{"role": "user", "content": "ada's words"}], "more")
+
+    return RacedOnce(db["agent_conversations"], _nothing, _nothing, read_back=deleted_and_started)
+
+
+@pytest.mark.parametrize(
+    ("refused_for", "refusal"),
+    [
+        pytest.param(_held_off, HeldOff, id="held-off"),
+        pytest.param(_moved_on, TranscriptMoved, id="at-next-seq"),
+        pytest.param(_answered, AnsweredBefore, id="answers-to"),
+        pytest.param(_approved, AnsweredBefore, id="denial"),
+    ],
+)
+async def test_a_turn_refused_as_another_users_conversation_starts_under_its_id_is_not_found(
+    backend: Backend,
+    refused_for: Callable[..., Awaitable[_Refused]],
+    refusal: type[Exception],
+) -> None:
+    """Mallory's turn (a user token's) is refused by a condition her conversation does not
+    meet. Between the read-back of her conversation and the refusal, the conversation is
+    deleted and Ada starts one under the id that does not meet it either. To Mallory Ada's
+    conversation is as a missing one: NotFound, naming nothing of Ada's (never the refusal
+    Ada's conversation explains: her prompt and its call, her next seq, her answers), nothing
+    written."""
+    turn, arguments = await refused_for(backend.db, MALLORY, "mallory")
+    own = AgentMessageLogger(backend.db)
+    with pytest.raises(refusal):  # as her conversation stands, its own refusal
+        await own.log_messages(
+            CID, turn, user_id=MALLORY, owner_only=True, turn_id="X", **arguments
+        )
+    logger = AgentMessageLogger(backend.db)
+    logger._conversations = raced = _swapped(backend.db, refused_for, ADA)
+
+    with pytest.raises(NotFound) as refused:
+        await logger.log_messages(
+            CID, turn, user_id=MALLORY, owner_only=True, turn_id="X", **arguments
+        )
+
+    assert raced.raced
+    assert "ada" not in repr(vars(refused.value)).lower()
+    store = ConversationStore(backend.db)
+    assert (await store.get_conversation(CID)).user_id == ADA
+    assert await backend.db["agent_messages"].count_documents({"user_id": MALLORY}) == 0
+
+
+@pytest.mark.parametrize(
+    ("started_by", "version"),
+    [
+        pytest.param(ADA, True, id="ada-with-version"),
+        pytest.param(None, False, id="service-unowned"),
+        pytest.param(None, True, id="service-unowned-with-version"),
+    ],
+)
+async def test_a_turn_refused_as_a_conversation_not_hers_starts_under_its_id_is_not_found(
+    backend: Backend, started_by: str | None, version: bool
+) -> None:
+    """The same race, Mallory's turn making a call her own prompt's call would be pushed off
+    for: the conversation started under the id meanwhile is Ada's, or one a service starts
+    unowned (a user token never adopts one), and her turn names the `version` she read, or
+    none. NotFound, whatever the version (never `VersionMismatch`, which tells that another
+    conversation holds the id), naming nothing of the new conversation's."""
+    turn, _ = await _held_off(backend.db, MALLORY, "mallory")
+    store = ConversationStore(backend.db)
+    read = (await store.get_conversation(CID, user_id=MALLORY)).version if version else None
+    logger = AgentMessageLogger(backend.db)
+    logger._conversations = raced = _swapped(backend.db, _held_off, started_by)
+
+    with pytest.raises(NotFound) as refused:
+        await logger.log_messages(
+            CID, turn, user_id=MALLORY, owner_only=True, turn_id="X", version=read
+        )
+
+    assert raced.raced
+    said = repr(vars(refused.value)).lower()
+    assert "ada" not in said
+    assert "service" not in said
+    assert (await store.get_conversation(CID)).user_id == started_by
+
+
+async def test_a_services_turn_whose_version_is_started_again_after_its_read_back_is_a_mismatch(
+    backend: Backend,
+) -> None:
+    """A service's turn naming the `version` it read, refused by its conversation (a call its
+    prompt holds would be pushed off), whose conversation is deleted and started again by Ada
+    between the read-back and the refusal: the documented `VersionMismatch` ("deleted and
+    started again"), never the refusal Ada's conversation explains (her prompt, her call)."""
+    turn, _ = await _held_off(backend.db, None, "service")
+    store = ConversationStore(backend.db)
+    read = (await store.get_conversation(CID)).version
+    logger = AgentMessageLogger(backend.db)
+    logger._conversations = raced = _swapped(backend.db, _held_off, ADA)
+
+    with pytest.raises(VersionMismatch, match="deleted and started again") as refused:
+        await logger.log_messages(CID, turn, turn_id="X", version=read)
+
+    assert raced.raced
+    assert "ada" not in repr(vars(refused.value)).lower()
+
+
+class SwappedAfterRead:
+    """The conversations collection, whose first `find_one` (a check's read of the
+    conversation) runs `then` once it answered, before the reader decides on it."""
+
+    def __init__(self, collection: Any, then: Callable[[], Awaitable[Any]]) -> None:
+        self._collection, self._then = collection, then
+        self.swapped = False
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._collection, name)
+        if name != "find_one" or self.swapped:
+            return real
+
+        async def read(*args: Any, **kwargs: Any) -> Any:
+            found = await real(*args, **kwargs)
+            self.swapped = True
+            await self._then()
+            return found
+
+        return read
+
+
+@pytest.mark.parametrize(
+    "refused_for",
+    [
+        pytest.param(_held_off, id="held-off"),
+        pytest.param(_moved_on, id="at-next-seq"),
+        pytest.param(_answered, id="answers-to"),
+        pytest.param(_approved, id="denial"),
+    ],
+)
+async def test_a_check_never_refuses_with_a_conversation_started_under_its_id_after_its_read(
+    backend: Backend, refused_for: Callable[..., Awaitable[_Refused]]
+) -> None:
+    """`check_turn` of a runtime acting for Mallory (`strict_owner`), whose conversation
+    refuses the turn: the conversation deleted and started again by Ada after the check read
+    it, the check refuses it with nothing but what Mallory's conversation as read explains
+    (or NotFound), never with what Ada's does (her prompt and its call, her next seq, her
+    answers); logging the turn then is NotFound."""
+    turn, arguments = await refused_for(backend.db, MALLORY, "mallory")
+    mallorys = {"user_id": MALLORY, "strict_owner": True, "turn_id": "X", **arguments}
+    with pytest.raises(StoreError) as own:  # as her conversation stands
+        await AgentMessageLogger(backend.db).check_turn(CID, turn, **mallorys)
+    logger = AgentMessageLogger(backend.db)
+
+    async def deleted_and_started() -> None:
+        await ConversationStore(backend.db).delete(CID)
+        await refused_for(backend.db, ADA, "ada")
+        await _logged_by(backend.db, ADA, [{"role": "user", "content": "ada's words"}], "more")
+
+    logger._conversations = raced = SwappedAfterRead(logger._conversations, deleted_and_started)
+    told: StoreError | None = None
+
+    try:
+        await logger.check_turn(CID, turn, **mallorys)
+    except StoreError as refused:
+        told = refused
+
+    assert told is None or isinstance(told, NotFound) or repr(told) == repr(own.value), told
+    assert raced.swapped
+    with pytest.raises(NotFound):
+        await AgentMessageLogger(backend.db).log_messages(CID, turn, **mallorys)
+
+
+async def test_an_answer_refused_as_its_conversation_is_started_again_never_judges_the_new_one(
+    backend: Backend,
+) -> None:
+    """Mallory's turn answering a call her conversation shows answered before is
+    `AnsweredBefore`; the conversation deleted and started again by Ada between that refusal
+    and the lookup of the answers it names: never judged on Ada's conversation (was: 422
+    saying Ada's conversation holds no such call), nothing of Ada's named."""
+    turn, arguments = await _answered(backend.db, MALLORY, "mallory")
+    logger = AgentMessageLogger(backend.db)
+    looked_up = logger._unanswered
+
+    async def started_again_first(*args: Any, **kwargs: Any) -> Any:
+        await ConversationStore(backend.db).delete(CID)
+        await _answered(backend.db, ADA, "ada")
+        return await looked_up(*args, **kwargs)
+
+    logger._unanswered = started_again_first  # type: ignore[method-assign]
+
+    with pytest.raises((AnsweredBefore, NotFound)) as refused:
+        await logger.log_messages(
+            CID, turn, user_id=MALLORY, owner_only=True, turn_id="X", **arguments
+        )
+
+    assert "ada" not in repr(vars(refused.value)).lower()
+    assert await backend.db["agent_messages"].count_documents({"user_id": MALLORY}) == 0
 
 
 async def test_a_delete_run_again_finishes_and_a_turn_after_it_starts_a_new_conversation(

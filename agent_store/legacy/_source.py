@@ -118,15 +118,21 @@ class LegacyTurns:
         self, conversation_id: str, *, user_id: str | None = None
     ) -> FallbackConversation | None:
         """The conversation converted from its legacy turns and prompts; None if it has none,
-        or if `user_id` is given and the turns name another owner (told before converting:
-        another's conversation costs no more than a missing one). For a user, only the
-        user's part of it (`users_part`, `prompt_part_of`): turns and prompts naming another
-        user are left out, and so are the copies of a live conversation under the id that is
-        not the user's, and the turns and prompts naming no user beside it, which are its
-        owner's (`reached_by`, `owns_legacy`: one lookup more, only when the turns hold a
+        or if `user_id` is given and the turns name another owner (told from their ownership
+        fields before their texts are read, `_owned_by`: one lookup more, for a user only;
+        another's conversation is as a missing one whatever its turns hold, text the driver
+        cannot decode included, which is a StorageFailure to its owner only). For a user,
+        only the user's part of it (`users_part`, `prompt_part_of`): turns and prompts naming
+        another user are left out, and so are the copies of a live conversation under the id
+        that is not the user's, and the turns and prompts naming no user beside it, which are
+        its owner's (`reached_by`, `owns_legacy`: one lookup more, only when the turns hold a
         copy).
         """
         query, unnamed = await self._turns_of(conversation_id)
+        if user_id is not None and not await self._owned_by(
+            conversation_id, query, unnamed, user_id
+        ):
+            return None
         with storage_errors("read the legacy turns"):
             turns = parse_turns(await self._turns.find(query).to_list(None), unnamed.names)
         live, owns = None, True
@@ -150,6 +156,21 @@ class LegacyTurns:
         conversion = with_session_prompts(conversion, prompts)
         assert conversion.conversation is not None
         return FallbackConversation(conversion.conversation, conversion.messages)
+
+    async def _owned_by(
+        self, conversation_id: str, query: dict[str, Any], unnamed: Unnamed, user_id: str
+    ) -> bool:
+        """Whether the legacy turns `query` selects (those naming no conversation told apart by
+        `unnamed`) are `user_id`'s conversation (`owner_of` the turns she reaches, `reached_by`),
+        read with their ownership fields only, as `holder` reads them: what their texts hold
+        is never decoded for another user."""
+        with storage_errors("read the legacy turns"):
+            read = await self._turns.find(query, _OWNERSHIP_FIELDS).to_list(None)
+            found = parse_turns(read, unnamed.names)
+        if not found:
+            return False
+        reached = reached_by(found, user_id, await self._live(conversation_id, found))
+        return owner_of([found[i] for i in reached]) == user_id
 
     async def _undated_at(self, turns: Sequence[LegacyTurn]) -> datetime:
         """The time served for turns none of which has a readable time (`turn_times`), the

@@ -802,7 +802,7 @@ class AgentMessageLogger:
                 if lookups == _ANSWER_LOOKUPS:
                     raise
                 try:
-                    as_read = await self._unanswered(plan, *named, refused)
+                    as_read = await self._unanswered(plan, actor, *named, refused)
                 except _LoggedMeanwhile:
                     continue  # reserved again: the turn's record is there, a replay
                 condition = conditions(as_read)
@@ -811,6 +811,7 @@ class AgentMessageLogger:
     async def _unanswered(
         self,
         plan: TurnPlan,
+        actor: Actor,
         answers_to: Mapping[str, str] | None,
         refused_prompts: Mapping[str, str] | None,
         refused: AnsweredBefore,
@@ -825,14 +826,16 @@ class AgentMessageLogger:
         `_Landed`); the turn's own record there (another attempt of it logged it since it was
         judged new: the answer may be its own), `_LoggedMeanwhile`, for the caller to judge it
         again as a retry. Two reads (the conversation, then the messages), on that refusal
-        only."""
+        only. The conversation is read while `actor` may write to it (`Actor.owner_filter`):
+        one another owner holds now (deleted and started again since the refusal) is never
+        judged, `refused` is raised as when none is there."""
         named = _named_answers(plan, _answers_to(answers_to))
         named = {c: m for c, m in named.items() if c in refused.tool_call_ids}
         if not named:  # denials only: a person approved the calls first
             raise refused
         with storage_errors("read the conversation"):
             conversation = await self._conversations.find_one(
-                {"_id": plan.conversation_id}, _ANSWERED_FIELDS
+                {"_id": plan.conversation_id, **actor.owner_filter()}, _ANSWERED_FIELDS
             )
         if conversation is None:
             raise refused
@@ -967,11 +970,12 @@ class AgentMessageLogger:
             _check_as_given_back(plan, found, _refused_prompts(refused_prompts))
             condition = None
         if found is not None:
-            await self._check_new_turn(plan, found, condition, at, named)
+            await self._check_new_turn(plan, actor, found, condition, at, named)
 
     async def _check_new_turn(
         self,
         plan: TurnPlan,
+        actor: Actor,
         found: Mapping[str, Any],
         condition: Condition | None,
         at: tuple[int | None, str | None],
@@ -980,18 +984,19 @@ class AgentMessageLogger:
         """`check_turn`'s decision on a new turn in the conversation `found`: its answers to
         calls of earlier turns (`named`: `answers_to`, `refused_prompts`; `_answers_refusal`),
         then its reservation's `condition` (`_check_condition`), `at` its `next_seq` and
-        `step`."""
+        `step`. Each lookup selects the conversation as judged (`_as_judged`)."""
         answers_to, refused_prompts = named
         answers = _named_answers(plan, _answers_to(answers_to))
         if answers:
             refusal = _answers_refusal(plan, answers, found)
             if isinstance(refusal, AnsweredBefore):  # raised if answered, else taken as read
-                await self._unanswered(plan, answers_to, refused_prompts, refusal)
+                await self._unanswered(plan, actor, answers_to, refused_prompts, refusal)
             elif refusal is not None:
                 raise refusal
         if condition is not None:
             conditions = partial(_turn_conditions, plan, *at, refused_prompts, answers_to)
-            await self._check_condition(plan, condition, conditions, named)
+            judged = _as_judged(plan.conversation_id, found, actor)
+            await self._check_condition(plan, actor, judged, condition, conditions, named)
 
     async def calls_answered(
         self,
@@ -1232,6 +1237,8 @@ class AgentMessageLogger:
     async def _check_condition(
         self,
         plan: TurnPlan,
+        actor: Actor,
+        judged: Mapping[str, Any],
         condition: Condition | None,
         conditions: Callable[[AsRead], Condition | None],
         named: tuple[Mapping[str, str] | None, Mapping[str, str] | None],
@@ -1240,23 +1247,25 @@ class AgentMessageLogger:
         conversation looked up with the condition's filter (the very one the reservation adds
         to its own), and, matching none, read whole for the refusal the condition explains;
         one the answers' lookup (`_unanswered`) takes as read is looked up again with them, as
-        `log_messages` reserves again. One round trip; two more on a refusal."""
+        `log_messages` reserves again. Both lookups select the conversation `check_turn`
+        judged (`judged`, `_as_judged`): one deleted, started again or taken by another owner
+        since is nothing to refuse here, as `log_messages` judges it again. One round trip;
+        two more on a refusal."""
         for lookups in range(_ANSWER_LOOKUPS + 1):
             if condition is None:
                 return
             with storage_errors("read the conversation"):
-                met = await self._conversations.find_one(
-                    {**condition.filter, "_id": plan.conversation_id}, {"_id": 1}
-                )
+                met = await self._conversations.find_one({**condition.filter, **judged}, {"_id": 1})
                 if met is not None:
                     return
-                found = await self._conversations.find_one({"_id": plan.conversation_id})
+                found = await self._conversations.find_one(judged)
             if found is None:
                 return  # gone meanwhile: as `_verdict` found it, nothing to refuse here
             refusal = condition.refused(found)
             if not isinstance(refusal, AnsweredBefore) or lookups == _ANSWER_LOOKUPS:
                 raise refusal
-            condition = conditions(await self._unanswered(plan, *named, refusal))
+            as_read = await self._unanswered(plan, actor, *named, refusal)
+            condition = conditions(as_read)
 
     def _planned(
         self,
@@ -2034,7 +2043,7 @@ class AgentMessageLogger:
                 continue
             if verdict.block is not None:
                 continue  # another attempt moved the turn meanwhile: its new block is recorded
-            await self._refuse_unless_met(plan, found, condition, own)
+            await self._refuse_unless_met(plan, actor, found, condition, own)
             # Otherwise a race was lost (the conversation just created, a mark gone): reserve again.
         raise Unreserved(
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
@@ -2057,30 +2066,36 @@ class AgentMessageLogger:
     async def _refuse_unless_met(
         self,
         plan: TurnPlan,
+        actor: Actor,
         found: Mapping[str, Any],
         condition: Condition | None,
         own: range | None,
     ) -> None:
         """For a reservation that matched nothing, of a turn the conversation `found` (read
-        back after it) holds no block of: the refusal of the condition the conversation as it
-        stands does not meet (its `filter`, or `again` for the turn whose empty block `own`
-        was given back, as the attempt asked it), else nothing, and the turn reserves again:
-        its reservation failed for another reason, gone by the read-back (a delete's or a
-        pop's mark met, the delete or pop over since; another writer's upsert creating the
-        conversation first). Judged by the server, condition by condition of those the
-        reservation joined (`Condition.judged`: a `version`'s first, then the turn's), each in
-        a lookup of the conversation that does not meet it: the first found is refused,
-        explained by the conversation as that lookup read it, never by `found` (another
-        writer's turn may have landed since). One lookup per condition, on that path only;
-        none once a fold owed was written (`_folded_owed`), which the turn is judged again on."""
+        back after it, which `_verdict` judged `actor` may write to) holds no block of: the
+        refusal of the condition the conversation as it stands does not meet (its `filter`,
+        or `again` for the turn whose empty block `own` was given back, as the attempt asked
+        it), else nothing, and the turn reserves again: its reservation failed for another
+        reason, gone by the read-back (a delete's or a pop's mark met, the delete or pop over
+        since; another writer's upsert creating the conversation first). Judged by the server,
+        condition by condition of those the reservation joined (`Condition.judged`: a
+        `version`'s first, then the turn's), each in a lookup of the conversation that does
+        not meet it: the first found is refused, explained by the conversation as that lookup
+        read it, never by `found` (another writer's turn may have landed since). Each lookup
+        selects `found`'s conversation only (its life, `same_as_read`), while `actor` may
+        write to it (`Actor.owner_filter`): one deleted since, another started under the id
+        or taken by another owner meanwhile, is never judged here, and the turn reserves
+        again, judged then on what stands under the id (`_verdict`: to a user, another's
+        conversation is NotFound), so a refusal never explains a conversation `actor` may
+        not see. One lookup per condition, on that path only; none once a fold owed was
+        written (`_folded_owed`), which the turn is judged again on."""
         if condition is None or await self._folded_owed(plan, found):
             return
+        judged = _as_judged(plan.conversation_id, found, actor)
         for part in condition.judged():
             asked = part.filter if own is None else part.again(own)
             with storage_errors("read the conversation"):
-                unmet = await self._conversations.find_one(
-                    {"_id": plan.conversation_id, "$nor": [asked]}
-                )
+                unmet = await self._conversations.find_one({**judged, "$nor": [asked]})
             if unmet is not None:
                 raise part.refused(unmet, own=own is not None)
 
@@ -3909,6 +3924,8 @@ _MOVE_READ = {"message_count": 1, "last_step": 1}
 (`Condition.moved_explain`)."""
 _CHECKED_FIELDS = {
     "user_id": 1,
+    "epoch": 1,
+    "created_at": 1,
     DELETING: 1,
     "popping": 1,
     "turns": 1,
@@ -3922,9 +3939,10 @@ _CHECKED_FIELDS = {
 """What `AgentMessageLogger.check_turn` reads of the conversation: what `_verdict` decides by
 (its owner, a delete's mark, the turn records and whether some were dropped, the gaps and
 pending calls a late retry's lookup weighs, `Unwritten`), a pop under way
-(finished before anything is decided), and what tells
+(finished before anything is decided), what tells
 a turn's answers from those the conversation settled before (`_retry_refusal`,
-`_answers_refusal`)."""
+`_answers_refusal`), and its life (`epoch`, `created_at`), which the lookups explaining a
+refusal select (`_as_judged`)."""
 
 _PENDING_READ = {
     "user_id": 1,
@@ -4307,6 +4325,15 @@ def _held(
     if another_owners:
         return _OwnedElsewhere(condition.refusal.message)
     return condition.refusal
+
+
+def _as_judged(conversation_id: str, found: Mapping[str, Any], actor: Actor) -> dict[str, Any]:
+    """A filter of the conversation `found` (read with its `epoch` and `created_at`), which a
+    turn of `actor` was judged on (`_verdict`): that life of it (`same_as_read`), while
+    `actor` may write to it (`Actor.owner_filter`). A lookup explaining a refusal of the turn
+    selects it, so a conversation deleted since, started again under the id or taken by
+    another owner never explains one: what `actor` may not see is never told."""
+    return same_as_read(conversation_id, found) | actor.owner_filter()
 
 
 def _seen_by(actor: Actor, found: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
