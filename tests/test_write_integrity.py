@@ -29,7 +29,7 @@ from agent_store import (
 )
 from agent_store.store import CONVERSATIONS, MAX_TURN_NAMED_CALLS, MESSAGES, PENDING_CALLS_KEPT
 from agent_store.store._logger import Corrected, OtherContent
-from tests.api_harness import auth_headers, serve
+from tests.api_harness import auth_headers, reserved_insert_lost, serve
 from tests.conftest import COUNTED, Backend
 
 CID = "conv-integrity"
@@ -1070,6 +1070,148 @@ async def test_a_first_attempt_that_stored_nothing_is_counted_again_from_turns_r
         conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
         assert (conversation["turn_count"], conversation["usage"]["input_tokens"]) == (6, 6)
         assert await backend.db[MESSAGES].count_documents({"seq": {"$lt": 2}}) == 0
+
+
+CALL_T = {"id": "c-T", "function": {"name": "lookup", "arguments": "{}"}}
+
+
+def call_turn(*, prompt: bool = False) -> list[dict[str, Any]]:
+    """A question and an answer making the call "c-T", left open (held by the prompt "req-T"
+    with `prompt`), 2 tokens each way, at one time: a retry derives the same ids without a
+    turn id too."""
+    made: list[dict[str, Any]] = [
+        {"role": "user", "content": "look it up?"},
+        {
+            "role": "assistant",
+            "content": "looking",
+            "tool_calls": [CALL_T],
+            "token_usage": {"input_tokens": 2, "output_tokens": 2},
+        },
+    ]
+    if prompt:
+        action = {"action": "approve", "request_id": "req-T", "tool_call_ids": ["c-T"]}
+        made.append({"role": "assistant", "content": "ok?", "hitl_action": action})
+    return [{**m, "created_at": "2026-01-01T12:00:00Z"} for m in made]
+
+
+async def _call_turn_counted_again(
+    backend: Backend, turn_id: str | None, rules: TurnRules, *, prompt: bool = False
+) -> LoggedTurn:
+    """Turn "t0", then a turn making "c-T" whose reservation listed the call and whose insert
+    was lost, then `turns_recorded` (3) later turns answering none: its retry, logged under
+    `turn_id` (None: its digest), is stored in a new block and counted again."""
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(CID, turn("t0"), turn_id="t0")
+    lost = call_turn(prompt=prompt)
+    await reserved_insert_lost(logger, partial(logger.log_messages, CID, lost, turn_id=turn_id))
+    listed = await ConversationStore(backend.db).pending_calls(CID)
+    assert [c.tool_call_id for c in listed] == ["c-T"]  # listed by the lost reservation
+    for n in range(3):
+        await logger.log_messages(CID, turn(f"later {n}"), turn_id=f"l{n}")
+    return await logger.log_messages(CID, call_turn(prompt=prompt), turn_id=turn_id)
+
+
+@pytest.mark.parametrize(
+    ("turn_id", "abandon_after"),
+    [("t-T", None), ("t-T", timedelta(0)), (None, None), (None, timedelta(0))],
+    ids=["explicit id", "explicit id past abandon_after", "digest id", "digest id past"],
+)
+async def test_a_call_of_a_turn_counted_again_after_a_lost_insert_is_pending_once(
+    backend: Backend, turn_id: str | None, abandon_after: timedelta | None
+) -> None:
+    """DESIGN.md §3: a turn whose first reservation listed its call, its insert lost, retried
+    after `turns_recorded` later turns, is stored in a new block and counted again; its call
+    is listed once (same id, same making message), where the turn now stands, and a client
+    answering each call `pending_calls` lists is stored."""
+    rules = TurnRules(turns_recorded=3)
+    if abandon_after is not None:
+        rules = TurnRules(turns_recorded=3, abandon_after=abandon_after)
+    retried = await _call_turn_counted_again(backend, turn_id, rules)
+
+    maker = retried.messages[1]
+    assert [m.seq for m in retried.messages] == [10, 11]
+    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    stored = [(c["tool_call_id"], c["message_id"], c["seq"]) for c in conversation["pending_calls"]]
+    assert stored == [("c-T", maker.id, 11)]
+    store = ConversationStore(backend.db)
+    listed = await store.pending_calls(CID)
+    assert [(c.tool_call_id, c.message_id) for c in listed] == [("c-T", maker.id)]
+    # Counted again (DESIGN.md §3): the lost block's turn start, messages and tokens stay.
+    assert (conversation["turn_count"], conversation["message_count"]) == (6, 12)
+    assert conversation["usage"] == {"input_tokens": 4 + 4, "output_tokens": 4 + 4}
+
+    answers = [{"role": "tool", "tool_call_id": c.tool_call_id, "content": "found"} for c in listed]
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(
+        CID,
+        [*answers, {"role": "assistant", "content": "done"}],
+        turn_id="answer",
+        answers_to={c.tool_call_id: c.message_id for c in listed},
+    )
+    assert await store.pending_calls(CID) == []
+
+
+async def test_a_held_call_of_a_turn_counted_again_is_pending_once_under_its_prompt(
+    backend: Backend,
+) -> None:
+    """The same with a prompt holding the call: listed once, under its prompt; resolving the
+    prompt with the calls listed, then answering the call, leaves nothing pending."""
+    retried = await _call_turn_counted_again(
+        backend, "t-T", TurnRules(turns_recorded=3), prompt=True
+    )
+    store = ConversationStore(backend.db)
+    listed = await store.pending_calls(CID)
+    assert [(c.tool_call_id, c.message_id, c.request_id) for c in listed] == [
+        ("c-T", retried.messages[1].id, "req-T")
+    ]
+
+    await store.resolve_hitl(CID, "req-T", calls=listed)
+    answer = {"role": "tool", "tool_call_id": "c-T", "content": "found"}
+    await AgentMessageLogger(backend.db).log_messages(
+        CID, [answer], turn_id="answer", answers_to={"c-T": retried.messages[1].id}
+    )
+    assert await store.pending_calls(CID) == []
+    assert await store.pending_hitl(CID) is None
+
+
+async def test_a_turn_counted_again_pushes_no_held_call_off_for_its_own_call_listed_before(
+    backend: Backend,
+) -> None:
+    """A retry stored in a new block lists its call once: it is not counted twice against the
+    bound of `pending_calls`, so a call a prompt holds, oldest of a full list, is not pushed
+    off (the retry was refused `HeldOff`, as though the list held one call more)."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(turns_recorded=3))
+    held = {"id": "c-H", "function": {"name": "book", "arguments": "{}"}}
+    action = {"action": "approve", "request_id": "req-H", "tool_call_ids": ["c-H"]}
+    await logger.log_messages(
+        CID,
+        [
+            {"role": "user", "content": "book it?"},
+            {"role": "assistant", "tool_calls": [held]},
+            {"role": "assistant", "content": "ok?", "hitl_action": action},
+        ],
+        turn_id="t0",
+    )
+    lost = call_turn()
+    await reserved_insert_lost(logger, partial(logger.log_messages, CID, lost, turn_id="t-T"))
+    more = PENDING_CALLS_KEPT - 2  # the list full: c-H, c-T and these
+    many = [{"id": f"m{i}", "function": {"name": "f", "arguments": "{}"}} for i in range(more)]
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "all"}, {"role": "assistant", "tool_calls": many}],
+        turn_id="l0",
+    )
+    for n in range(1, 3):
+        await logger.log_messages(CID, turn(f"later {n}"), turn_id=f"l{n}")
+
+    retried = await logger.log_messages(CID, call_turn(), turn_id="t-T")
+
+    listed = await ConversationStore(backend.db).pending_calls(CID)
+    assert len(listed) == PENDING_CALLS_KEPT
+    assert (listed[0].tool_call_id, listed[0].request_id) == ("c-H", "req-H")
+    assert [(c.tool_call_id, c.message_id) for c in listed if c.tool_call_id == "c-T"] == [
+        ("c-T", retried.messages[1].id)
+    ]
 
 
 async def test_a_turn_moved_many_times_never_pushes_another_turns_record_out(

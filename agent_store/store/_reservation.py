@@ -1740,7 +1740,8 @@ def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
     pending calls before it (those stored, by default).
 
     Each answer takes the latest pending call of its id and the calls the turn leaves open
-    join the list (the newest `PENDING_CALLS_KEPT` are kept). A prompt stays pending unless
+    join the list (the newest `PENDING_CALLS_KEPT` are kept), each listed once: an entry of
+    the same call before (`_listed_once`) leaves. A prompt stays pending unless
     the turn raises a new one, clears it (an upload), or answers what it awaits: a call it
     held back, or, holding none, the last held call pending (`_turns.answers_clear`).
     The ids answered are one constant per field (`$$answered`), whatever their number.
@@ -1754,6 +1755,7 @@ def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
         plan.holds_pending is None
     ):
         return {"pending_calls": calls, "pending_hitl": hitl}
+    calls, bound = _listed_once(plan, calls)
 
     def answered(wanted: bool) -> dict[str, Any]:
         # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
@@ -1762,7 +1764,7 @@ def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
 
     if isinstance(plan.pending_hitl, KeepPendingHitl) and plan.answered_calls:
         clears = _answering(plan, _answers_clear(calls, answered(True), answered(False)))
-        hitl = {"$cond": [clears, None, hitl]}
+        hitl = {"$cond": [bound(clears), None, hitl]}
     elif _clears_its_prompt(plan):
         was_held = {
             "$and": [
@@ -1771,13 +1773,31 @@ def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
             ]
         }
         held = {"$filter": {"input": answered(True), "as": "call", "cond": was_held}}
-        hitl = {"$cond": [_answering(plan, {"$gt": [{"$size": held}, 0]}), None, hitl]}
+        hitl = {"$cond": [bound(_answering(plan, {"$gt": [{"$size": held}, 0]})), None, hitl]}
     left = _holding_named(_held_by(answered(False), plan.holds_pending), plan.named_holds)
     every = {"$concatArrays": [left, _opened(plan)]}  # cut by the next stage (`calls_cut`)
-    state = {"pending_calls": _answering(plan, every), "pending_hitl": hitl}
+    state = {"pending_calls": bound(_answering(plan, every)), "pending_hitl": hitl}
     if len(plan.opened_calls) > PENDING_CALLS_KEPT:
         state[PUSHED_OFF] = _pushed_off_by(plan)
     return state
+
+
+def _listed_once(plan: TurnPlan, calls: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """The pending calls before the turn, `calls` (an expression), as the expressions of its
+    pending state read them (`$$listed`), and what binds them around such an expression:
+    without an entry of a call the turn leaves open (`_opened`: the same id, made by the same
+    message), so that call is listed once, where the turn lists it now, whatever listed it
+    before (an earlier reservation of the turn, its insert lost, or the block it moves from).
+    `calls` as they are, and nothing bound, for a turn leaving no call open
+    (`_turns.listed_once`, the fold's rule)."""
+    if not plan.opened_calls:
+        return calls, lambda expression: expression
+    opened = plan.opened_calls[-PENDING_CALLS_KEPT:]  # those `_opened` lists
+    keys = literal([{"tool_call_id": c.tool_call_id, "message_id": c.message_id} for c in opened])
+    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+    others = {"$eq": [{"$in": [_call_key("call"), keys]}, False]}
+    listed = {"$filter": {"input": calls, "as": "call", "cond": others}}
+    return "$$listed", lambda expression: {"$let": {"vars": {"listed": listed}, "in": expression}}
 
 
 def calls_cut(plan: TurnPlan) -> list[dict[str, Any]]:
@@ -1907,7 +1927,7 @@ def held_calls_kept(plan: TurnPlan) -> dict[str, Any]:
     no answer having released it (`resolved_hitl`, `approved_calls`), off `pending_calls`
     (the newest `PENDING_CALLS_KEPT`, `_pending_state`): an answer to a prompt releases the
     calls the list holds, so one it dropped would stay held where no approval reaches it."""
-    calls = {"$ifNull": ["$pending_calls", literal([])]}
+    calls, bound = _listed_once(plan, {"$ifNull": ["$pending_calls", literal([])]})
     same = {"$eq": [_taken(calls, plan.answered_calls), False]}
     left = {"$filter": {"input": calls, "as": "call", "cond": same}}
     left = _holding_named(_held_by(left, plan.holds_pending), plan.named_holds)
@@ -1928,7 +1948,7 @@ def held_calls_kept(plan: TurnPlan) -> dict[str, Any]:
     }
     unreleased = {"$filter": {"input": "$$every", "as": "call", "cond": held}}
     count = {"$let": {"vars": {"every": every}, "in": {"$size": unreleased}}}
-    return {"$expr": _answering(plan, {"$eq": [count, 0]})}
+    return {"$expr": bound(_answering(plan, {"$eq": [count, 0]}))}
 
 
 def _answering(plan: TurnPlan, expression: dict[str, Any]) -> dict[str, Any]:
@@ -2088,7 +2108,7 @@ def relocation(
     stage = {
         "message_count": _plus("message_count", plan.count),
         "popped_seqs": _left_behind(block.first_seq, plan.count),
-        **_appended(plan, _without_calls_of(plan)),
+        **_appended(plan),
         **_records(
             plan,
             block.digest,
@@ -2512,15 +2532,3 @@ def _left_behind(first: int, count: int) -> dict[str, Any]:
     new = {"$eq": [{"$in": ["$$seq", gaps]}, False]}
     left = {"$filter": {"input": block, "as": "seq", "cond": new}}
     return {"$slice": [{"$concatArrays": [gaps, left]}, -POPPED_SEQS_KEPT]}
-
-
-def _without_calls_of(plan: TurnPlan) -> dict[str, Any] | None:
-    """The pending calls without those the turn's messages made (listed by its first
-    reservation), as an expression; None (those stored) when it made none."""
-    if not plan.opened_calls:
-        return None
-    made = literal(sorted({call.message_id for call in plan.opened_calls}))
-    calls = {"$ifNull": ["$pending_calls", literal([])]}
-    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
-    another_turns = {"$eq": [{"$in": ["$$call.message_id", made]}, False]}
-    return {"$filter": {"input": calls, "as": "call", "cond": another_turns}}

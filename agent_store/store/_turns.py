@@ -970,7 +970,7 @@ def held_off_list(
     """The pending calls `calls` (as stored) a prompt holds that the turn would push off the
     bounded list, no answer having released them (`released`: their keys, or their holders
     resolved): what `_reservation.held_calls_kept` refuses, as the conversation stands."""
-    _, left = taking_answers(calls, plan.answered_calls)
+    _, left = taking_answers(listed_once(calls, plan.opened_calls), plan.answered_calls)
     every = holding_named(held_by(left, plan.holds_pending), plan.named_holds)
     every += plan.opened_calls[-PENDING_CALLS_KEPT:]
     dropped = every[: max(len(every) - PENDING_CALLS_KEPT, 0)]
@@ -979,6 +979,15 @@ def held_off_list(
         for c in dropped
         if c.request_id is not None and (c.tool_call_id, c.message_id) not in released
     ]
+
+
+def listed_once(calls: Sequence[PendingCall], opened: Sequence[PendingCall]) -> list[PendingCall]:
+    """The pending calls before a turn, `calls`, without an entry of a call the turn leaves
+    open, `opened` (the same id, made by the same message): that call is listed once, where
+    the turn lists it now, whatever listed it before (an earlier reservation of the turn, its
+    insert lost). The reservation's rule (`_reservation._listed_once`)."""
+    again = {(c.tool_call_id, c.message_id) for c in opened[-PENDING_CALLS_KEPT:]}
+    return [c for c in calls if (c.tool_call_id, c.message_id) not in again]
 
 
 def _check_held_listed(opened: Sequence[PendingCall]) -> None:
@@ -1549,6 +1558,7 @@ def _fold(
     """What is pending after one more turn, by the rules its reservation applies."""
     ids = [str(m.id) for m in turn]
     opened, answered, named = _pending_calls(turn, ids)
+    calls = listed_once(calls, opened)
     taken, left = taking_answers(calls, answered)
     holds = prompt_before_calls(turn)
     raised = _pending_hitl(turn, ids)
