@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,7 +148,8 @@ def held_back(db: Database[dict[str, Any]]) -> set[str]:
     or corrects the document, and the next run migrates it with the turn in its place. One
     read of each collection a run (few such documents stand: each is named as work left).
     So too a turn a copy left in `agent_conversations` holding text that is not valid UTF-8
-    (`left_not_utf8`)."""
+    (`left_not_utf8`): its conversation, and the one whose id its `_id` is, whose document
+    no run writes over it (`held_by_left`)."""
     held: set[str] = set()
     for name, query in UNREAD:
         for document in db[name].find(query, {"_id": 1, "conversation_id": 1}):
@@ -156,8 +157,23 @@ def held_back(db: Database[dict[str, Any]]) -> set[str]:
                 held.add(document["_id"])
             held |= _filed_under(document)
     for document in left_not_utf8(db):
-        held |= _filed_under(document)
+        held |= held_by_left(document)
     return held
+
+
+def held_by_left(document: Mapping[str, Any]) -> set[str]:
+    """The conversations a turn left in `agent_conversations` holds back (`held_back`): the
+    one it is filed under (`_filed_under`), and, its `_id` a text, the one of that id, whose
+    conversation document would stand where the turn stands (a run reads a document there as
+    neither, writes nothing over it, `writes.NO_TURN_FIELD`)."""
+    return _filed_under(document) | _standing_under(document)
+
+
+def _standing_under(document: Mapping[str, Any]) -> set[str]:
+    """The conversation id a document of `agent_conversations` stands under: its `_id`, when
+    a text (a conversation's id is one)."""
+    standing = document.get("_id")
+    return {standing} if isinstance(standing, str) else set()
 
 
 def _filed_under(document: Mapping[str, Any]) -> set[str]:
@@ -387,14 +403,51 @@ def relocate(
         )
     state({"$set": {COPYING: utc_now()}})
     recorded = _late(db, start_over=start_over) if late else None
-    kept: list[str] = []
+    kept = _Left()
     copy = functools.partial(
         _copy_batch, source=source, target=target, progress=progress, fence=fence, state=state,
         late=recorded, own=_KilledCopy.recorded(db), kept=kept,
     )  # fmt: skip
     moved = _copy_all(source, batch_size, copy, kept)
     state({"$unset": dict.fromkeys(_COPY_RECORDS, "")})
-    return Relocation("copied", moved, "; ".join(filter(None, [reason, _not_copied(kept)])))
+    said = [reason, _not_copied(kept.named), _holding_back(kept)]
+    return Relocation("copied", moved, "; ".join(filter(None, said)))
+
+
+@dataclass
+class _Left:
+    """The turns a copy left in `agent_conversations`, as it names them: each by `_id` and
+    why, and the conversations those left for text that is not valid UTF-8 hold back
+    (`held_by_left`): those they are filed under, and any whose id is their `_id`."""
+
+    named: list[str] = field(default_factory=list)
+    filed: set[str] = field(default_factory=set)
+    standing: set[str] = field(default_factory=set)
+
+    def not_utf8(self, document: Mapping[str, Any], where: str) -> None:
+        """`document` left where it is: at `where` it holds bytes that are not valid UTF-8."""
+        self.named.append(f"{document.get('_id')!r} ({where} holds bytes that are not valid UTF-8)")
+        self.filed |= _filed_under(document)
+        self.standing |= _standing_under(document)
+
+    def of_batch(self, source: Any, unmoved: list[Any], edited_again: list[Any]) -> None:
+        """Name the turns of a batch the copy did not move (`unmoved`: deleted since, edited
+        since to text that is not valid UTF-8, or among `edited_again`, those its delete left,
+        `_delete_as_copied`) that the source holds: by where they hold such text, else, for
+        those edited again, as such. One read, only when some were not moved."""
+        if not unmoved:
+            return
+        found = source.find({"_id": {"$in": unmoved}, **TURN_FILTER})
+        standing = {matched_key(d["_id"]): d for d in found}
+        again = {matched_key(i) for i in edited_again}
+        for turn_id in unmoved:
+            document = standing.get(matched_key(turn_id))
+            if document is not None and (where := not_utf8_at(document)) is not None:
+                self.not_utf8(document, where)
+            elif matched_key(turn_id) in again:
+                self.named.append(
+                    f"{turn_id!r} (edited again during the copy, or stored as no read shows it)"
+                )
 
 
 def _not_copied(kept: list[str]) -> str:
@@ -408,6 +461,26 @@ def _not_copied(kept: list[str]) -> str:
         f"correct it there, then `run` again (the gate refuses while {CONVERSATIONS} holds a "
         "turn)"
     )
+
+
+def _holding_back(kept: _Left) -> str:
+    """What the copy says of the conversations the turns it left for their bytes hold back
+    (`held_by_left`): those they are filed under and any standing under their `_id`s, the
+    first few of each, and how many."""
+    if not kept.filed and not kept.standing:
+        return ""
+    return (
+        f"they hold back their conversations {_first_few(kept.filed)} and any conversation "
+        f"whose id is one of their _ids ({_first_few(kept.standing)}): no run migrates, "
+        "changes or removes any of them until then"
+    )
+
+
+def _first_few(ids: set[str]) -> str:
+    """The first three of `ids` in order, and how many more."""
+    shown = sorted(ids)
+    more = f" and {len(shown) - 3} more" if len(shown) > 3 else ""
+    return (", ".join(map(repr, shown[:3])) or "none") + more
 
 
 def _renamed(
@@ -428,7 +501,7 @@ def _renamed(
 
 
 def _copy_all(
-    source: Any, batch_size: int, copy: Callable[[list[dict[str, Any]]], int], kept: list[str]
+    source: Any, batch_size: int, copy: Callable[[list[dict[str, Any]]], int], kept: _Left
 ) -> int:
     """Copy the turns batch by batch (`copy`: `_copy_batch`); how many moved. One scan in
     stored order: copied in that order, turns at the same time keep their order (a turn's time
@@ -439,7 +512,7 @@ def _copy_all(
     batch: list[dict[str, Any]] = []
     for document in _in_stored_order(source, batch_size):
         if (where := not_utf8_at(document)) is not None:
-            kept.append(f"{document.get('_id')!r} ({where} holds bytes that are not valid UTF-8)")
+            kept.not_utf8(document, where)
             continue
         batch.append(document)
         if len(batch) == batch_size:
@@ -474,7 +547,7 @@ def _copy_batch(
     state: Callable[[dict[str, Any]], None],
     late: _Late | None = None,
     own: _KilledCopy | None = None,
-    kept: list[str] | None = None,
+    kept: _Left | None = None,
 ) -> int:
     """Insert the batch into the target, take back the copies of the turns deleted from the
     source since the batch was read, check the copy of every other arrived (`_arrived`),
@@ -507,9 +580,8 @@ def _copy_batch(
     state({"$addToSet": {CONFIRMED: {"$each": still}}})
     left = _delete_as_copied(copies, source, target, state)
     if kept is not None:
-        kept += [
-            f"{i!r} (edited again during the copy, or stored as no read shows it)" for i in left
-        ]
+        moved = {matched_key(i) for i in still} - {matched_key(i) for i in left}
+        kept.of_batch(source, [i for i in ids if matched_key(i) not in moved], left)
     recopied = [copied_as(copy) for copy in copies]  # the copies the check made again
     state({"$pullAll": {IN_FLIGHT: ids, CONFIRMED: still, COPIED_AS: digests + recopied}})
     if progress is not None:
@@ -531,7 +603,7 @@ def _still_in_source(
     delete (`_delete_as_copied`). One read of the batch's turns, and writes only for those
     deleted or edited."""
     ids = [doc["_id"] for doc in batch]
-    now = _standing(ids, source, target)
+    now, _ = _standing(ids, source, target)
     edited = [
         current
         for doc in batch
@@ -545,14 +617,19 @@ def _still_in_source(
     return [now[key] for key in (matched_key(i) for i in ids) if key in now]
 
 
-def _standing(ids: list[Any], source: Any, target: Any) -> dict[str, dict[str, Any]]:
-    """The turns of `ids` the source holds now (by `matched_key`), as they stand; the copies
-    of the others (deleted there since the copy read them) taken back from the target. One
-    read, and one delete only when some went."""
-    now = {matched_key(d["_id"]): d for d in source.find({"_id": {"$in": ids}, **TURN_FILTER})}
+def _standing(
+    ids: list[Any], source: Any, target: Any
+) -> tuple[dict[str, dict[str, Any]], list[Any]]:
+    """The turns of `ids` the source holds now (by `matched_key`), as they stand, and the
+    `_id`s of those the old service edited since to text that is not valid UTF-8, which stay
+    there as stored (`_copyable`); the copies of the others taken back from the target: those
+    deleted there since the copy read them, and those. One read, and one delete only when
+    some went."""
+    found, left = _copyable(source.find({"_id": {"$in": ids}, **TURN_FILTER}))
+    now = {matched_key(d["_id"]): d for d in found}
     if gone := [i for i in ids if matched_key(i) not in now]:
         target.delete_many({"_id": {"$in": gone}})
-    return now
+    return now, left
 
 
 def _arrived(still: list[dict[str, Any]], source: Any, target: Any) -> list[dict[str, Any]]:
@@ -601,8 +678,26 @@ def _delete_as_copied(
     if source.bulk_write(deletes, ordered=False).deleted_count == len(copies):
         return []
     ids = [copy["_id"] for copy in copies]
-    edited = list(source.find({"_id": {"$in": ids}, **TURN_FILTER}))
-    return _delete_edited(edited, source, target, state)
+    edited, left = _copyable(source.find({"_id": {"$in": ids}, **TURN_FILTER}))
+    if left:
+        target.delete_many({"_id": {"$in": left}})
+    return left + _delete_edited(edited, source, target, state)
+
+
+def _copyable(turns: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Of `turns`, as the copy reads them again from the source, those a write gives back as
+    stored, and the `_id`s of the others: turns the old service edited since the copy read
+    them, to text that is not valid UTF-8 (`not_utf8_at`), which stay in the source as
+    stored, as one the scan read so does (`_copy_all`), their copies taken back by the
+    caller; no copy, digest or delete of the copy's encodes them."""
+    copyable: list[dict[str, Any]] = []
+    left: list[Any] = []
+    for turn in turns:
+        if not_utf8_at(turn) is None:
+            copyable.append(turn)
+        else:
+            left.append(turn["_id"])
+    return copyable, left
 
 
 def _delete_edited(
@@ -613,10 +708,12 @@ def _delete_edited(
     delete each, so a turn not deleted is known), up to `EDIT_ROUNDS` times (`_read_again`
     between). Those edited again before each of those deletes stay in the source, as they
     stand, and their copies are taken back: no turn is in both collections, none lost, and
-    the next run moves them (the gate refuses while `agent_conversations` holds a turn).
-    Their `_id`s. Each round's copies are recorded (`COPIED_AS`) before they are written: a
+    the next run moves them (the gate refuses while `agent_conversations` holds a turn); so
+    do those edited to text that is not valid UTF-8 (`_read_again`). Their `_id`s. Each
+    round's copies are recorded (`COPIED_AS`) before they are written: a
     copy killed after this read takes the turn as it stands for the one it read
     (`_KilledCopy`); the records go with the copy's (`relocate`)."""
+    not_utf8: list[Any] = []
     for _ in range(EDIT_ROUNDS):
         again = []
         state(_copies_recorded(edited))
@@ -625,24 +722,29 @@ def _delete_edited(
             if source.delete_one(_as_copied(current)).deleted_count == 0:
                 again.append(current)
         if not again:
-            return []
-        edited = _read_again(again, source, target)
+            return not_utf8
+        edited, left = _read_again(again, source, target)
+        not_utf8 += left
     left = [d["_id"] for d in edited]
     if left:
         target.delete_many({"_id": {"$in": left}})
-    return left
+    return not_utf8 + left
 
 
-def _read_again(tried: list[dict[str, Any]], source: Any, target: Any) -> list[dict[str, Any]]:
+def _read_again(
+    tried: list[dict[str, Any]], source: Any, target: Any
+) -> tuple[list[dict[str, Any]], list[Any]]:
     """The turns of `tried` (as copied) the delete did not take, as they stand now, those
-    edited since: one the source no longer holds (deleted by someone else meanwhile) loses
-    its copy; one it holds unchanged is content the server cannot compare (the embedded
-    server matches no binary value of subtype 3, 5 or 128, not even to itself): it is
-    deleted by `_id` and its copy made what that delete returned (an edit landing between
-    this read and that delete is lost only if the run is killed right after it), but only
-    when its stored bytes are the copy's (`_stored_as`): one stored otherwise than any decoded
-    read shows it (a field name twice) is never deleted, as one edited again."""
-    now = _standing([copy["_id"] for copy in tried], source, target)
+    edited since, and the `_id`s of those edited since to text that is not valid UTF-8
+    (`_standing`: left in the source, their copies taken back): one the source no longer
+    holds (deleted by someone else meanwhile) loses its copy; one it holds unchanged is
+    content the server cannot compare (the embedded server matches no binary value of
+    subtype 3, 5 or 128, not even to itself): it is deleted by `_id` and its copy made what
+    that delete returned (an edit landing between this read and that delete is lost only if
+    the run is killed right after it), but only when its stored bytes are the copy's
+    (`_stored_as`): one stored otherwise than any decoded read shows it (a field name twice)
+    is never deleted, as one edited again."""
+    now, not_utf8 = _standing([copy["_id"] for copy in tried], source, target)
     edited = []
     for copy in tried:
         current = now.get(matched_key(copy["_id"]))
@@ -654,7 +756,7 @@ def _read_again(tried: list[dict[str, Any]], source: Any, target: Any) -> list[d
             deleted = source.find_one_and_delete({"_id": copy["_id"], **TURN_FILTER})
             if deleted is not None and not same_document(deleted, copy):
                 target.replace_one({"_id": copy["_id"]}, deleted)
-    return edited
+    return edited, not_utf8
 
 
 _UNDECODED = CodecOptions(document_class=RawBSONDocument)
@@ -682,20 +784,23 @@ def _settle_killed_batch(
     an erasure) after the copy read them: their copies go, as a running copy's do
     (`_still_in_source`), each only while it is one the copy recorded (`COPIED_AS`: as read,
     or as its check made it again for an edit; never another document under its `_id`).
-    Both are taken out of the records. One read of the state, and, while a copy is recorded
-    with turns in flight, one of the source."""
+    So too the copy of a turn the source holds edited since to text that is not valid UTF-8,
+    which stays there as stored (`_copyable`; refused, `_refuse_confirmed_not_utf8`, once the
+    copy had confirmed it). All are taken out of the records. One read of the state, and,
+    while a copy is recorded with turns in flight, one of the source."""
     fields = {COPYING: 1, IN_FLIGHT: 1, CONFIRMED: 1, COPIED_AS: 1}
     found = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, fields) or {}
     in_flight = list(found.get(IN_FLIGHT) or []) if COPYING in found else []
     if not in_flight:
         return
-    held = db[CONVERSATIONS].find({"_id": {"$in": in_flight}, **TURN_FILTER}, {"_id": 1})
-    still = {matched_key(d["_id"]) for d in held}
-    moved = [i for i in in_flight if matched_key(i) not in still]
-    if not moved:
-        return
+    held = list(db[CONVERSATIONS].find({"_id": {"$in": in_flight}, **TURN_FILTER}))
     confirmed = {matched_key(i) for i in found.get(CONFIRMED) or []}
-    deleted = [i for i in moved if matched_key(i) not in confirmed]
+    _refuse_confirmed_not_utf8(db, held, frozenset(confirmed))
+    still = {matched_key(d["_id"]) for d in _copyable(held)[0]}
+    settled = [i for i in in_flight if matched_key(i) not in still]
+    if not settled:
+        return
+    deleted = [i for i in settled if matched_key(i) not in confirmed]
     fence()
     if deleted:
         recorded = set(found.get(COPIED_AS) or [])
@@ -703,7 +808,21 @@ def _settle_killed_batch(
         own = [copy["_id"] for copy in copies if copied_as(copy) in recorded]
         if own:
             db[LEGACY_TURNS].delete_many({"_id": {"$in": own}})
-    state({"$pullAll": {IN_FLIGHT: moved, CONFIRMED: moved}})
+    state({"$pullAll": {IN_FLIGHT: settled, CONFIRMED: settled}})
+
+
+def _refuse_confirmed_not_utf8(
+    db: Database[dict[str, Any]], held: list[dict[str, Any]], confirmed: frozenset[str]
+) -> None:
+    """The refusal (`_replaced`) of a turn a killed copy confirmed moving that the source
+    holds, holding text that is not valid UTF-8, while a copy stands under its `_id`: the
+    moved turn edited after the copy confirmed it, or another turn logged under its `_id`
+    since, as for a turn edited so without such text (`_KilledCopy.refuse_others`); the
+    operator tells them apart. One read, of those turns' copies, only then."""
+    left = {matched_key(d["_id"]): d for d in held if not_utf8_at(d) is not None}
+    mine = [turn["_id"] for key, turn in left.items() if key in confirmed]
+    for copy in db[LEGACY_TURNS].find({"_id": {"$in": mine}}) if mine else []:
+        raise _replaced(copy, left[matched_key(copy["_id"])], _KilledCopy(confirmed=confirmed))
 
 
 @dataclass(frozen=True)

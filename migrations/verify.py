@@ -34,7 +34,7 @@ from agent_store.store import (
 from migrations import dual_writes, full_texts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch, undated_time
-from migrations.relocate import turns_at
+from migrations.relocate import CONVERSATION_FILTER, held_back, turns_at
 from migrations.settings import SERVICE_DEFAULTS
 from migrations.transcript import differences, from_legacy, from_messages, not_held
 from migrations.writes import (
@@ -293,15 +293,36 @@ def verify(
         ids = conversation_ids(db, source=source)
     if undated_at is None:  # the run's time for undated conversations
         undated_at = undated_time(db, record=False)
-    moved_at = dual_writes.moved_at(db)
-    accepted = problem_report.accepted(db)
+    read = (dual_writes.moved_at(db), problem_report.accepted(db), held_back(db))
     for batch in batches(ids, batch_size):
-        _verify_batch(
-            db, result, batch, undated_at, (moved_at, accepted), source=source, rules=rules
-        )
+        _verify_batch(db, result, batch, undated_at, read, source=source, rules=rules)
         if on_batch is not None:
             on_batch(len(batch))
     return result
+
+
+HELD_BACK = (
+    f"held back: a document no run reads, or a turn a copy left in {CONVERSATIONS} (text that "
+    "is not valid UTF-8), is filed under it or stands under its id; no run migrates it until "
+    "an operator moves or corrects that document, then `run` again"
+)
+"""What `verify` says of a conversation held back (`relocate.held_back`)."""
+
+
+def _set_aside_held_back(
+    result: Verification, converted: list[Converted], held_back_now: set[str]
+) -> list[Converted]:
+    """Of the conversations converted, those not held back (`relocate.held_back`); each held
+    back is a difference saying so (`HELD_BACK`), compared with nothing: a run wrote nothing
+    of it, and what stands under its id may be no conversation document."""
+    kept = []
+    for item in converted:
+        if item.conversion.conversation_id in held_back_now:
+            result.conversations += 1
+            result.differences[item.conversion.conversation_id] = [HELD_BACK]
+        else:
+            kept.append(item)
+    return kept
 
 
 def _verify_batch(
@@ -309,27 +330,29 @@ def _verify_batch(
     result: Verification,
     batch: list[Any],
     undated_at: datetime | None,
-    read: tuple[dual_writes.Moves | None, dict[str, list[str]]],
+    read: tuple[dual_writes.Moves | None, dict[str, list[str]], set[str]],
     *,
     source: str,
     rules: TurnRules,
 ) -> None:
     """Compare one batch of conversations, adding what it finds to `result` (`read`: when
-    the legacy turns were moved, and the acceptances recorded; `source`: where they are)."""
-    moved_at, accepted = read
+    the legacy turns were moved, the acceptances recorded, and the conversations held back,
+    `relocate.held_back`; `source`: where they are). Only a conversation document is read
+    as one (`CONVERSATION_FILTER`): a legacy turn standing under a conversation's id is not."""
+    moved_at, accepted, held_back_now = read
     held: list[dict[str, Any]] = []
     converted, failed, _ = convert_batch(
         db, batch, rules, source=source, undated_at=undated_at, held=held
     )
+    converted = _set_aside_held_back(result, converted, held_back_now)
     for problem in failed:
         result.conversations += 1
         result.differences[problem.conversation_id] = [f"cannot be converted: {problem.detail}"]
     legacy = {c.conversion.conversation_id: c.turns for c in converted}
     checked = [c.conversion.conversation_id for c in converted]
     stored = full_texts.stored_messages(db, checked)
-    documents = {
-        d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": checked}}, _DOCUMENT_READ)
-    }
+    query = {"_id": {"$in": checked}, **CONVERSATION_FILTER}
+    documents = {d["_id"]: d for d in db[CONVERSATIONS].find(query, _DOCUMENT_READ)}
     recorded = problem_report.records(db, checked, placed=None)
     dual = dual_writes.differences(db, held, legacy, documents, rules)
     copies_gone = dual_writes.deleted(db, held, stored, documents, moved_at, source=source)

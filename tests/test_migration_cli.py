@@ -740,6 +740,117 @@ def test_a_copy_killed_before_its_check_resumes_with_a_turn_the_old_service_edit
     assert not relocate.holds_turns(db, CONVERSATIONS)
 
 
+EDITED_NOT_UTF8 = "edited \udcc3( words"
+"""An edit's text stored as bytes that are not valid UTF-8 (`b"\\xc3\\x28"`), as the migration's
+client reads it (`surrogateescape`)."""
+
+
+def edit_to_text_not_utf8(collection: Any, turn_id: str) -> None:
+    """The old service edits a turn so its `user_message` holds bytes that are not valid UTF-8:
+    written into mongomock's store, which, as PyMongo, refuses to encode such text."""
+    documents = collection._store._documents
+    documents[turn_id] = {**documents[turn_id], "user_message": EDITED_NOT_UTF8}
+
+
+def _moved_once_corrected(db: Any, turn_id: str) -> dict[str, Any]:
+    """After a copy left `turn_id` in `agent_conversations` for its bytes: the operator corrects
+    its text there and runs again. The moved turns' `user_message`s by `_id`."""
+    db[CONVERSATIONS].update_one({"_id": turn_id}, {"$set": {"user_message": "corrected"}})
+    assert relocate.relocate(db, allow_rename=False).how == "copied"
+    assert not relocate.holds_turns(db, CONVERSATIONS)
+    return {t["_id"]: t["user_message"] for t in db[LEGACY_TURNS].find()}
+
+
+def test_a_killed_copy_takes_back_its_copy_of_a_turn_edited_since_to_text_not_valid_utf8(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MIGRATION.md: a copy is killed once its insert stands, before its check; while it is
+    down the old service edits a turn of that batch to text that is not valid UTF-8. The
+    resumed copy leaves that turn in `agent_conversations` as stored, named, and takes back
+    the killed copy's copy of it (the batch's own: in flight, its digest recorded), so no
+    stale copy is served or migrated; once the text is corrected the next run moves it once
+    (was: the pre-edit copy kept, the copy's records cleared, the next run refused it as
+    "other content", and the advice given stored the turn twice)."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[CONVERSATIONS].insert_many([latency_turn(n, 7) for n in range(3)])
+
+    def killed_before_the_check(*args: Any) -> Any:
+        raise KilledRun
+
+    monkeypatch.setattr(relocate, "_still_in_source", killed_before_the_check)
+    with pytest.raises(KilledRun):
+        relocate.relocate(db, allow_rename=False)
+    monkeypatch.undo()
+    edit_to_text_not_utf8(db[CONVERSATIONS], "t-1")  # while the copy is down
+
+    moved = relocate.relocate(db, allow_rename=False)
+
+    assert "'t-1' (user_message holds bytes that are not valid UTF-8)" in moved.detail
+    assert sorted(t["_id"] for t in db[LEGACY_TURNS].find()) == ["t-0", "t-2"]
+    assert [t["user_message"] for t in db[CONVERSATIONS].find()] == [EDITED_NOT_UTF8]
+    assert _moved_once_corrected(db, "t-1") == {"t-0": "q0", "t-1": "corrected", "t-2": "q2"}
+
+
+@pytest.mark.parametrize("seam", ["_still_in_source", "_delete_as_copied", "_read_again"])
+def test_a_turn_edited_during_the_copy_to_text_not_valid_utf8_is_left_in_place_and_named(
+    monkeypatch: pytest.MonkeyPatch, seam: str
+) -> None:
+    """MIGRATION.md: the old service edits a turn during the copy, once the batch's insert
+    stands, and the edit holds text that is not valid UTF-8: wherever the copy reads the turn
+    again (its check, its delete as copied, its read of a turn edited again before the
+    delete of its copy made again), it leaves the turn in `agent_conversations` as stored,
+    named, its copy taken back, as it leaves one its scan read so, and moves the others
+    (was: a UnicodeEncodeError traceback encoding the re-read turn, and the next run kept
+    the pre-edit copy)."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[CONVERSATIONS].insert_many([latency_turn(n, 7) for n in range(3)])
+    step = getattr(relocate, seam)
+    if seam == "_read_again":  # edited before the batch's delete (four deletes on mongomock,
+        # whose bulk write deletes one by one), then before the delete of its copy made again
+        edit_before_each_delete(monkeypatch, mongomock.collection.Collection, db, "t-1", 5)
+
+    def edited_then(*args: Any) -> Any:
+        edit_to_text_not_utf8(db[CONVERSATIONS], "t-1")
+        return step(*args)
+
+    monkeypatch.setattr(relocate, seam, edited_then)
+    moved = relocate.relocate(db, allow_rename=False)
+    monkeypatch.undo()
+
+    assert "'t-1' (user_message holds bytes that are not valid UTF-8)" in moved.detail
+    assert sorted(t["_id"] for t in db[LEGACY_TURNS].find()) == ["t-0", "t-2"]
+    assert [t["user_message"] for t in db[CONVERSATIONS].find()] == [EDITED_NOT_UTF8]
+    assert _moved_once_corrected(db, "t-1") == {"t-0": "q0", "t-1": "corrected", "t-2": "q2"}
+
+
+def test_a_killed_copy_refuses_a_turn_it_confirmed_that_holds_text_not_valid_utf8_since(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MIGRATION.md: a copy killed once it confirmed its batch (its delete may have run); while
+    it is down the old service edits a turn of the batch to text that is not valid UTF-8. The
+    resumed copy cannot tell that edit from another turn logged under the moved turn's `_id`,
+    as for an edit of other text: it refuses, exit 1, nothing overwritten nor deleted, so no
+    stale copy is migrated unsaid (was: the turn left in `agent_conversations`, the pre-edit
+    copy kept, the copy's records cleared). Told that it is the moved turn edited, the
+    operator deletes the copy and corrects the text: the next run moves it once."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[CONVERSATIONS].insert_many([latency_turn(n, 7) for n in range(3)])
+    kill_the_first_copy_batch_after(monkeypatch, "confirmed")
+    with pytest.raises(KilledRun):
+        relocate.relocate(db, allow_rename=False)
+    monkeypatch.undo()
+    edit_to_text_not_utf8(db[CONVERSATIONS], "t-1")  # while the copy is down
+
+    with pytest.raises(MigrationError, match="is not the one a killed copy confirmed moving"):
+        relocate.relocate(db, allow_rename=False)
+    assert db[LEGACY_TURNS].find_one({"_id": "t-1"})["user_message"] == "q1"
+    db[LEGACY_TURNS].delete_one({"_id": "t-1"})  # the operator: the moved turn, edited
+
+    relocate.relocate(db, allow_rename=False)
+    assert sorted(t["_id"] for t in db[LEGACY_TURNS].find()) == ["t-0", "t-2"]
+    assert _moved_once_corrected(db, "t-1") == {"t-0": "q0", "t-1": "corrected", "t-2": "q2"}
+
+
 class KilledRun(BaseException):
     """A run killed at a step of a copy batch: nothing of the run catches it, as nothing
     catches a SIGKILL."""

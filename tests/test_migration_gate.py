@@ -8386,6 +8386,33 @@ def test_a_turn_a_copy_leaves_for_text_that_is_not_valid_utf8_holds_its_conversa
     assert codes[1:4] == [1, 1, 1], out
 
 
+def test_a_turn_a_copy_leaves_under_another_conversations_id_holds_that_one_back_named(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md: a turn a copy leaves in `agent_conversations` (text that is not valid
+    UTF-8) whose `_id` is another conversation's id ("c-named", another user's) stands where
+    that conversation's document goes: no run writes it there, so that conversation is held
+    back too, and named so by the run and by `verify`, which never reads the turn as its
+    conversation document (was: neither migrated nor named, and `verify` said the document
+    "names the owner 'u-1', its legacy turns 'u-2'")."""
+    turns = _turns_one_not_utf8("user_message")
+    turns[-1]["_id"] = "c-named"
+    turns.append(legacy_turn("t-9", "c-named", 3, "named") | {"user_id": "u-2"})
+    copying = functools.partial(relocate.relocate, allow_rename=False)
+    monkeypatch.setattr(relocate, "relocate", copying)
+    codes, database = _commands_on_mongomock(monkeypatch, turns)
+    out = capsys.readouterr().out
+
+    assert codes[0] == 0, out
+    assert "hold back their conversations 'c-bad' and any conversation whose id is" in out
+    assert "one of their _ids ('c-named')" in out
+    assert {m["conversation_id"] for m in database[MESSAGES].find()} == {"c-good-1", "c-good-2"}
+    assert database[CONVERSATIONS].find_one({"_id": "c-named"})["user_message"] == NOT_UTF8
+    assert "names the owner" not in out
+    assert re.search(r"c-named: held back", out), out
+    assert codes[1:4] == [1, 1, 1], out
+
+
 def _graph_checkpoint(wire_uri: str, database: Database[dict[str, Any]], cid: str) -> str:
     """A service's graph checkpoints `cid` as its owner "u-1" (no new message: the migrated
     transcript as is). The conversation's version, as read then."""
