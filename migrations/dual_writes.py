@@ -62,7 +62,13 @@ from agent_store.store import (
 from migrations import full_texts
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.settings import SERVICE_DEFAULTS
-from migrations.transcript import NO_CALL, Transcript, contains, from_legacy, from_messages
+from migrations.transcript import (
+    NO_CALL,
+    Transcript,
+    contains,
+    from_legacy_converted,
+    from_messages,
+)
 from migrations.transcript import differences as transcript_differences
 from migrations.writes import is_migrated, readable
 
@@ -308,7 +314,7 @@ def _content_unheld(
     if problems:
         kinds = ", ".join(sorted({p.kind for p in problems}))
         return f"it converts with problems: {kinds}"
-    legacy = from_legacy(turns, conversion.unplaced, markers, conversion.history_call_ids)
+    legacy = from_legacy_converted(turns, conversion, markers)
     transcript = from_messages(messages)
     if not contains(transcript, legacy):
         return "; ".join(transcript_differences(legacy, transcript)[:3])

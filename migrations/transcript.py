@@ -7,7 +7,9 @@ same tool. Tool results are compared as a multiset, since the migration moves
 each one right after its call; both sides name a result by the tool of the call it
 answers: the legacy side pairs results with calls by the converter's own rule
 (`CallPairing`, not a copy of it), by the same ids (a call's own, else the one its turn's
-history gave it, which the conversion says: `LegacyConversion.history_call_ids`), and
+history gave it, which the conversion says: `LegacyConversion.history_call_ids`), told
+the same returns (the call a turn's history says a result naming none answers:
+`LegacyConversion.history_told_calls`; `from_legacy_converted` passes both), and
 names a result whose id names a call of the tool it names by that tool, as its parts say,
 so a pairing at odds with them shows
 even were the rule wrong; the new side by the id each stored result carries. What a
@@ -181,42 +183,55 @@ def _uploads(turn: LegacyTurn, legacy_id: str, skipped: Skipped) -> list[str]:
     ]
 
 
+PartPlace = tuple[str, int]
+"""Where a call or result is: its turn (as its problems name it) and its part index."""
+
+
 @dataclass
 class _Calls:
-    """The legacy calls of a conversation so far, each by where it is (turn, part index),
-    paired with results by the converter's rule."""
+    """The legacy calls of a conversation so far, each by where it is (`PartPlace`), paired
+    with results by the converter's rule, told what the converter was told."""
 
-    pairing: CallPairing[tuple[int, int]] = field(default_factory=CallPairing)
-    tools: dict[tuple[int, int], Any] = field(default_factory=dict)
+    pairing: CallPairing[PartPlace] = field(default_factory=CallPairing)
+    tools: dict[PartPlace, Any] = field(default_factory=dict)
     called: set[tuple[str, str]] = field(default_factory=set)
     """(id, tool name) of each call its part names an id for, so far."""
-    turns: int = 0
-    history_ids: Mapping[tuple[str, int], str] = field(default_factory=dict)
-    """The id each call naming none is paired by, its turn's history's, by its turn and part
-    index, as the converter gave it (`LegacyConversion.history_call_ids`)."""
+    history_ids: Mapping[PartPlace, str] = field(default_factory=dict)
+    """The id each call naming none is paired by, its turn's history's, by its place, as the
+    converter gave it (`LegacyConversion.history_call_ids`)."""
+    history_told: Mapping[PartPlace, PartPlace] = field(default_factory=dict)
+    """The call its turn's history says each result naming no call answers, by their places,
+    as the converter read it (`LegacyConversion.history_told_calls`)."""
 
     def turn_results(self, parts: Sequence[tuple[int, LegacyPart]], legacy_id: str) -> list[str]:
         """The turn's results as `tool -> content`, its calls added first: each result named
         by the tool it names itself when its id names a call of that tool (what the parts say
         it answers, whatever call the pairing gives it), else by the tool of the call it
         answers, else (no call left for it) by the tool it names itself."""
-        self.turns += 1
         self.pairing.start_turn()
         for index, part in parts:
             if part.kind == "tool_call":
-                self.tools[(self.turns, index)] = part.tool_name
+                self.tools[(legacy_id, index)] = part.tool_name
                 paired_by = self.history_ids.get((legacy_id, index), part.tool_call_id)
-                self.pairing.add_call((self.turns, index), part.tool_name, paired_by)
+                self.pairing.add_call((legacy_id, index), part.tool_name, paired_by)
                 if part.tool_call_id and isinstance(part.tool_name, str):
                     self.called.add((part.tool_call_id, part.tool_name))
-        results = [part for _, part in parts if part.kind == "tool_result"]
-        answered = self.pairing.answer([(p.tool_name, p.tool_call_id) for p in results])
+        results = [(index, part) for index, part in parts if part.kind == "tool_result"]
+        answered = self.pairing.answer(
+            [(part.tool_name, part.tool_call_id) for _, part in results],
+            [self._told((legacy_id, index)) for index, _ in results],
+        )
         return [
             f"{self._named(part, call)} -> {_json(result_text(part)[0])}"
-            for part, call in zip(results, answered, strict=True)
+            for (_, part), call in zip(results, answered, strict=True)
         ]
 
-    def _named(self, part: LegacyPart, call: tuple[int, int] | None) -> Any:
+    def _told(self, result: PartPlace) -> PartPlace | None:
+        """The call the history says a result answers, one of the calls here (`tools`)."""
+        call = self.history_told.get(result)
+        return call if call in self.tools else None
+
+    def _named(self, part: LegacyPart, call: PartPlace | None) -> Any:
         """The tool a result is named by (`turn_results`)."""
         name = part.tool_name
         if call is None or (isinstance(name, str) and (part.tool_call_id, name) in self.called):
@@ -251,17 +266,21 @@ def from_legacy(
     turns: Iterable[LegacyTurn],
     unplaced: Sequence[Problem] = (),
     markers: RuntimeContextMarkers = DEFAULT_MARKERS,
-    history_ids: Mapping[tuple[str, int], str] | None = None,
+    history_ids: Mapping[PartPlace, str] | None = None,
+    history_told: Mapping[PartPlace, PartPlace] | None = None,
 ) -> Transcript:
     """Render legacy turns; what the converter reported as not placed is left out (runtime
     context by the `markers` it stripped it by), each turn named as the converter names it
     (`turn_names`: two turns whose ids read alike apart), each call naming no id paired by
     the id its turn's history gave it (`history_ids`, the conversion's `history_call_ids`:
-    without them, by the ids the parts name)."""
+    without them, by the ids the parts name), each result naming none paired with the call
+    its turn's history returns it for (`history_told`, the conversion's
+    `history_told_calls`: without them, as without a history). `from_legacy_converted`
+    gives both as the conversion read them."""
     skipped = Skipped.of(unplaced, markers)
     lines: list[str] = []
     results: list[str] = []
-    calls = _Calls(history_ids=history_ids or {})
+    calls = _Calls(history_ids=history_ids or {}, history_told=history_told or {})
     ordered = sort_turns(turns)
     legacy_ids = {key: name.legacy_id for key, name in turn_names(ordered).items()}
     for turn in ordered:
@@ -271,6 +290,23 @@ def from_legacy(
         lines += turn_lines
         results += turn_results
     return Transcript(tuple(lines), tuple(sorted(results)))
+
+
+def from_legacy_converted(
+    turns: Iterable[LegacyTurn],
+    conversion: LegacyConversion,
+    markers: RuntimeContextMarkers = DEFAULT_MARKERS,
+) -> Transcript:
+    """Render legacy turns as `verify` compares them with their conversion: what it did not
+    place left out, and results paired with calls by `CallPairing` told what the conversion
+    was told, the ids and returns the turns' histories give (`from_legacy`)."""
+    return from_legacy(
+        turns,
+        conversion.unplaced,
+        markers,
+        conversion.history_call_ids,
+        conversion.history_told_calls,
+    )
 
 
 def from_messages(messages: Iterable[AgentMessage]) -> Transcript:
@@ -350,6 +386,6 @@ def not_held(
     others = sorted({repr(m.user_id) for m in live if m.user_id != owner})
     if others:
         return [f"its live messages are user {', '.join(others)}'s, its legacy turns {owner!r}'s"]
-    legacy = from_legacy(turns, conversion.unplaced, markers, conversion.history_call_ids)
+    legacy = from_legacy_converted(turns, conversion, markers)
     new = from_messages(live)
     return [] if contains(new, legacy) else differences(legacy, new)

@@ -36,7 +36,7 @@ from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch, undated_time
 from migrations.relocate import CONVERSATION_FILTER, held_back, turns_at
 from migrations.settings import SERVICE_DEFAULTS
-from migrations.transcript import differences, from_legacy, from_messages, not_held
+from migrations.transcript import differences, from_legacy_converted, from_messages, not_held
 from migrations.writes import (
     ALREADY_LIVE,
     CHANGED_SINCE,
@@ -101,9 +101,7 @@ def compare(item: Converted, stored: list[AgentMessage], popped: Collection[str]
         stored = sorted([*stored, *back], key=lambda m: m.seq or 0)
     migrated = [m for m in stored if (m.turn_id or "").startswith(MIGRATED_TURN_PREFIX)]
     if migrated or not stored:
-        legacy = from_legacy(
-            item.turns, conversion.unplaced, item.markers, conversion.history_call_ids
-        )
+        legacy = from_legacy_converted(item.turns, conversion, item.markers)
         found = differences(legacy, from_messages(migrated))
         return found + misdated(conversion.messages, migrated)
     # Logged to live where its legacy turns go: they were not merged.

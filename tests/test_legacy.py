@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from bson import Code, Decimal128, Int64, ObjectId
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from agent_store.core import AgentMessage, InvalidInput, message_adapter
@@ -23,7 +23,7 @@ from agent_store.legacy import (
 )
 from agent_store.store import MAX_NAME_CHARS
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
-from migrations.transcript import differences, from_legacy, from_messages
+from migrations.transcript import differences, from_legacy, from_legacy_converted, from_messages
 from tests.test_logger import expected_example
 
 CID = "legacy-conv"
@@ -671,8 +671,24 @@ def history_part(part: dict[str, Any], tool: str, call_id: str) -> dict[str, Any
             "content": part["result"], "tool_call_id": call_id}  # fmt: skip
 
 
+def history_tells_the_return_of_the_last_of_three_calls_under_one_id() -> list[dict[str, Any]]:
+    """Turn 1's history gives its four `f` calls, naming no id, the ids `b`, `a`, `a`, `a`
+    and returns its result, naming none, under `a`: that of the latest call of `a`, the
+    fourth. Turn 2's result of `g` under `b` then finds the first call, of `f`, unanswered."""
+    calls = [{"type": "tool_call", "tool_name": "f", "args": {"k": f"1.{k}"}} for k in range(4)]
+    result = {"type": "tool_result", "tool_name": "f", "result": "r1.4"}
+    ids = ["b", "a", "a", "a"]
+    history = [history_part(call, "f", call_id) for call, call_id in zip(calls, ids, strict=True)]
+    history.append(history_part(result, "f", "a"))
+    return [
+        turn(1, [*calls, result], message_history_json=json.dumps([{"parts": history}])),
+        turn(2, [{"type": "tool_result", "tool_name": "g", "tool_call_id": "b", "result": "r2.0"}]),
+    ]  # fmt: skip
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(calls_and_results())
+@example(history_tells_the_return_of_the_last_of_three_calls_under_one_id())
 def test_the_gate_pairs_every_tool_result_with_the_call_the_converter_stores_it_under(
     turns: list[dict[str, Any]],
 ) -> None:
@@ -680,9 +696,25 @@ def test_the_gate_pairs_every_tool_result_with_the_call_the_converter_stores_it_
     ids are missing, empty or repeated, results come before their calls or name the tool of
     one call of several, a conversion shows no difference to `verify`."""
     conversion = convert(turns)
-    legacy = from_legacy(
-        parse_turns(turns), conversion.unplaced, history_ids=conversion.history_call_ids
-    )
+    legacy = from_legacy_converted(parse_turns(turns), conversion)
+    assert differences(legacy, from_messages(conversion.messages)) == []
+
+
+def test_a_history_return_leaves_the_calls_it_skips_to_later_results_on_both_sides() -> None:
+    """Turn 1's history returns its result, naming no id, under `a`, the latest of three
+    calls it gives `a`: the result answers the fourth call, leaving the first, `b`, open, so
+    turn 2's `g` result under `b` answers it (by its id alone: `ambiguous_tool_result`).
+    `verify` is told the same return, so it pairs both results alike (was: it paired turn
+    1's result with the first call of `f`, found `b` answered and named turn 2's result by
+    `g`, a difference no acceptance cleared)."""
+    turns = history_tells_the_return_of_the_last_of_three_calls_under_one_id()
+    conversion = convert(turns)
+
+    first, *_, fourth = call_ids(conversion.messages)
+    assert answers(conversion.messages) == {fourth: "r1.4", first: "r2.0"}
+    assert [p.kind for p in conversion.unplaced] == ["ambiguous_tool_result"]
+    legacy = from_legacy_converted(parse_turns(turns), conversion)
+    assert legacy.results == ("f -> r1.4", "f -> r2.0")
     assert differences(legacy, from_messages(conversion.messages)) == []
 
 
@@ -703,9 +735,7 @@ def test_a_result_its_id_pairs_with_a_call_only_the_history_names_is_so_on_both_
 
     assert answered_by_tool(conversion.messages) == {"f": "G"}
     assert [p.kind for p in conversion.unplaced] == ["ambiguous_tool_result"]
-    legacy = from_legacy(
-        parse_turns(turns), conversion.unplaced, history_ids=conversion.history_call_ids
-    )
+    legacy = from_legacy_converted(parse_turns(turns), conversion)
     assert legacy.results == ("f -> G",)
     assert differences(legacy, from_messages(conversion.messages)) == []
 

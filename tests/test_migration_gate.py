@@ -6517,11 +6517,13 @@ def test_a_late_turn_under_a_moved_turns_number_id_of_another_type_is_named_and_
     assert moved["user_message"] == "EARLY question"
 
 
-def pairing_turns(history_ids: bool) -> list[dict[str, Any]]:
+def pairing_turns(case: str) -> list[dict[str, Any]]:
     """One conversation the converter and `verify` once paired apart: a `calc` result under
     an empty id before a `search` call under `""` and a `calc` call naming none; or a `g`
-    result under `a` in turn 2, `a` the id turn 1's history gives its `f` call."""
-    if not history_ids:
+    result under `a` in turn 2, `a` the id turn 1's history gives its `f` call; or, turn 1's
+    history giving its `f` calls `b` and `a` and returning its `f` result under `a`, a `g`
+    result under `b` in turn 2, `b` left unanswered."""
+    if case == "empty id":
         return [
             legacy_turn("t-1", "c-1", 0, "ONE")
             | {"response_parts": [
@@ -6529,37 +6531,44 @@ def pairing_turns(history_ids: bool) -> list[dict[str, Any]]:
                 {"type": "tool_call", "tool_name": "search", "args": {"q": 1}, "tool_call_id": ""},
                 {"type": "tool_call", "tool_name": "calc", "args": {"q": 2}}]},
         ]  # fmt: skip
-    call = {"type": "tool_call", "tool_name": "f", "args": {"k": 1}}
-    history = [{"parts": [{"part_kind": "tool-call", "tool_name": "f", "args": {"k": 1},
-                           "tool_call_id": "a"}]}]  # fmt: skip
+    calls = [{"type": "tool_call", "tool_name": "f", "args": {"k": k}} for k in (1, 2)]
+    ids = ["a"] if case == "history's id" else ["b", "a"]
+    history = [{"part_kind": "tool-call", "tool_name": "f", "args": call["args"],
+                "tool_call_id": call_id}
+               for call, call_id in zip(calls, ids, strict=False)]  # fmt: skip
+    parts: list[dict[str, Any]] = calls[: len(ids)]
+    if case == "history's return":
+        history.append({"part_kind": "tool-return", "tool_name": "f", "content": "F",
+                        "tool_call_id": "a"})  # fmt: skip
+        parts.append({"type": "tool_result", "tool_name": "f", "result": "F"})
     return [
         legacy_turn("t-1", "c-1", 0, "ONE")
-        | {"response_parts": [call], "message_history_json": json.dumps(history)},
+        | {"response_parts": parts, "message_history_json": json.dumps([{"parts": history}])},
         legacy_turn("t-2", "c-1", 1, "TWO")
         | {"response_parts": [{"type": "tool_result", "tool_name": "g", "result": "G",
-                               "tool_call_id": "a"}]},
+                               "tool_call_id": ids[0]}]},
     ]  # fmt: skip
 
 
 @pytest.mark.wire
-@pytest.mark.parametrize("history_ids", [False, True], ids=["empty id", "history's id"])
+@pytest.mark.parametrize("case", ["empty id", "history's id", "history's return"])
 def test_verify_pairs_a_tool_result_as_run_stored_it_so_finish_can_pass(
     wire_uri: str,
     database: Database[dict[str, Any]],
     capsys: pytest.CaptureFixture[str],
-    history_ids: bool,
+    case: str,
 ) -> None:
     """`verify` pairs each result with the call `run` stored it answering (one rule, the same
-    ids): the conversation shows no difference, and `finish` passes once the operator
-    accepted what the conversion left unplaced (the guessed pairing of the `g` result), as
-    the runbook says (was: `verify` exited 1 on every run and `finish --accept` could not
-    clear it)."""
-    database[CONVERSATIONS].insert_many(pairing_turns(history_ids))
+    ids, the same returns its history tells): the conversation shows no difference, and
+    `finish` passes once the operator accepted what the conversion left unplaced (the
+    guessed pairing of the `g` result), as the runbook says (was: `verify` exited 1 on every
+    run and `finish --accept` could not clear it)."""
+    database[CONVERSATIONS].insert_many(pairing_turns(case))
     assert cli(wire_uri, database, "run") == 0
     capsys.readouterr()
 
     assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
-    if history_ids:
+    if case != "empty id":
         assert cli(wire_uri, database, "finish") == 1
         assert cli(wire_uri, database, "finish", "--accept", "c-1", "--note", "checked") == 0
     assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out

@@ -205,6 +205,11 @@ class LegacyConversion:
     """The id its turn's `message_history_json` gives each call naming none (an empty id
     names none), by its turn (`legacy_id`) and part index: the id results are paired with
     it by (`CallPairing`), which the migration's transcript pairs by too."""
+    history_told_calls: dict[tuple[str, int], tuple[str, int]] = field(default_factory=dict)
+    """The call its turn's `message_history_json` says each result naming no call answers
+    (`told_calls`), both by turn (`legacy_id`) and part index: what `CallPairing.answer` is
+    told, which the migration's transcript tells it too, since the calls it leaves
+    unanswered decide what a later result its id alone pairs answers."""
 
     @property
     def unplaced(self) -> list[Problem]:
@@ -382,6 +387,10 @@ class _Converter:
         """How many calls of each tool with each arguments (`_arguments`) the turns made."""
         self.history_ids: dict[tuple[str, int], str] = {}
         """`LegacyConversion.history_call_ids`."""
+        self.history_told: dict[tuple[str, int], tuple[str, int]] = {}
+        """`LegacyConversion.history_told_calls`."""
+        self.call_places: dict[str, tuple[str, int]] = {}
+        """Each call's turn (`legacy_id`) and part index, by the id it is stored under."""
 
     def problem(
         self,
@@ -522,6 +531,7 @@ class _Converter:
         state.open_group.message["tool_calls"].append(call)
         state.open_group.calls.append((call["id"], call["function"]["name"]))
         self.groups[call["id"]] = state.open_group
+        self.call_places[call["id"]] = (self.names[id(state.turn)].legacy_id, index)
         self.pairing.add_call(call["id"], call["function"]["name"], real)
         self.calls_made[(call["function"]["name"], _arguments(part))] += 1
 
@@ -858,6 +868,10 @@ class _Converter:
         pending = state.pending_results
         state.history.returns = self._returns_here(state)
         told = self._told(state)
+        legacy_id = self.names[id(state.turn)].legacy_id
+        for (index, _, _), by in zip(pending, told, strict=True):
+            if by is not None:
+                self.history_told[(legacy_id, index)] = self.call_places[by[0]]
         answered = self.pairing.answer(
             [(part.tool_name, real) for _, part, real in pending],
             [by[0] if by else None for by in told],
@@ -1265,7 +1279,6 @@ def convert(
     InvalidInput only when the turns belong to more than one conversation; every
     other oddity becomes a `Problem`.
     """
-    rules = rules or TurnRules()
     turns = sort_turns([t if isinstance(t, LegacyTurn) else parse_turns([t])[0] for t in documents])
     ids = {t.stored_conversation_id for t in turns}
     if len(ids) != 1:
@@ -1273,7 +1286,7 @@ def convert(
             f"invalid legacy conversation: the turns name {len(ids)} conversation ids {sorted(ids)}"
         )
     conversation_id = validate_identifier(ids.pop(), "conversation_id")
-    converter = _Converter(conversation_id, rules, turn_names(turns))
+    converter = _Converter(conversation_id, rules or TurnRules(), turn_names(turns))
     original = _original_id(converter, turns)
     messages, plans = _convert_turns(converter, turns, undated_at or EPOCH)
     whole = {f.blob_id: f.text for plan in plans for f in plan.full_texts}
@@ -1308,6 +1321,7 @@ def convert(
         owner=owner,
         users=_turns_by_user(converter, turns),
         history_call_ids=converter.history_ids,
+        history_told_calls=converter.history_told,
     )
 
 

@@ -8,9 +8,10 @@ names. Results are paired a turn at a time, once all of the turn's calls are kno
 A turn's `message_history_json` names the real ids of calls whose parts name none
 (`history_call_ids`): by what identifies a call, its tool and its arguments, never by
 position alone. What the history says a call returned then tells which call a result naming
-no id answers (`told_calls`), always one of the result's own tool, so the transcript, which
-names a result by its call's tool, needs no more of the history than the ids it gave calls
-(`LegacyConversion.history_call_ids`); `CallPairing` pairs the rest. An empty id names no
+no id answers (`told_calls`), always one of the result's own tool; which call it takes
+decides which stay open for a later result its id alone pairs, so the transcript is told
+both as the converter was (`LegacyConversion.history_call_ids`, `history_told_calls`), and
+`CallPairing` pairs the rest alike on both sides. An empty id names no
 call, on a call as on a result, as a missing one. A return
 names its call by the latest call of that id in the turn's own part of the history
 (`returns_here`), so ids a provider numbers per response never reach across responses.
