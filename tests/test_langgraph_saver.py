@@ -2673,6 +2673,74 @@ async def test_a_store_fork_of_a_paused_thread_is_a_transcript_the_graph_takes_w
     assert [c.tool_call_id for c in await store.pending_calls(source_id)] == ["call-2"]
 
 
+@pytest.mark.parametrize("forked", ["before the source answered", "after the source answered"])
+async def test_a_store_fork_of_a_paused_call_is_decided_in_the_fork_whatever_the_source_answered(
+    backend: Backend, forked: str
+) -> None:
+    """LANGGRAPH.md "The store's fork of a thread": `copy_thread` into a store fork made at a
+    paused call gives the fork the source's paused checkpoint as the source held it there,
+    without the answer the source's resume gave it since (its `__resume__` writes and the
+    writes of the task it answered): the fork is paused again, and her decision on the fork
+    is the one stored there, whether the source answered before or after the fork was made."""
+    db, store = backend.db, ConversationStore(backend.db)
+    source, fork = thread("user-ada"), thread("user-ada")
+    source_id, fork_id = (c["configurable"]["thread_id"] for c in (source, fork))
+    graph = approval_agent(AgentStoreSaver(db))
+    await graph.ainvoke(question(1), source)
+    await graph.ainvoke(question(2), source)  # pauses on call-2
+    call = (await store.messages_by_seq(source_id))[-1].seq
+    assert call is not None
+    logger = AgentMessageLogger(db)
+    if forked == "before the source answered":
+        await logger.fork(source_id, call, fork_id, user_id="user-ada", owner_only=True)
+    await graph.ainvoke(Command(resume="yes"), source)
+    if forked == "after the source answered":
+        await logger.fork(source_id, call, fork_id, user_id="user-ada", owner_only=True)
+
+    await AgentStoreSaver(db).acopy_thread(source_id, fork_id)
+    state = await graph.aget_state(fork)
+    assert state.next == ("approve",)
+    assert [i.value["tool_call_id"] for t in state.tasks for i in t.interrupts] == ["call-2"]
+    await graph.ainvoke(Command(resume="no"), fork)
+
+    assert [m.content for m in await store.transcript(fork_id)][call + 1 :] == [
+        "denied: no",
+        "Answer 2: denied: no",
+    ]
+    assert [m.content for m in await store.transcript(source_id)][call + 1 :] == [
+        APPROVED,
+        f"Answer 2: {APPROVED}",
+    ]
+
+
+async def test_a_copy_of_a_thread_into_a_new_id_keeps_the_answers_its_pauses_were_given(
+    backend: Backend,
+) -> None:
+    """LANGGRAPH.md `copy_thread`: outside a store fork the copy is the whole thread, as
+    LangGraph's savers copy it: each checkpoint with all its pending writes, a paused one's
+    answer (`__resume__`) and the writes of the task it answered included."""
+    db = backend.db
+    source = thread("user-ada")
+    source_id = source["configurable"]["thread_id"]
+    graph = approval_agent(AgentStoreSaver(db))
+    await graph.ainvoke(question(2), source)  # pauses on call-2
+    await graph.ainvoke(Command(resume="yes"), source)
+    copy = thread("user-ada")
+
+    await AgentStoreSaver(db).acopy_thread(source_id, copy["configurable"]["thread_id"])
+
+    async def writes(config: dict[str, Any]) -> list[tuple[str, list[tuple[str, str]]]]:
+        saver = AgentStoreSaver(db)
+        return [
+            (t.checkpoint["id"], [(w[0], w[1]) for w in t.pending_writes or []])
+            async for t in saver.alist(config)  # type: ignore[arg-type]
+        ]
+
+    copied = await writes(copy)
+    assert copied == await writes(source)
+    assert any(channel == "__resume__" for _, ws in copied for _, channel in ws)
+
+
 async def test_a_graph_run_on_a_store_fork_it_was_not_copied_into_closes_the_paused_call(
     backend: Backend,
 ) -> None:

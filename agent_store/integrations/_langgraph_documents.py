@@ -30,6 +30,12 @@ REWRITTEN = "agent_store_messages"
 """The metadata key set to "rewritten" when a checkpoint's messages are not the transcript up
 to a high-water `seq`."""
 
+NO_TASK = "00000000-0000-0000-0000-000000000000"
+"""The task id LangGraph writes a command's own writes under (its `NULL_TASK_ID`): the answer
+`Command(resume=...)` gives a pause, and a `Command(update=...)`."""
+INTERRUPT = "__interrupt__"
+"""The channel of a task's pause (LangGraph's `INTERRUPT` write)."""
+
 Serialize = Callable[[Any], tuple[str, bytes]]
 Deserialize = Callable[[tuple[str, bytes]], Any]
 
@@ -174,6 +180,43 @@ def write_entries(
             }
         )
     return entries
+
+
+def before_the_answers(
+    copies: Sequence[dict[str, Any]], sources: Iterable[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """A copy's checkpoint documents as the source held them where the copy ends (a store
+    fork at a paused call, a copy its fork stopped short): a checkpoint the source went on
+    from past the copy (a checkpoint of the source whose parent it is, not copied) keeps
+    only the writes made before it was answered (`unanswered`). The others as they are."""
+    copied = {(copy["checkpoint_ns"], copy["checkpoint_id"]) for copy in copies}
+    went_on = {
+        (doc["checkpoint_ns"], doc.get("parent_checkpoint_id"))
+        for doc in sources
+        if "type" in doc and (doc["checkpoint_ns"], doc["checkpoint_id"]) not in copied
+    }
+    return [
+        unanswered(copy) if (copy["checkpoint_ns"], copy["checkpoint_id"]) in went_on else copy
+        for copy in copies
+    ]
+
+
+def unanswered(doc: dict[str, Any]) -> dict[str, Any]:
+    """A paused checkpoint's document as it was before its pause was answered: of each task
+    that paused there (an `__interrupt__` write) only its interrupts, and none of the
+    command's own writes (`NO_TASK`: the `__resume__` that answered, an update with it).
+    The writes of tasks that had finished before the pause stay; a checkpoint where no
+    task paused is as it is."""
+    writes = doc.get("writes") or []
+    paused = {entry["task_id"] for entry in writes if entry["channel"] == INTERRUPT}
+    if not paused:
+        return doc
+    kept = [
+        entry
+        for entry in writes
+        if entry["channel"] == INTERRUPT or entry["task_id"] not in paused | {NO_TASK}
+    ]
+    return doc | {"writes": kept}
 
 
 def pending_writes(

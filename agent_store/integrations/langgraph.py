@@ -76,6 +76,7 @@ from agent_store.integrations._langgraph_documents import (
     CHECKPOINTS,
     REWRITTEN,
     SeqRange,
+    before_the_answers,
     check_metadata_keys,
     checkpoint_key,
     decode_segments,
@@ -480,7 +481,9 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Fork a thread into a new one: its checkpoints, conversation, messages and extras,
         all copied. A re-run after a crash finishes the copy its fork made: the checkpoints
-        that refer only to the messages that fork copied (`_rekeyed`). Once all is written,
+        that refer only to the messages that fork copied (`_rekeyed`), the one the source
+        went on from past them as the source held it there, its pause unanswered
+        (`before_the_answers`: a store fork at a paused call). Once all is written,
         the copy's checkpoints name its owner as it is then (`_follow_the_target`: a claim
         of its user landing meanwhile moves the whole copy), and the copy is checked as a
         fork is (`TranscriptLink.hold`): its source deleted, or its
@@ -503,7 +506,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         copied = await self._transcripts.copy(source, target, named=named, checkpoints=ids)
         moved, conversation = copied.moved, copied.conversation
         rekeyed = (self._rekeyed(doc, target, moved, conversation) for doc in docs)
-        copies = [copy for copy in rekeyed if copy is not None]
+        copies = before_the_answers([copy for copy in rekeyed if copy is not None], docs)
         ours = await _insert_new(self._checkpoints, copies, "copy the thread's checkpoints")
         try:
             await self._follow_the_target(target, conversation)
