@@ -8038,3 +8038,123 @@ async def test_a_bridges_logged_answer_retried_once_its_call_left_pending_calls_
 
     assert again.replayed
     assert [m.id for m in again.messages] == [m.id for m in first.messages]
+
+
+# -- a turn that died before its insert ---------------------------------------------------
+
+_SHORT = TurnRules(abandon_after=timedelta(seconds=2))
+"""Rules under which a block reserved and not stored is passed two seconds on."""
+
+
+async def _asked_and_died(runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> PendingCall:
+    """A streamed turn asking `confirm-9` about `tc-9` reserves its block (listing both
+    pending), and its insert is lost: its process died, it is never retried. Returns the call
+    as `pending_calls` serves it then."""
+
+    async def lost(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("the turn reserved and has not inserted")
+
+    monkeypatch.setattr(runtime.logger._messages, "insert_many", lost)
+    with pytest.raises(ConnectionError):
+        await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    monkeypatch.undo()
+    (listed,) = await runtime.store.pending_calls(CID)
+    assert await pending_state(runtime.store) == (["tc-9"], "confirm-9")
+    return listed
+
+
+async def _person_denies(runtime: Runtime, listed: PendingCall) -> LoggedTurn:
+    """The person's denial of `listed`, naming the message that made it as served."""
+    denied = {"role": "tool", "tool_call_id": "tc-9", "content": None,
+              "error": {"message": "tool call denied"}}  # fmt: skip
+    return await runtime.logger.log_messages(
+        CID, [denied], turn_id="her-denial", answers_to={"tc-9": listed.message_id}
+    )
+
+
+async def test_a_dead_turns_call_and_prompt_are_pending_no_more_once_its_block_is_passed(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RELIABILITY.md, "A writer that died before its insert": once its block is passed
+    (`abandon_after`), the next turn folds the pending state from the stored messages, which
+    hold neither the call nor the prompt; an answer naming the message that would have made
+    the call is then refused as one naming a message that makes no call (API.md: 422)."""
+    runtime = Runtime(backend, rules=_SHORT)
+    listed = await _asked_and_died(runtime, monkeypatch)
+    await asyncio.sleep(_SHORT.abandon_after.total_seconds() + 0.2)
+
+    await runtime.logger.log_messages(CID, [_user("hello?")], turn_id="later")
+
+    assert await pending_state(runtime.store) == ([], None)
+    assert await pending_state(runtime.store) == _folded(await runtime.store.transcript(CID))
+    before = await runtime.store.transcript(CID)
+    with pytest.raises(InvalidInput, match="tc-9"):
+        await _person_denies(runtime, listed)
+    assert await runtime.store.transcript(CID) == before
+
+
+async def test_a_turn_still_in_flight_keeps_its_call_and_prompt_pending_and_answerable(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A later turn logged while the turn asking is still within `abandon_after` (its insert
+    may still land) leaves its call and prompt pending, and the person's answer to the call,
+    naming its message as served, is stored."""
+    runtime = Runtime(backend)
+    listed = await _asked_and_died(runtime, monkeypatch)
+
+    await runtime.logger.log_messages(CID, [_user("hello?")], turn_id="later")
+
+    assert await pending_state(runtime.store) == (["tc-9"], "confirm-9")
+    await _person_denies(runtime, listed)
+    assert [m.tool_call_id for m in await runtime.store.transcript(CID)][-1] == "tc-9"
+
+
+async def test_a_late_retry_of_a_dead_turn_after_its_block_was_passed_makes_it_pending_again(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dead turn's call and prompt, pending no more once its block was passed and a later
+    turn logged, are pending again when its retry lands: moved to the end, as stored."""
+    runtime = Runtime(backend, rules=_SHORT)
+    await _asked_and_died(runtime, monkeypatch)
+    await asyncio.sleep(_SHORT.abandon_after.total_seconds() + 0.2)
+    await runtime.logger.log_messages(CID, [_user("hello?")], turn_id="later")
+    assert await pending_state(runtime.store) == ([], None)
+
+    await log_streamed_turn(
+        logger=runtime.logger,
+        store=runtime.store,
+        conversation_id=CID,
+        turn=turn_from_metadata(ASKS_TO_BOOK, complete=True, pending=[]),
+        turn_id="turn-1",
+        prompt="Book me the 09:04 to Lyon.",
+    )
+
+    assert await pending_state(runtime.store) == (["tc-9"], "confirm-9")
+    assert await pending_state(runtime.store) == _folded(await runtime.store.transcript(CID))
+
+
+async def test_a_stalled_writer_landing_in_its_passed_block_makes_its_call_pending_again(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer stalled inside its insert past `abandon_after` (past the margin its check
+    before the insert keeps) looks dead to the turn that finds its block passed and empty:
+    its call is pending no more. Its insert then lands in place, and its call is pending
+    again, as the stored messages say."""
+    writer = AgentMessageLogger(backend.db, rules=_SHORT)
+    store = ConversationStore(backend.db, rules=_SHORT)
+    stall = _StalledInsert(writer, monkeypatch)
+    late = await stall.start(
+        writer.log_messages(CID, [_user("Book it."), _book("c2")], turn_id="tA")
+    )
+    await asyncio.sleep(_SHORT.abandon_after.total_seconds() + 0.2)
+    await AgentMessageLogger(backend.db, rules=_SHORT).log_messages(
+        CID, [_user("hello?")], turn_id="tB"
+    )
+    assert await pending_state(store) == ([], None)
+
+    stall.release()
+    await late
+    monkeypatch.undo()
+
+    assert await pending_state(store) == (["c2"], None)
+    assert await pending_state(store) == _folded(await store.transcript(CID))

@@ -93,6 +93,7 @@ async def test_stored_documents_hold_exactly_the_contract_fields(backend: Backen
         "usage", "forked_from", "legacy_conversation_id", "legacy_user_id", "turns",
         "turns_dropped", "epoch", "epoch_marks",
         "name_message_id",  # the example's first question names it
+        "pending_blocks",  # its booking question listed pending state (none left now)
     }  # fmt: skip
     assert message["epoch"] == conversation["epoch"]
     assert conversation["epoch_marks"] is True  # created since checkpoints named epochs

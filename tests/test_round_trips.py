@@ -47,6 +47,68 @@ async def test_a_turn_answering_an_earlier_call_on_time_costs_two_round_trips(
     assert wire_backend.commands.names == ["findAndModify", "insert"]
 
 
+async def _a_call_left_pending(wire_backend: Backend) -> AgentMessageLogger:
+    """Turn t0 leaves call c1 pending, stored; the commands counted from here."""
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db, rules=COUNTED)
+    await logger.ensure_indexes()
+    asks = {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "pay",
+            "arguments": "{}"}}]}  # fmt: skip
+    await logger.log_messages(CID, [{"role": "user", "content": "pay?"}, asks], turn_id="t0")
+    wire_backend.commands.clear()
+    return logger
+
+
+async def _past_abandon_after(wire_backend: Backend) -> None:
+    """Every block reserved so far dated ten minutes back, past `abandon_after`."""
+    assert wire_backend.commands is not None
+    long_ago = datetime.now(UTC) - timedelta(minutes=10)
+    await wire_backend.db.agent_conversations.update_one(
+        {"_id": CID}, {"$set": {"turns.$[].a": long_ago, "pending_blocks.$[].a": long_ago}}
+    )
+    wire_backend.commands.clear()
+
+
+async def test_a_turn_passing_a_block_that_left_a_call_pending_reads_its_first_message_once(
+    wire_backend: Backend,
+) -> None:
+    """While the turn leaving c1 pending is younger than `abandon_after`, a later turn costs
+    its two round trips. The first turn reserving once it is older looks its block's first
+    message up (one `find`, stored: nothing more); the turns after it do not again."""
+    assert wire_backend.commands is not None
+    logger = await _a_call_left_pending(wire_backend)
+    hello = [{"role": "user", "content": "hello?"}]
+
+    await logger.log_messages(CID, hello, turn_id="t1")
+    assert wire_backend.commands.names == ["findAndModify", "insert"]
+    await _past_abandon_after(wire_backend)
+    await logger.log_messages(CID, hello, turn_id="t2")
+    assert wire_backend.commands.names == ["findAndModify", "insert", "find"]
+    wire_backend.commands.clear()
+    await logger.log_messages(CID, hello, turn_id="t3")
+    assert wire_backend.commands.names == ["findAndModify", "insert"]
+
+
+async def test_a_turn_passing_the_block_of_a_turn_that_died_before_its_insert_folds_again(
+    wire_backend: Backend,
+) -> None:
+    """The turn leaving c1 pending stored nothing (its writer died before its insert): the
+    first turn reserving once its block is older than `abandon_after` finds its first
+    message missing and folds the pending state from the stored messages (the conversation
+    and its messages read, the fold written: three round trips more, on that path only)."""
+    assert wire_backend.commands is not None
+    logger = await _a_call_left_pending(wire_backend)
+    await wire_backend.db.agent_messages.delete_many({})  # as a crash before the insert
+    await _past_abandon_after(wire_backend)
+
+    await logger.log_messages(CID, [{"role": "user", "content": "hello?"}], turn_id="t1")
+
+    assert wire_backend.commands.names == [
+        "findAndModify", "insert", "find", "find", "find", "update"
+    ]  # fmt: skip
+    assert await ConversationStore(wire_backend.db).pending_calls(CID) == []
+
+
 async def test_a_300_message_transcript_is_read_at_once_with_its_conversation(
     wire_backend: Backend,
 ) -> None:

@@ -155,6 +155,7 @@ async def test_a_reservation_brings_back_only_the_next_seq_the_owner_and_its_boo
                 "epoch",
                 "message_count",
                 "owned_from",
+                "pending_blocks",
                 "pops",
                 "refold_owed",
                 "user_id",

@@ -1137,6 +1137,22 @@ class TurnRecord(_Model):
     while the name is still the one it set. None for a turn that set no runtime name."""
 
 
+class PendingBlock(_Model):
+    """The block of a turn whose reservation listed pending state (calls it leaves open, a
+    prompt it raises), kept on its conversation until a later turn's reservation finds it
+    passed (extension; the store's bookkeeping, never served)."""
+
+    first_seq: Count = Field(alias="f")
+    """The block's first `seq`."""
+    seqs: Count = Field(alias="l")
+    """How many `seq`s the block holds."""
+    at: UtcDatetime = Field(alias="a")
+    """When the turn reserved it."""
+    passed: bool = Field(default=False, alias="d")
+    """The last reservation found it older than `TurnRules.abandon_after`: that turn looks
+    whether it holds a message, and the next reservation drops it."""
+
+
 class CallsPushedOff(_Model):
     """The newest call the bound of a conversation's `pending_calls` (the newest
     `PENDING_CALLS_KEPT`) pushed off in this life, and the ids of the newest it pushed off
@@ -1423,6 +1439,12 @@ class Conversation(_Model):
     the migration's to rewrite or remove (`migrations.writes.written_by_migration`), as one an
     earlier release migrated, which holds no epoch, is. False on every document the store
     creates."""
+    pending_blocks: list[PendingBlock] = Field(default_factory=list, exclude=True)
+    """The blocks of the turns whose reservation listed pending state (calls left open, a
+    prompt raised), until a later turn's reservation finds them passed (`PendingBlock`; the
+    store's bookkeeping, never served; emptied while nothing is pending): that turn looks
+    whether they hold a message, and one holding none (its writer died before its insert)
+    has the pending state folded again from the stored messages."""
     refold_owed: UtcDatetime | None = Field(default=None, exclude=True)
     """When a fold of the pending state from the stored messages, after a move or a
     give-back, could not be written (the conversation kept changing under it, or a turn below

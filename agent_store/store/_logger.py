@@ -137,6 +137,7 @@ from agent_store.store._reservation import (
     FORK_CHECK,
     MIGRATING,
     NOT_BEING_DELETED,
+    PENDING_BLOCKS,
     PUSHED_OFF,
     REFOLD_OWED,
     RESERVED,
@@ -164,6 +165,7 @@ from agent_store.store._reservation import (
     held_calls_kept,
     is_standing,
     life_named,
+    lists_pending,
     literal,
     moved_key,
     new_life,
@@ -344,6 +346,11 @@ class _Reserved:
     """How many pops the conversation had finished when the turn reserved its block
     (`Conversation.pops`): only a pop since can have removed what the turn stores
     (`_popped_again`). None: not read, every pop listed counts."""
+    passed: tuple[int, ...] = ()
+    """The first `seq`s of the blocks listing pending state that the reservation found passed
+    (`PENDING_BLOCKS`, older than `abandon_after`): a turn that stored nothing there leaves
+    calls or a prompt no stored message makes, and the pending state is folded again after
+    the insert (`AgentMessageLogger._left_unstored`)."""
 
 
 @dataclass(frozen=True)
@@ -2614,9 +2621,11 @@ class AgentMessageLogger:
         block they are stored in (`reserved`, or the one another attempt of the turn stored
         them in, a replay: `_given_back`, or the one an attempt too slow to insert before tail
         readers may pass its block moves it to as `writer`, `_past_what_readers_passed`).
-        After a move, or a reservation that found a fold of the pending state owed
-        (`_Reserved.owed`), the pending state is folded from the stored messages
-        (`_relocated.settle`: two or three round trips more, on those paths only).
+        After a move, a reservation that found a fold of the pending state owed
+        (`_Reserved.owed`) or a block listing pending state passed and empty, or an insert
+        landing past its block's `abandon_after` (`_to_fold`), the pending state is folded
+        from the stored messages (`_relocated.settle`: two or three round trips more, on
+        those paths only).
 
         A message an earlier attempt stored collides on its `_id` and is read back, so
         a retry answers with the stored timestamps, not its own.
@@ -2651,7 +2660,7 @@ class AgentMessageLogger:
         first = reserved.first_seq
         if reserved.assigns:
             await self._hand_over_earlier(plan.conversation_id, reserved)
-        if reserved.moved is not None or reserved.owed:  # pending as the stored messages say
+        if await self._to_fold(plan, reserved, started):  # pending as the stored messages say
             await self._settle(plan.conversation_id, reserved.moved)
         stored = found if found is not None else plan.stored(first, owner, epoch)
         refilled = inserted and reserved.replayed and reserved.moved is None
@@ -2664,6 +2673,48 @@ class AgentMessageLogger:
         if reserved.replayed and stored:
             await self._follow_times(plan, reserved, stored, inserted=inserted)
         return stored, reserved
+
+    async def _to_fold(self, plan: TurnPlan, reserved: _Reserved, started: float) -> bool:
+        """Whether the pending state is folded from the stored messages after the turn's
+        insert: after a move, a fold owed (`_Reserved.owed`), an insert landing past its
+        block's `abandon_after` (`_landed_past_its_block`), or a block listing pending state
+        found passed and empty (`_left_unstored`: one `find`, only when one was found
+        passed)."""
+        return (
+            reserved.moved is not None
+            or reserved.owed
+            or self._landed_past_its_block(plan, started)
+            or await self._left_unstored(reserved, plan)
+        )
+
+    def _landed_past_its_block(self, plan: TurnPlan, started: float) -> bool:
+        """Whether the turn lists pending state of its own (`lists_pending`) and its insert
+        landed later than `abandon_after` after its reservation (`started`): a writer stalled
+        past the margin its check before the insert keeps, whose block a later turn may
+        have found passed and empty, the pending state folded without its calls and prompt
+        (`_left_unstored`); folded again now that they are stored. Never with an
+        `abandon_after` of zero, where no block listing pending state is kept."""
+        after = self.rules.abandon_after.total_seconds()
+        return bool(after) and lists_pending(plan) and time.monotonic() - started > after
+
+    async def _left_unstored(self, reserved: _Reserved, plan: TurnPlan) -> bool:
+        """Whether a block listing pending state that the reservation found passed
+        (`_Reserved.passed`) holds no message: its turn died before its insert (or a pop
+        took it), so its calls and prompt, listed pending by its reservation, are made by no
+        stored message and the pending state is folded again (`_relocated.settle`). One
+        `find` of the blocks' first messages, only when the reservation found such a block;
+        none on the common path."""
+        if not reserved.passed:
+            return False
+        query: dict[str, Any] = {
+            "conversation_id": plan.conversation_id,
+            "seq": {"$in": [Int64(f) for f in reserved.passed]},
+        }
+        if reserved.epoch is not None:
+            query["epoch"] = {"$in": [reserved.epoch, None]}
+        with storage_errors("read the messages of the blocks passed"):
+            found = await self._messages.find(query, {"_id": 0, "seq": 1}).to_list(None)
+        return len({int(d["seq"]) for d in found}) < len(set(reserved.passed))
 
     async def _past_what_readers_passed(
         self, plan: TurnPlan, reserved: _Reserved, started: float, writer: _Writer | None
@@ -3815,6 +3866,11 @@ def _reserved(plan: TurnPlan, conversation: dict[str, Any], *, observed: bool) -
         assigns=_assigned_at(conversation, first_seq),
         owed=conversation.get(REFOLD_OWED) is not None,
         pops=int(conversation.get("pops") or 0),
+        passed=tuple(
+            int(b["f"])
+            for b in conversation.get(PENDING_BLOCKS) or ()
+            if b.get("d") and int(b["f"]) < first_seq
+        ),
     )
 
 

@@ -58,13 +58,23 @@ RESERVED: dict[str, Any] = {
     "epoch": 1,
     "refold_owed": 1,
     "pops": 1,
+    "pending_blocks": 1,
 }
 """What a reservation returns otherwise: all the logger needs (the block's end, the owner,
 the epoch (else the creation time) that tells this conversation from one created again
 under its id (`same_conversation`), the `seq` from which a turn assigned it an owner, the
-epoch its messages carry, whether a fold of its pending state is owed, `REFOLD_OWED`, and
-how many pops it had finished: those since are the only ones that can have removed what the
-turn stores)."""
+epoch its messages carry, whether a fold of its pending state is owed, `REFOLD_OWED`, how
+many pops it had finished: those since are the only ones that can have removed what the
+turn stores, and the blocks listing pending state that it found passed, `PENDING_BLOCKS`)."""
+PENDING_BLOCKS = "pending_blocks"
+"""The field listing the blocks of the turns whose reservation listed pending state (calls
+it leaves open, a prompt it raises) until a later turn's reservation finds them passed
+(`_pending_blocks`): `{f: first seq, l: seqs, a: reserved at, d: passed}`."""
+PENDING_BLOCKS_KEPT = 32
+"""How many blocks still young `PENDING_BLOCKS` keeps (the newest): an older one, dropped
+before it was passed, is never looked at (its turn's pending state stays as reserved)."""
+_UNLISTED = {"$eq": [{"$ifNull": [f"${PENDING_BLOCKS}", None]}, None]}
+"""Whether the conversation lists no `PENDING_BLOCKS` (absent), as an expression."""
 REFOLD_OWED = "refold_owed"
 """The field a fold of the pending state that could not be written marks a conversation
 with (the time it gave up: `_relocated.settle`, after a move or a give-back, the
@@ -1336,7 +1346,49 @@ def _records(
     # A one-element array built by `$map`: some MongoDB-compatible servers (mongomock) keep an
     # array literal's elements unevaluated.
     appended = {"$concatArrays": [turns, {"$map": {"input": [0], "in": record}}]}
-    return {"turns": {"$let": {"vars": {"all": appended}, "in": _window(rules.turns_recorded)}}}
+    kept = {"turns": {"$let": {"vars": {"all": appended}, "in": _window(rules.turns_recorded)}}}
+    if rules.abandon_after:  # of zero (tests), every block would be passed at once
+        kept[PENDING_BLOCKS] = _pending_blocks(plan, rules, now)
+    return kept
+
+
+def lists_pending(plan: TurnPlan) -> bool:
+    """Whether the turn's reservation lists pending state of its own: calls it leaves open, a
+    prompt it raises (`PENDING_BLOCKS` keeps its block)."""
+    return bool(plan.opened_calls) or isinstance(plan.pending_hitl, PendingHitl)
+
+
+def _pending_blocks(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str, Any]:
+    """`PENDING_BLOCKS` as a reservation (or a move) of `plan`'s turn at `now` leaves it, as
+    an expression: the blocks it found passed (`d`) last time go; those reserved
+    `abandon_after` ago or more are passed now (`d` true: this reservation takes them, and
+    its logger looks whether their turns stored anything, `AgentMessageLogger._left_unstored`);
+    the others stay, with the turn's own block when its reservation lists pending state
+    (calls it leaves open, a prompt it raises), the newest `PENDING_BLOCKS_KEPT` of them.
+    Not kept with an `abandon_after` of zero (a setting for tests): every block not yet
+    written would be passed at once, a turn still being written folded away."""
+    passed_by = literal(now - rules.abandon_after)
+    unseen = {"$ne": [{"$ifNull": ["$$b.d", False]}, True]}
+    listed = {"$filter": {"input": _kept(PENDING_BLOCKS, []), "as": "b", "cond": unseen}}
+
+    def marked(passed: bool) -> dict[str, Any]:
+        aged = {"$lte" if passed else "$gt": ["$$b.a", passed_by]}
+        chosen = {"$filter": {"input": listed, "as": "b", "cond": aged}}
+        entry = {"f": "$$b.f", "l": "$$b.l", "a": "$$b.a", "d": literal(passed)}
+        return {"$map": {"input": chosen, "as": "b", "in": entry}}
+
+    young = marked(False)
+    if lists_pending(plan):
+        own = {
+            "f": int64({"$ifNull": ["$message_count", 0]}),
+            "l": literal(Int64(plan.count)),
+            "a": literal(now),
+            "d": literal(False),
+        }
+        young = {"$concatArrays": [young, {"$map": {"input": [0], "in": own}}]}
+    blocks = {"$concatArrays": [marked(True), {"$slice": [young, -PENDING_BLOCKS_KEPT]}]}
+    none = {"$and": [_UNLISTED, {"$eq": [{"$size": blocks}, 0]}]}
+    return {"$cond": [none, "$$REMOVE", blocks]}  # absent while no turn listed pending state
 
 
 _TURNS = _kept("turns", [])
@@ -1381,6 +1433,20 @@ RECORDS_DROPPED = {
 """The stage after one that appended a record (`_records`): `turns_dropped`, every record
 ever appended (the last one's `TurnRecord.order` and one) less those kept. Its own stage,
 so the window is evaluated once. Never changed in place."""
+
+
+_NOTHING_PENDING = {
+    "$and": [
+        {"$eq": [{"$size": {"$ifNull": ["$pending_calls", []]}}, 0]},
+        {"$eq": [{"$ifNull": ["$pending_hitl", None]}, None]},
+    ]
+}
+_BLOCKS_KEPT = {"$cond": [_NOTHING_PENDING, literal([]), f"${PENDING_BLOCKS}"]}
+BLOCKS_MOOT_DROPPED = {"$set": {PENDING_BLOCKS: {"$cond": [_UNLISTED, "$$REMOVE", _BLOCKS_KEPT]}}}
+"""The stage after one that set `PENDING_BLOCKS` (`_records`): none is kept while nothing is
+pending (no call, no prompt), as a turn that died before its insert then leaves nothing to
+fold away, and the next reservation looks at nothing (absent while no turn listed pending
+state). Never changed in place."""
 
 
 _NAME_MESSAGE_KEPT = absent_stays("name_message_id", "$name_message_id")
@@ -1506,7 +1572,9 @@ def reservation(
         **_asked_again(plan),
     }
     superseded = _superseded(plan)
-    after = [RECORDS_DROPPED, {"$set": superseded}] if superseded else [RECORDS_DROPPED]
+    after = [RECORDS_DROPPED, BLOCKS_MOOT_DROPPED]
+    if superseded:
+        after.append({"$set": superseded})
     return [{"$set": stage}, *calls_cut(plan), *after]
 
 
@@ -2127,7 +2195,7 @@ def relocation(
         stage["pending_hitl"] = {"$cond": [resolved, kept, stage["pending_hitl"]]}
     if assigned:
         stage["owned_from"] = int64({"$ifNull": ["$message_count", 0]})
-    return query, [{"$set": stage}, *calls_cut(plan), RECORDS_DROPPED]
+    return query, [{"$set": stage}, *calls_cut(plan), RECORDS_DROPPED, BLOCKS_MOOT_DROPPED]
 
 
 def _moved_reach(plan: TurnPlan, first: int, asked: Mapping[str, int]) -> dict[str, Any]:

@@ -300,6 +300,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   migrated?: boolean;
   /**
+   * The blocks of the turns whose reservation listed pending state (calls left open, a prompt raised), until a later turn's reservation finds them passed (`PendingBlock`; the store's bookkeeping, never served; emptied while nothing is pending): that turn looks whether they hold a message, and one holding none (its writer died before its insert) has the pending state folded again from the stored messages.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  pending_blocks?: unknown[];
+  /**
    * When a fold of the pending state from the stored messages, after a move or a give-back, could not be written (the conversation kept changing under it, or a turn below the end was still being written); null or absent when none is owed (the store's bookkeeping, never served). The next turn folds it after its insert, and a turn refused by its condition meanwhile is judged again once it is folded.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
