@@ -1236,6 +1236,28 @@ def test_a_field_of_a_pending_prompt_no_reader_takes_is_kept_in_a_problem() -> N
     ]
 
 
+@pytest.mark.parametrize("dual_write", [True, False])
+def test_a_resolved_prompt_not_valid_utf8_stops_its_conversation_only_when_it_keeps_the_id(
+    dual_write: bool,
+) -> None:
+    """A prompt the new service resolved gives `resolved_hitl` its request id: holding text
+    that is not valid UTF-8 (a lone surrogate, as the migration reads such bytes) it is
+    refused as the pending prompt is; one the old service resolved is taken nowhere."""
+    resolved = {
+        **PROMPT,
+        "request_id": "req-\udcc3",
+        "status": "resolved",
+        "dual_write": dual_write,
+    }
+    conversion = convert([turn(1, [PAY])])
+
+    if dual_write:
+        with pytest.raises(InvalidInput, match="request_id holds bytes that are not valid"):
+            with_session_prompts(conversion, [resolved])
+        return
+    assert with_session_prompts(conversion, [resolved]).conversation is not None
+
+
 def test_every_field_a_session_prompt_is_written_with_is_read() -> None:
     """The fields `session_hitl` keeps about a prompt (whose, which, its state, when) and
     the prompt's own (`action`, `params`, `prompt` or `content`) are no problem."""

@@ -8208,7 +8208,7 @@ def _turns_and_a_prompt(field: str) -> tuple[list[dict[str, Any]], list[dict[str
     return [*turns, asking], prompts
 
 
-@pytest.mark.parametrize("field", ["prompt", "action", "request_id", "note", "not placed"])
+@pytest.mark.parametrize("field", ["prompt", "action", "request_id", "note"])
 def test_a_prompt_holding_text_that_is_not_valid_utf8_is_a_named_problem_and_the_others_migrate(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], field: str
 ) -> None:
@@ -8228,10 +8228,9 @@ def test_a_prompt_holding_text_that_is_not_valid_utf8_is_a_named_problem_and_the
     problem = database[PROBLEMS].find_one({"conversation_id": "c-hitl"})
     assert problem is not None
     assert problem["kind"] == "invalid_conversation"
-    named = "'p-2'" if field == "not placed" else "'p-1'"
-    assert f"session_hitl prompt {named}" in problem["detail"]
+    assert "session_hitl prompt 'p-1'" in problem["detail"]
     assert "not valid UTF-8" in problem["detail"]
-    assert ("prompt" if field == "not placed" else field) in problem["detail"]
+    assert field in problem["detail"]
     assert codes[1:4] == [1, 1, 1], out
     assert "c-hitl" in out
     assert database[LEGACY_TURNS].count_documents({"conversation_id": "c-hitl"}) == 1
@@ -8245,6 +8244,50 @@ def test_a_prompt_holding_text_that_is_not_valid_utf8_is_a_named_problem_and_the
     assert cli("mongodb://unused", database, "run", "--spread", "1") == 0
     assert database[CONVERSATIONS].find_one({"_id": "c-hitl"}) is not None
     assert cli("mongodb://unused", database, "verify") == 0
+
+
+UNTAKEN_PROMPTS = {
+    "resolved": {"_id": "p-3", "request_id": "r-0", "status": "resolved", "note": MARKER},
+    "another user's": {"_id": "p-4", "user_id": "u-2", "request_id": "r-m", "status": "done"},
+    "another user's pending": {"_id": "p-5", "user_id": "u-2", "request_id": "r-m"},
+    "not placed": {"_id": "p-2", "request_id": "r-9"},
+}
+"""Prompts of `c-hitl` beside its pending one that no conversation document takes: resolved
+by the old service, another user's, a pending one no message raised (`HITL_PROMPT` else)."""
+
+
+@pytest.mark.parametrize("case", list(UNTAKEN_PROMPTS))
+def test_a_prompt_no_conversation_takes_holding_text_that_is_not_valid_utf8_blocks_nothing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    """MIGRATION.md: only a prompt the conversation document is made of (its pending prompt,
+    one the new service resolved) holding bytes that are not valid UTF-8 makes the
+    conversation an `invalid_conversation`; one it does not take (resolved by the old
+    service, another user's, a pending one only a problem keeps, its text written as
+    escapes) leaves it migrating whole, its pending prompt pending, and an acceptance lets
+    `finish` pass (was: the conversation unconvertible, `finish` exiting 1 after
+    `finish --accept`, until the prompt was edited)."""
+    turns, _ = _turns_and_a_prompt("prompt")
+    earlier = {"prompt": f"Pay {MARKER}?", "created_at": datetime(2024, 1, 1, 1, tzinfo=UTC)}
+    prompts = [HITL_PROMPT, HITL_PROMPT | earlier | UNTAKEN_PROMPTS[case]]
+    database = _on_mongomock(monkeypatch, turns, prompts)
+
+    assert cli("mongodb://unused", database, "run", "--spread", "1") == 0
+    out = capsys.readouterr().out
+    migrated = {m["conversation_id"] for m in database[MESSAGES].find()}
+    assert migrated == {"c-good-1", "c-good-2", "c-hitl"}, out
+    stored = database[CONVERSATIONS].find_one({"_id": "c-hitl"})
+    assert stored is not None
+    assert stored["pending_hitl"]["request_id"] == "r-1"
+    kinds = {p["kind"] for p in database[PROBLEMS].find({"conversation_id": "c-hitl"})}
+    assert "invalid_conversation" not in kinds, out
+    if "pending" in case or "placed" in case:  # only a problem keeps it: escaped, as a turn's
+        kept = database[PROBLEMS].find_one({"kind": "pending_prompt_not_placed"})
+        assert kept is not None
+        assert "Pay words \\udcc3( more?" in str(kept["content"])
+    assert cli("mongodb://unused", database, "verify") == 0
+    cli("mongodb://unused", database, "finish", "--accept", "c-hitl")
+    assert cli("mongodb://unused", database, "finish") == 0
 
 
 def test_the_dry_run_counts_a_prompt_holding_text_that_is_not_valid_utf8_as_a_problem(

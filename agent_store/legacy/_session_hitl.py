@@ -3,15 +3,16 @@
 A prompt document is read as turns are: `resolved: "false"` is false, a status as words
 saying answered or waiting (`answered_status`; any other is kept in a problem), a request
 id stored as a number by its text, a time as a datetime or an ISO string; its prompt,
-action and params as a HITL part's (`read_prompt`); one holding bytes that are not valid
-UTF-8 anywhere makes its conversation unconvertible, as such a turn does (`refuse_not_utf8`).
-Only the owner's prompts are the
-conversation's (`owners_prompt`): one
-naming another user is a `mixed_user_ids` problem, never the owner's pending prompt. A
-request recorded more than once is decided by its newest record (`_still_pending`). The
-newest pending prompt becomes `pending_hitl`; any other pending
-prompt whose content no message holds is kept in a problem, and so is a field of a
-pending prompt no reader takes. A prompt the new service resolved (`resolve_hitl` with the
+action and params as a HITL part's (`read_prompt`). A prompt the conversation document is
+made of (its pending prompt, one the new service resolved) holding bytes that are not valid
+UTF-8 anywhere makes its conversation unconvertible, as such a turn does (`refuse_not_utf8`);
+one it does not take (resolved by the old service, another user's, a pending one only a
+problem keeps, its texts written as escapes) is no obstacle. Only the owner's prompts are
+the conversation's (`owners_prompt`): one naming another user is a `mixed_user_ids`
+problem, never the owner's pending prompt. A request recorded more than once is decided by
+its newest record (`_still_pending`). The newest pending prompt becomes `pending_hitl`; any
+other pending prompt whose content no message holds is kept in a problem, and so is a field
+of a pending prompt no reader takes. A prompt the new service resolved (`resolve_hitl` with the
 dual write on marks it resolved and `dual_write: true`, `RESOLVED_BY_DUAL_WRITE`) stays
 resolved: its request id is the conversation's `resolved_hitl`.
 """
@@ -299,7 +300,9 @@ def _pending(
 ) -> tuple[PendingHitl, list[PromptNote]]:
     """The newest pending prompt as `pending_hitl`; its time, when it has no `created_at`,
     the message's that raised it, else its ObjectId's, else the last message's: the same on
-    every run."""
+    every run. Raises InvalidInput when it holds bytes that are not valid UTF-8 anywhere
+    (`refuse_not_utf8`): it is the conversation's own, read whole as a turn is."""
+    refuse_not_utf8(newest, _named(newest))
     request_id = str(reference_text(newest.get("request_id")))
     raised = _raised_by(newest, messages)
     notes = []
@@ -322,6 +325,23 @@ def _pending(
         or messages[-1].created_at,
     )
     return prompt, notes
+
+
+def _named(document: Mapping[str, Any]) -> str:
+    """How a refusal names a prompt (`refuse_not_utf8`)."""
+    return f"session_hitl prompt {document.get('_id')!r}"
+
+
+def _refuse_resolved_taken(documents: Sequence[Mapping[str, Any]]) -> None:
+    """InvalidInput when a prompt the new service resolved whose request id the conversation
+    keeps (`resolved_on_the_new_service`) holds bytes that are not valid UTF-8 anywhere
+    (`refuse_not_utf8`), as the pending prompt (`_pending`)."""
+    kept = set(resolved_on_the_new_service(documents))
+    for document in documents:
+        if document.get("dual_write") is True and (
+            not is_pending_prompt(document) and reference_text(document.get("request_id")) in kept
+        ):
+            refuse_not_utf8(document, _named(document))
 
 
 def _params(
@@ -361,7 +381,8 @@ def pending_from_session_hitl(
 ) -> tuple[PendingHitl | None, list[PromptNote]]:
     """The newest unresolved `session_hitl` prompt as `pending_hitl`, and notes on oddities:
     every other pending prompt no message holds, or one without a request id a message can
-    hold, is noted with its document (not placed)."""
+    hold, is noted with its document (not placed). Raises InvalidInput when the newest holds
+    bytes that are not valid UTF-8 (`_pending`)."""
     return _pending_from([read_code_as_text(d) for d in documents], messages)
 
 
@@ -492,13 +513,15 @@ def with_session_prompts(
     become problems. Only the owner's prompts are its own (`owners_prompt`): a prompt naming
     another user makes it a `mixed_user_ids` problem, and a pending one is kept in a problem
     of its own, never given to the owner. Raises InvalidInput, changing nothing, when a prompt
-    holds bytes that are not valid UTF-8 anywhere (`refuse_not_utf8`, as a turn holding them
-    does): no conversation document can hold its text."""
+    the conversation document is made of (the pending prompt, `_pending`; one the new service
+    resolved, `_refuse_resolved_taken`) holds bytes that are not valid UTF-8 anywhere
+    (`refuse_not_utf8`, as a turn holding them does): no conversation document can hold its
+    text. A prompt it does not take holding them is no obstacle: a problem keeping it writes
+    each such byte as its escape (`Problem`), as the turns' `invalid_conversation` does."""
     found = [read_code_as_text(d) for d in documents]
-    for document in found:
-        refuse_not_utf8(document, f"session_hitl prompt {document.get('_id')!r}")
     documents = [d for d in found if owners_prompt(conversion.owner, d)]
     others = [d for d in found if not owners_prompt(conversion.owner, d)]
+    _refuse_resolved_taken(documents)
     pending, notes = _pending_from(documents, conversion.messages)
     owned = "no user owns" if conversion.owner is None else f"{conversion.owner!r} owns"
     notes += [
