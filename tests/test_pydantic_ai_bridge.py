@@ -64,6 +64,7 @@ from agent_store import (
     AgentMessageLogger,
     AnsweredBefore,
     ConversationStore,
+    DenialTakenBack,
     InvalidInput,
     NotFound,
     TurnRules,
@@ -2463,6 +2464,80 @@ async def test_a_resumed_run_answering_a_call_answered_first_otherwise_is_refuse
     assert refused.value.tool_call_ids == ("c-B",)
     assert await store.transcript(CID, user_id="u1") == before
     assert "c-A" in [c.tool_call_id for c in await store.pending_calls(CID, user_id="u1")]
+
+
+async def test_a_resumed_run_whose_settled_denial_she_took_back_meanwhile_stores_its_own(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Her denial of B is found settling B (`calls_denied_first`), then taken back (popped:
+    an undo) before the run is logged without its own denial of B. A dropped denial stands
+    only while the call it was judged on is still answered: the run is judged again, B is
+    pending, so the run's denial is B's first answer and is stored with A's result; nothing
+    is left pending and the turn returned holds both answers (was: A's result stored without
+    B's denial, B pending again, the turn giving no sign)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    agent = _billing_agent(["A", "B"], fail=set())
+    history = await _paused(logger, store, agent)
+    await _answered_over_http(logger, store, "c-B", HER_DENIAL)
+    results = DeferredToolResults(approvals={"c-A": True, "c-B": ToolDenied("Not B.")})
+    run = await agent.run(message_history=history, deferred_tool_results=results)
+    judged = logger.calls_denied_first
+
+    async def her_denial_taken_back(*args: Any, **kwargs: Any) -> set[str]:
+        settled = await judged(*args, **kwargs)
+        popped = await store.pop_last_message(CID, user_id="u1")
+        assert popped is not None
+        assert popped.tool_call_id == "c-B"
+        return settled
+
+    monkeypatch.setattr(logger, "calls_denied_first", her_denial_taken_back)
+    logged = await log_run(
+        logger,
+        CID,
+        run.new_messages(),
+        turn_id="run-2",
+        user_id="u1",
+        deferred_tool_results=results,
+    )
+
+    assert sorted(m.tool_call_id for m in logged.messages if m.role == "tool") == ["c-A", "c-B"]
+    pending = [c.tool_call_id for c in await store.pending_calls(CID, user_id="u1")]
+    assert "c-A" not in pending
+    assert "c-B" not in pending
+    answers = await _answers(store)
+    assert ("c-A", "paid A") in answers
+    assert [a for a in answers if a[0] == "c-B"] == [("c-B", "Not B.")]  # the run's denial
+
+
+async def test_a_turn_leaving_out_a_settled_denial_is_refused_while_that_call_is_pending(
+    backend: Backend,
+) -> None:
+    """`denied_first` names the calls a turn leaves its denials out of as settled: the turn
+    is logged only while each is still answered. With B pending (no denial of it stands),
+    `DenialTakenBack` naming B, nothing written; once B is denied, the same turn is logged."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _paused(logger, store, _billing_agent(["A", "B"], fail=set()))
+    served = {c.tool_call_id: c.message_id for c in await store.pending_calls(CID, user_id="u1")}
+    before = await store.transcript(CID, user_id="u1")
+    turn = [{"role": "tool", "tool_call_id": "c-A", "content": "paid A"}]
+
+    async def logged() -> Any:
+        return await logger.log_messages(
+            CID,
+            turn,
+            user_id="u1",
+            turn_id="run-2",
+            strict_owner=True,
+            answers_to={"c-A": served["c-A"]},
+            denied_first={"c-B": served["c-B"]},
+        )
+
+    with pytest.raises(DenialTakenBack, match="'c-B'") as refused:
+        await logged()
+    assert refused.value.tool_call_ids == ("c-B",)
+    assert await store.transcript(CID, user_id="u1") == before
+    await _answered_over_http(logger, store, "c-B", HER_DENIAL)
+    assert [m.tool_call_id for m in (await logged()).messages] == ["c-A"]
 
 
 async def test_two_tabs_cut_off_resuming_one_paused_run_store_one_answer(backend: Backend) -> None:

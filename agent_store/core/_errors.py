@@ -81,6 +81,19 @@ class AnsweredBefore(Conflict):
         confirmation, or answered by another turn."""
 
 
+class DenialTakenBack(Conflict):
+    """A turn logged without its denials of calls a denial stored first had settled
+    (`log_messages`' `denied_first`) found one of those calls pending again: that denial
+    was taken back (popped) since it was read, so nothing answers the call now and the
+    turn's own denial would be its first answer. Nothing was written: log the turn again
+    with its denial, judged as the conversation stands."""
+
+    def __init__(self, message: str, *, tool_call_ids: Sequence[str]) -> None:
+        super().__init__(message)
+        self.tool_call_ids = tuple(tool_call_ids)
+        """The calls pending again whose denials the turn left out."""
+
+
 class PromptNotPending(Conflict):
     """An answer to a prompt (`resolve_hitl`) that no prompt of its request id takes now: it
     was resolved before (its first answer stands), asked again since the answer was read, or

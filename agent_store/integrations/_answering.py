@@ -12,6 +12,7 @@ meeting a result) stays refused: the two disagree, or the tool ran twice.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -19,10 +20,15 @@ from agent_store.core import (
     AgentMessage,
     AnsweredBefore,
     AssistantMessage,
+    DenialTakenBack,
     ToolMessage,
     tool_outcome,
 )
 from agent_store.store import AgentMessageLogger, LoggedTurn, validate_identifier
+
+_JUDGED_AGAIN = 3
+"""How many times a turn whose settled denial was taken back before it was logged without
+it (`DenialTakenBack`) is judged again before its refusal is raised."""
 
 AnyMessage = AgentMessage | Mapping[str, Any]
 """A message as `AgentMessageLogger.log_messages` takes it: a model, or its fields."""
@@ -46,13 +52,19 @@ async def log_answering(
     the turn is logged without them when those were all the calls refused; otherwise the
     refusal is raised, nothing written. A turn that held nothing but such denials stores no
     message. The turn returned holds no message for a dropped call: the only sign its denial
-    was settled before. Its retry, refused the same way, is the replay of that turn."""
+    was settled before. Its retry, refused the same way, is the replay of that turn. The turn
+    without them is logged only while each dropped call is still answered (`denied_first`,
+    in its reservation's command): a denial taken back (popped) since it was read leaves the
+    call pending, and the turn is judged again from the start, its denial then the call's
+    first answer; at most `_JUDGED_AGAIN` times, then the refusal is raised."""
     strict_owner = user_id is not None
     answers_to = await logger.calls_answered(
         conversation_id, messages, user_id=user_id, tool_names=tool_names, strict_owner=strict_owner
     )
 
-    async def logged(kept: Sequence[AnyMessage], named: Mapping[str, str]) -> LoggedTurn:
+    async def logged(
+        kept: Sequence[AnyMessage], named: Mapping[str, str], settled: Mapping[str, str]
+    ) -> LoggedTurn:
         return await logger.log_messages(
             conversation_id,
             kept,
@@ -61,21 +73,26 @@ async def log_answering(
             name=name,
             answers_to=dict(named),
             strict_owner=strict_owner,
+            denied_first=dict(settled),
         )
 
-    try:
-        return await logged(messages, answers_to)
-    except AnsweredBefore as refused:
-        refused_calls = {c: answers_to[c] for c in refused.tool_call_ids if c in answers_to}
-        settled = await logger.calls_denied_first(
-            conversation_id, refused_calls, user_id=user_id, strict_owner=strict_owner
-        )
-        kept = without_denials(messages, settled)
-        if not set(refused.tool_call_ids) <= _dropped(messages, kept):
-            raise
+    for rounds in range(_JUDGED_AGAIN + 1):
+        try:
+            return await logged(messages, answers_to, {})
+        except AnsweredBefore as refused:
+            refused_calls = {c: answers_to[c] for c in refused.tool_call_ids if c in answers_to}
+            settled = await logger.calls_denied_first(
+                conversation_id, refused_calls, user_id=user_id, strict_owner=strict_owner
+            )
+            kept = without_denials(messages, settled)
+            if rounds == _JUDGED_AGAIN or not _each_dropped(refused, messages, kept):
+                raise
         if not kept:
             return _nothing_logged(conversation_id, turn_id)
-        return await logged(kept, {c: m for c, m in answers_to.items() if c not in settled})
+        named = {c: m for c, m in answers_to.items() if c not in settled}
+        with contextlib.suppress(DenialTakenBack):  # judged again: the call is pending
+            return await logged(kept, named, {c: answers_to[c] for c in settled})
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def without_denials(messages: Sequence[AnyMessage], call_ids: Collection[str]) -> list[AnyMessage]:
@@ -93,10 +110,13 @@ def without_denials(messages: Sequence[AnyMessage], call_ids: Collection[str]) -
     return [m for m in messages if not dropped(m)]
 
 
-def _dropped(messages: Sequence[AnyMessage], kept: Sequence[AnyMessage]) -> set[str]:
-    """The calls whose denials `without_denials` dropped from `messages`, leaving `kept`."""
+def _each_dropped(
+    refused: AnsweredBefore, messages: Sequence[AnyMessage], kept: Sequence[AnyMessage]
+) -> bool:
+    """Whether `without_denials` dropped from `messages`, leaving `kept`, the denial of each
+    call `refused` names: the turn is refused for nothing else."""
     left = {id(m) for m in kept}
-    return {
+    return set(refused.tool_call_ids) <= {
         m.tool_call_id
         for m in messages
         if isinstance(m, ToolMessage) and id(m) not in left and m.tool_call_id

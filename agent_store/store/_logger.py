@@ -44,6 +44,7 @@ from agent_store.core import (
     CallsPushedOff,
     Conflict,
     Conversation,
+    DenialTakenBack,
     ForkCheck,
     ForkOrigin,
     ForkTooLarge,
@@ -153,6 +154,7 @@ from agent_store.store._reservation import (
     answers_found,
     answers_hold,
     answers_lookup,
+    answers_stand,
     approvals_left_unstored,
     approved_among,
     being_deleted,
@@ -693,6 +695,7 @@ class AgentMessageLogger:
         refused_prompts: Mapping[str, str] | None = None,
         answers_to: Mapping[str, str] | None = None,
         version: str | None = None,
+        denied_first: Mapping[str, str] | None = None,
     ) -> LoggedTurn:
         """Log one turn's messages in order, idempotently by `turn_id`.
 
@@ -720,8 +723,7 @@ class AgentMessageLogger:
         InvalidInput, nothing written, for a turn breaking the contract (`_check_answers_named` too)
         or taking a delivery's id (`delivery-` + hex). `version` (`Conversation.version`): logged
         only into the conversation it names, nothing written otherwise (`_life_named`, in the
-        reservation's own command: one read more).
-        """
+        reservation's own command: one read more). `denied_first`: `_settled_by_denials`."""
         plan, actor, condition = self._planned(
             conversation_id,
             messages,
@@ -733,7 +735,7 @@ class AgentMessageLogger:
             refused=refused_prompts,
             answers_to=answers_to,
         )
-        life = await self._life_named(plan.conversation_id, version, actor)
+        life = await self._life_kept(plan, version, actor, denied_first)
         turn = partial(_turn_conditions, plan, next_seq, step, refused_prompts, answers_to)
         conditions = partial(_in_life, turn, life)
         named = (answers_to, refused_prompts)
@@ -757,6 +759,20 @@ class AgentMessageLogger:
         )
         stored, reserved = await self._store(plan, reserved, started, (actor, condition))
         return await self._told(plan, reserved, stored)
+
+    async def _life_kept(
+        self,
+        plan: TurnPlan,
+        version: str | None,
+        actor: Actor,
+        denied_first: Mapping[str, str] | None,
+    ) -> Condition | None:
+        """What `log_messages`'s reservation meets besides the turn's own conditions, on every
+        attempt: the conversation `version` names (`_life_named`; its refusal comes first),
+        and the calls of earlier turns whose denials the turn leaves out still answered
+        (`_settled_by_denials`, checked before the conversation is read)."""
+        settled = _settled_by_denials(plan, _denied_first(denied_first))
+        return _joined(settled, await self._life_named(plan.conversation_id, version, actor))
 
     async def _life_named(
         self, conversation_id: str, version: str | None, actor: Actor
@@ -5088,6 +5104,26 @@ def _turn_conditions(
     return _joined(at, _held_kept(plan))
 
 
+def _settled_by_denials(plan: TurnPlan, denied_first: Mapping[str, str]) -> Condition | None:
+    """The condition of a turn logged without its denials of the calls `denied_first` names
+    (`log_messages`: call id to the message making it), which a denial stored first settled
+    (a bridge's, `calls_denied_first`): none of them is pending again (`answers_stand`: a
+    pop took that denial back, and the turn's own denial would be its first answer), else
+    `DenialTakenBack`, nothing written: judged in the reservation's own command, as a turn's
+    other conditions are. None for a turn naming none (no condition, no read)."""
+    if not denied_first:
+        return None
+    call_ids = sorted(denied_first)
+    refusal = DenialTakenBack(
+        f"turn {plan.turn_id!r} leaves out its denials of {', '.join(map(shown, call_ids))} "
+        f"of an earlier turn in conversation {plan.conversation_id!r} as settled by a denial "
+        "stored first, but that denial was taken back since (popped): the call is pending "
+        "again. Log the turn with its denial; nothing was stored",
+        tool_call_ids=call_ids,
+    )
+    return Condition(answers_stand(denied_first), lambda now: {}, refusal)
+
+
 def _check_as_given_back(
     plan: TurnPlan, conversation: Mapping[str, Any], refused: Mapping[str, str]
 ) -> None:
@@ -5177,6 +5213,15 @@ def _answers_to(answers_to: Mapping[str, str] | None) -> dict[str, str]:
         answers_to,
         "answers_to must map the tool call ids of the calls of earlier turns the turn "
         "answers to the ids of the messages that made them, as pending_calls serves them",
+    )
+
+
+def _denied_first(denied_first: Mapping[str, str] | None) -> dict[str, str]:
+    """`log_messages`'s `denied_first`, checked: tool call ids to message ids."""
+    return _call_id_map(
+        denied_first,
+        "denied_first must map the tool call ids of the calls of earlier turns whose denials "
+        "the turn leaves out to the ids of the messages that made them",
     )
 
 

@@ -1111,6 +1111,17 @@ def answers_hold(answers: Mapping[str, str]) -> dict[str, Any]:
     return {"$expr": {"$and": [latest(c, m) for c, m in sorted(answers.items())]}}
 
 
+def answers_stand(calls: Mapping[str, str]) -> dict[str, Any]:
+    """A filter matching a conversation where none of the calls `calls` names (a tool call
+    id, and the message that made it) is pending: each is still answered, as it was when
+    its stored answer was read (a pop taking that answer back lists it again)."""
+    listed = [
+        {"pending_calls": {"$elemMatch": {"tool_call_id": c, "message_id": m}}}
+        for c, m in sorted(calls.items())
+    ]
+    return {"$nor": listed}
+
+
 def answered_since(
     conversation: Mapping[str, Any], answers: Mapping[str, str]
 ) -> tuple[list[str], list[str]]:
