@@ -61,6 +61,7 @@ from migrations.writes import (
     stored_count,
     unmerged,
     wanted_document,
+    written_by_old_service,
 )
 
 
@@ -175,7 +176,12 @@ def _document_reasons(
         key=lambda m: m.seq or 0,
     )
     wanted = wanted_document(
-        conversion, found, live, rebuilt_life(found, carried, None, (), held=False)
+        conversion,
+        found,
+        live,
+        rebuilt_life(
+            found, carried, None, (), held=False, old_service=written_by_old_service(item)
+        ),
     )
     if document_differs(found, wanted):
         return [

@@ -564,6 +564,7 @@ def rebuilt_life(
     stored: Sequence[Mapping[str, Any]],
     *,
     held: bool,
+    old_service: bool,
 ) -> Mapping[str, Any] | None:
     """The life a run writes the conversation's document again with, other than the one the
     document holds: for a standing document that holds none (an earlier release's), the
@@ -577,7 +578,8 @@ def rebuilt_life(
     one only dual-written copies make, `held`, its live turns'), it is the life a run last
     wrote its document with (`recorded`, `lives.recorded`), when its live messages carry
     that one or none, else the whole life they carry, its epoch and its marks
-    (`carried_life`); once deleted, none: the conversation the run creates again under the
+    (`carried_life`, `old_service`: whether the old service wrote a legacy turn of it,
+    `written_by_old_service`); once deleted, none: the conversation the run creates again under the
     id draws its own (`life_of`), and the deleted one's late inserts are no messages of it.
     A message at its first `seq` counts too: a migrated conversation's first messages are the
     migration's, so a late insert lands past them; only a person's pops give that `seq`
@@ -590,20 +592,33 @@ def rebuilt_life(
         return None
     if recorded is not None and carried in (None, recorded.get("epoch")):
         return recorded
-    return None if carried is None else carried_life(carried, stored)
+    return None if carried is None else carried_life(carried, stored, old_service=old_service)
 
 
-def carried_life(epoch: str, stored: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def carried_life(
+    epoch: str, stored: Sequence[Mapping[str, Any]], *, old_service: bool
+) -> dict[str, Any]:
     """The whole life whose `epoch` the live messages of a conversation no document stands
     for carry (`stored`: every message stored under its id): epoch-marked (`epoch_marks`:
-    documents beside it name that epoch, so only those are its own) when none of them carries
-    no epoch, for its document was then created with it, by a release naming epochs (a
-    conversation the new service created during the transition); else not, as the store
-    leaves one whose document stood before epochs (its messages stored then, the migration's
-    of an earlier release among them, carry none), whose first turn since drew the epoch
-    and whose documents beside it may name only its creation time."""
-    marks = all(d.get("epoch") is not None for d in stored)
+    documents beside it name that epoch, so only those are its own) when its document was
+    created with it, by a release naming epochs (a conversation the new service created
+    during the transition): none of them carries no epoch and the old service wrote none of
+    its legacy turns (`old_service`: only the new service's dual-written copies are filed
+    under its id). Else not, as the store leaves one whose document stood before epochs
+    (its messages stored then, the migration's of an earlier release among them, carry
+    none, unless its owner popped them all: the legacy turns they were made of still say
+    so), whose first turn since drew the epoch and whose documents beside it may name only
+    its creation time; and one the old service wrote to after a rollback, whose documents
+    written then name no epoch either: unmarked, they stay its own (marked, they would be
+    hidden), at the cost of serving as its own a document of no life naming none."""
+    marks = not old_service and all(d.get("epoch") is not None for d in stored)
     return {"epoch": epoch, "epoch_marks": marks}
+
+
+def written_by_old_service(item: Converted) -> bool:
+    """Whether the old service wrote some legacy turn of the conversation: one of those its
+    conversion read is no dual-written copy (`dual_write: true`) the new service made."""
+    return any(turn.dual_write_field is not True for turn in item.turns)
 
 
 def _with_live_turns(document: Conversation, live: Sequence[AgentMessage]) -> Conversation:
@@ -787,6 +802,24 @@ def plan(
     return planned
 
 
+def _life_again(
+    item: Converted,
+    found: dict[str, Any] | None,
+    lived: tuple[str | None, Mapping[str, Any] | None],
+    messages: Sequence[Mapping[str, Any]],
+) -> Mapping[str, Any] | None:
+    """The life a run writes the conversation's document again with (`rebuilt_life`), by
+    the messages stored under its id and the legacy turns its conversion read: its held
+    dual-written copies, and whether the old service wrote one (`written_by_old_service`)."""
+    return rebuilt_life(
+        found,
+        *lived,
+        messages,
+        held=bool(item.held),
+        old_service=written_by_old_service(item),
+    )
+
+
 def _plan_one(
     db: Database[dict[str, Any]],
     planned: Planned,
@@ -819,7 +852,7 @@ def _plan_one(
     ]
     past = _stored_past(db, cid, extent) if next_free > extent else []
     every = {int(d["seq"]): (str(d["_id"]), d.get("turn_id")) for d in [*stored.values(), *past]}
-    earlier = rebuilt_life(found, *lived, [*stored.values(), *past], held=bool(item.held))
+    earlier = _life_again(item, found, lived, [*stored.values(), *past])
     refused = _not_merged(db, item, found, every, foreign)
     if refused is not None:
         planned.live.append(refused)

@@ -8742,3 +8742,75 @@ def test_a_conversation_an_earlier_release_migrated_stays_unmarked_across_a_roll
     assert again["epoch"] == written["epoch"]
     assert Conversation.model_validate(again).version == version
     assert _graph_state(wire_uri, database, "c-1") == {"plan": "STEP 3"}
+
+
+@pytest.mark.wire
+def test_an_earlier_release_migration_whose_migrated_messages_were_popped_stays_unmarked(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A conversation an earlier release migrated (no epoch, no life recorded), which its
+    owner's graph checkpointed then (naming its creation time, no epoch), whose migrated
+    messages she popped before logging a dual-written live turn (drawing its epoch), is
+    still the conversation the old service wrote after a rollback and the second attempt's
+    run: the legacy turn the old service wrote says it predates epochs, so its document is
+    written again without `epoch_marks` and her graph's state is still her own (was:
+    marked, as every message still stored carries the epoch, and her state read by no one)."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "OLD"))
+    assert cli(wire_uri, database, "run") == 0
+    database[CONVERSATIONS].update_one({"_id": "c-1"}, {"$unset": dict.fromkeys(LIFE, "")})
+    database[lease.STATE].delete_many({"kind": "life"})
+    _graph_checkpoint(wire_uri, database, "c-1")
+    assert _pop(wire_uri, database, "c-1", 2) == ["OLD answer", "OLD question"]
+    log_live(wire_uri, database, "c-1", "live-1", "LIVE", dual_write=True)
+    assert _graph_state(wire_uri, database, "c-1") == {"plan": "STEP 3"}
+    written = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert written is not None
+    roll_back(database, clear_messages=False)
+
+    assert cli(wire_uri, database, "run") == 0
+    again = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert again is not None
+    assert again.get("epoch") == written["epoch"]
+    assert not again.get("epoch_marks")
+    assert _graph_state(wire_uri, database, "c-1") == {"plan": "STEP 3"}
+
+
+@pytest.mark.wire
+def test_a_conversation_the_old_service_wrote_to_after_a_rollback_is_written_again_unmarked(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """MIGRATION.md "Rollback": a conversation the new service created (its epoch, marked),
+    dual-written, then the rollback, a late turn the old service wrote to it (no dual
+    write), and the second attempt's run: documents the old release wrote beside it name no
+    epoch, so its document is written again with its epoch but without `epoch_marks`, and a
+    graph checkpoint of its thread naming none is served to its owner, not hidden."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    from agent_store.integrations.langgraph import CHECKPOINTS, AgentStoreSaver
+
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "other", 0, "OTHER"))
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "x", "live-1", "LIVE", dual_write=True)
+
+    async def old_release_checkpoint(db: Any) -> None:
+        state = empty_checkpoint()
+        state["channel_values"] = {"plan": "OLD RELEASE PLAN"}
+        config = {"configurable": {"thread_id": "x", "user_id": "u-1"}}
+        await AgentStoreSaver(db).aput(config, state, {}, {})
+        unnamed = {"epoch": "", "conversation_created_ms": ""}
+        await db[CHECKPOINTS].update_many({"thread_id": "x"}, {"$unset": unnamed})
+
+    _on_its_database(wire_uri, database, old_release_checkpoint)
+    written = database[CONVERSATIONS].find_one({"_id": "x"})
+    assert written is not None
+    assert written.get("epoch_marks") is True
+    roll_back(database, clear_messages=False)
+    late = legacy_turn("t-late", "x", 0, "LATE") | {"created_at": datetime.now(UTC)}
+    database[CONVERSATIONS].insert_one(late)
+
+    cli(wire_uri, database, "run")
+    again = database[CONVERSATIONS].find_one({"_id": "x"})
+    assert again is not None
+    assert again.get("epoch") == written["epoch"]
+    assert not again.get("epoch_marks")
+    assert _graph_state(wire_uri, database, "x") == {"plan": "OLD RELEASE PLAN"}
