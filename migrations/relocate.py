@@ -51,6 +51,7 @@ from agent_store.legacy import (
     MIGRATION_STATE_ID,
     TURN_ONLY_FIELDS,
     not_utf8_at,
+    not_utf8_key,
     stored_conversation_id,
 )
 from agent_store.store import CONVERSATIONS, only_duplicates
@@ -313,19 +314,23 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
     only are no leftover: a run copies the turns into it; a turn logged after the move under
     a moved turn's `_id` with other content is refused as such (`_other_content`), nothing
     moved, whatever type of number either `_id` is (`5.0` is the turn `5` to the server's
-    `$in`: both are paired by `matched_key`). One read of the state, then the turns' `_id`s a
-    thousand at a time, up to the first found in both."""
+    `$in`: both are paired by `matched_key`). A turn holding text that is not valid UTF-8 is
+    taken as the rest of the move takes it (`_copyable`): never encoded, its content compared
+    by `_same_content`; one whose `_id` holds such text is sent in no query, so paired with no
+    moved turn: the copy leaves it in place and names it (`_copy_all`). One read of the
+    state, then the turns' `_id`s a thousand at a time, up to the first found in both."""
     if not holds_turns(db, LEGACY_TURNS):
         return
     resumed = _recorded(db, IN_FLIGHT)
-    ids = (d["_id"] for d in db[CONVERSATIONS].find(TURN_FILTER, {"_id": 1}))
+    found_ids = (d["_id"] for d in db[CONVERSATIONS].find(TURN_FILTER, {"_id": 1}))
+    ids = (i for i in found_ids if not_utf8_at(i) is None)
     while chunk := [i for _, i in zip(range(_OVERLAP_CHUNK), ids, strict=False)]:
         found = db[LEGACY_TURNS].find({"_id": {"$in": chunk}})
         copies = [c for c in found if matched_key(c["_id"]) not in resumed]
         if not copies:
             continue
         turns = {matched_key(t["_id"]): t for t in db[CONVERSATIONS].find({"_id": {"$in": chunk}})}
-        same = [c for c in copies if same_document(c, turns.get(matched_key(c["_id"]), {}))]
+        same = [c for c in copies if _same_content(c, turns.get(matched_key(c["_id"]), {}))]
         if not same:  # turns logged after the move under a moved turn's `_id`
             raise _other_content(copies[0]["_id"])
         raise WorkLeft(
@@ -335,6 +340,17 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
             f"Moving nothing: drop {LEGACY_TURNS} or rename it away (once "
             f"{CONVERSATIONS} holds every turn to keep), then `run` again"
         )
+
+
+def _same_content(copy: Mapping[str, Any], turn: Mapping[str, Any]) -> bool:
+    """Whether a moved turn's copy and a turn of `agent_conversations` under its `_id` hold the
+    same (`same_document`); when either holds text that is not valid UTF-8 (`not_utf8_at`),
+    which no BSON encodes, by each one's content as extended JSON (`not_utf8_key`, each such
+    byte an escape): the same only when both hold the same such bytes."""
+    if not_utf8_at(copy) is None and not_utf8_at(turn) is None:
+        return same_document(copy, turn)
+    content = [not_utf8_key({k: v for k, v in d.items() if k != "_id"}) for d in (copy, turn)]
+    return matched_key(copy.get("_id")) == matched_key(turn.get("_id")) and len(set(content)) == 1
 
 
 def turns_after_the_move(db: Database[dict[str, Any]]) -> dict[str, int]:

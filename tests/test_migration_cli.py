@@ -851,6 +851,33 @@ def test_a_killed_copy_refuses_a_turn_it_confirmed_that_holds_text_not_valid_utf
     assert _moved_once_corrected(db, "t-1") == {"t-0": "q0", "t-1": "corrected", "t-2": "q2"}
 
 
+@pytest.mark.parametrize(
+    ("standing", "refusal"),
+    [(EDITED_NOT_UTF8, "a rollback that copied the turns back"),
+     ("other \udcc3( words", "with other content")],
+    ids=["the same bytes", "other bytes"],
+)  # fmt: skip
+def test_a_turn_not_valid_utf8_in_both_collections_is_compared_unencoded(
+    standing: str, refusal: str
+) -> None:
+    """MIGRATION.md: `agent_conversations` holds a turn under the `_id` of a moved turn, both
+    holding text that is not valid UTF-8 (a rename moved such a turn, a rollback copied it
+    back, or the old service logged another under its `_id`): the check for a leftover
+    collection compares them without encoding either and refuses as for clean text, the same
+    turn as a rollback's leftover, another as other content (was: a UnicodeEncodeError
+    traceback out of the check)."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[LEGACY_TURNS].insert_many([latency_turn(n, 7) for n in range(2)])
+    db[CONVERSATIONS].insert_one(latency_turn(1, 7))
+    edit_to_text_not_utf8(db[LEGACY_TURNS], "t-1")
+    edit_to_text_not_utf8(db[CONVERSATIONS], "t-1")
+    documents = db[CONVERSATIONS]._store._documents
+    documents["t-1"] = {**documents["t-1"], "user_message": standing}
+
+    with pytest.raises(MigrationError, match=refusal):
+        relocate.refuse_leftover(db)
+
+
 class KilledRun(BaseException):
     """A run killed at a step of a copy batch: nothing of the run catches it, as nothing
     catches a SIGKILL."""

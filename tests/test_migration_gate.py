@@ -8814,3 +8814,79 @@ def test_a_conversation_the_old_service_wrote_to_after_a_rollback_is_written_aga
     assert again.get("epoch") == written["epoch"]
     assert not again.get("epoch_marks")
     assert _graph_state(wire_uri, database, "x") == {"plan": "OLD RELEASE PLAN"}
+
+
+def _late_turns_logged(database: Database[dict[str, Any]], turns: list[dict[str, Any]]) -> None:
+    """The old service logs `turns` in `agent_conversations` after the move, each `MARKER` in
+    them text that is not valid UTF-8 (`hold_not_utf8`)."""
+    database[CONVERSATIONS].insert_many(turns)
+    hold_not_utf8(database[CONVERSATIONS])
+
+
+def test_a_late_turn_not_valid_utf8_under_a_moved_turns_id_is_refused_with_advice(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md: after a finished migration the old service logs a turn under the `_id` of
+    a moved turn, holding text that is not valid UTF-8, and a clean late turn. `run` and
+    `run --dry-run` refuse it as they refuse one of clean text there (exit 1, "give the turn
+    another _id"), encoding nothing, every time (was: a UnicodeEncodeError traceback out of
+    every run, naming nothing). Given another `_id`, the turn is left in
+    `agent_conversations` as stored, named, its conversation held back, and the clean late
+    turn moves and migrates."""
+    turns = [legacy_turn("x1", "c", 0, "one"), legacy_turn("x2", "c", 1, "two"),
+             legacy_turn("y1", "other", 2, "other")]  # fmt: skip
+    database = _on_mongomock(monkeypatch, turns)
+    assert cli("mongodb://unused", database, "run", "--spread", "1") == 0
+    _late_turns_logged(
+        database, [legacy_turn("x2", "c", 3, MARKER), legacy_turn("y2", "other", 4, "late")]
+    )
+    _encoding_queries(monkeypatch)
+    capsys.readouterr()
+
+    for command in [("run",), ("run",), ("run", "--dry-run")]:
+        assert cli("mongodb://unused", database, *command, "--spread", "1") == 1
+        said = capsys.readouterr().err
+        assert "'x2' exists in agent_conversations_deprecated with other content" in said
+        assert "give the turn in agent_conversations another _id" in said
+    assert database[LEGACY_TURNS].find_one({"_id": "x2"})["user_message"] == "two question"  # type: ignore[index]
+
+    database[CONVERSATIONS].delete_one({"_id": "x2"})  # the operator: another _id
+    _late_turns_logged(database, [legacy_turn("x3", "c", 3, MARKER)])
+    assert cli("mongodb://unused", database, "run", "--spread", "1") == 0
+    out = capsys.readouterr().out
+
+    assert "turn 'x3' (user_message holds bytes that are not valid UTF-8)" in out, out
+    assert "hold back their conversations 'c'" in out, out
+    assert [t["_id"] for t in database[CONVERSATIONS].find({"user_message": {"$exists": 1}})] == [
+        "x3"
+    ]
+    late = database[MESSAGES].find({"conversation_id": "other", "role": "user"}, sort=[("seq", 1)])
+    assert [m["content"] for m in late] == ["other question", "late question"]
+
+
+def test_a_turn_whose_id_is_not_valid_utf8_left_by_a_copy_is_named_again_by_every_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md: a copy leaves a turn whose `_id` holds text that is not valid UTF-8 in
+    `agent_conversations`, named, its conversation held back; every later `run` (and
+    `run --dry-run`) names it again and migrates the others, sending its `_id` in no query
+    (was: a UnicodeEncodeError traceback out of every run after the first, the `_id` sent in
+    the check for a collection a rollback left standing)."""
+    monkeypatch.setattr(
+        relocate, "relocate", functools.partial(relocate.relocate, allow_rename=False)
+    )
+    database = _on_mongomock(monkeypatch, _turns_one_not_utf8("_id"))
+    _encoding_queries(monkeypatch)
+    bad_id = "t-bad" + NOT_UTF8
+
+    for command in [("run",), ("run",), ("run", "--dry-run"), ("run",)]:
+        assert cli("mongodb://unused", database, *command, "--spread", "1") == 0
+        out = capsys.readouterr().out
+        if command != ("run", "--dry-run"):
+            assert f"turn {bad_id!r} (_id holds bytes that are not valid UTF-8)" in out, out
+            assert "hold back their conversations 'c-bad'" in out, out
+    migrated = {m["conversation_id"] for m in database[MESSAGES].find()}
+    assert migrated == {"c-good-1", "c-good-2"}
+    assert [t["_id"] for t in database[CONVERSATIONS].find({"user_message": {"$exists": 1}})] == [
+        bad_id
+    ]
