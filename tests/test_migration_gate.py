@@ -8679,6 +8679,26 @@ def test_the_gate_holds_while_the_store_serves_a_migrated_message_as_another_lif
     assert cli(wire_uri, database, "finish") == 0
 
 
+def _checkpoint_naming_no_life(
+    wire_uri: str, database: Database[dict[str, Any]], thread_id: str, plan: str
+) -> None:
+    """A graph checkpoint of `thread_id` holding `plan` that names no conversation's life, as
+    one written before checkpoints named their conversation."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    from agent_store.integrations.langgraph import CHECKPOINTS, AgentStoreSaver
+
+    async def put(db: Any) -> None:
+        state = empty_checkpoint()
+        state["channel_values"] = {"plan": plan}
+        config = {"configurable": {"thread_id": thread_id, "user_id": "u-1"}}
+        await AgentStoreSaver(db).aput(config, state, {}, {})
+        unnamed = {"epoch": "", "conversation_created_ms": ""}
+        await db[CHECKPOINTS].update_many({"thread_id": thread_id}, {"$unset": unnamed})
+
+    _on_its_database(wire_uri, database, put)
+
+
 @pytest.mark.wire
 def test_a_conversation_created_live_keeps_its_epoch_marks_across_a_rollback(
     wire_uri: str, database: Database[dict[str, Any]]
@@ -8689,23 +8709,10 @@ def test_a_conversation_created_live_keeps_its_epoch_marks_across_a_rollback(
     live messages carry and its marks, so a graph checkpoint of its thread naming no life
     (written before documents named one) is still none of its state (was: `epoch_marks`
     dropped, and that checkpoint served to its owner)."""
-    from langgraph.checkpoint.base import empty_checkpoint
-
-    from agent_store.integrations.langgraph import CHECKPOINTS, AgentStoreSaver
-
     database[CONVERSATIONS].insert_one(legacy_turn("t-1", "other", 0, "OTHER"))
     assert cli(wire_uri, database, "run") == 0
     log_live(wire_uri, database, "x", "live-1", "LIVE", dual_write=True)
-
-    async def stray(db: Any) -> None:
-        state = empty_checkpoint()
-        state["channel_values"] = {"plan": "STRAY PLAN OF ANOTHER LIFE"}
-        config = {"configurable": {"thread_id": "x", "user_id": "u-1"}}
-        await AgentStoreSaver(db).aput(config, state, {}, {})
-        unnamed = {"epoch": "", "conversation_created_ms": ""}
-        await db[CHECKPOINTS].update_many({"thread_id": "x"}, {"$unset": unnamed})
-
-    _on_its_database(wire_uri, database, stray)
+    _checkpoint_naming_no_life(wire_uri, database, "x", "STRAY PLAN OF ANOTHER LIFE")
     assert _graph_state(wire_uri, database, "x") is None
     written = database[CONVERSATIONS].find_one({"_id": "x"})
     assert written is not None
@@ -8784,23 +8791,10 @@ def test_a_conversation_the_old_service_wrote_to_after_a_rollback_is_written_aga
     write), and the second attempt's run: documents the old release wrote beside it name no
     epoch, so its document is written again with its epoch but without `epoch_marks`, and a
     graph checkpoint of its thread naming none is served to its owner, not hidden."""
-    from langgraph.checkpoint.base import empty_checkpoint
-
-    from agent_store.integrations.langgraph import CHECKPOINTS, AgentStoreSaver
-
     database[CONVERSATIONS].insert_one(legacy_turn("t-1", "other", 0, "OTHER"))
     assert cli(wire_uri, database, "run") == 0
     log_live(wire_uri, database, "x", "live-1", "LIVE", dual_write=True)
-
-    async def old_release_checkpoint(db: Any) -> None:
-        state = empty_checkpoint()
-        state["channel_values"] = {"plan": "OLD RELEASE PLAN"}
-        config = {"configurable": {"thread_id": "x", "user_id": "u-1"}}
-        await AgentStoreSaver(db).aput(config, state, {}, {})
-        unnamed = {"epoch": "", "conversation_created_ms": ""}
-        await db[CHECKPOINTS].update_many({"thread_id": "x"}, {"$unset": unnamed})
-
-    _on_its_database(wire_uri, database, old_release_checkpoint)
+    _checkpoint_naming_no_life(wire_uri, database, "x", "OLD RELEASE PLAN")
     written = database[CONVERSATIONS].find_one({"_id": "x"})
     assert written is not None
     assert written.get("epoch_marks") is True
