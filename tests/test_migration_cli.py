@@ -713,14 +713,9 @@ def test_a_copy_killed_after_copying_an_edit_takes_back_the_copy_of_a_turn_delet
     assert sorted(t["_id"] for t in db[LEGACY_TURNS].find()) == ["t-0", "t-2"]
 
 
-def test_a_copy_killed_before_its_check_resumes_with_a_turn_the_old_service_edited_since(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A copy is killed once its insert stands, before it checked the source again; while
-    it is down the old service edits a turn of that batch. The copy under its `_id` is the
-    batch's own (in flight, its digest recorded): the resumed copy makes it the turn as
-    edited and moves every turn once (was: refused as another document holding other
-    content, exit 1, with advice to give the turn another `_id`, which does not fit)."""
+def _copy_killed_before_its_check(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A database of three turns whose copy was killed once its first batch's insert stood,
+    before its check (`_still_in_source`)."""
     db: Any = mongomock.MongoClient()["legacy"]
     db[CONVERSATIONS].insert_many([latency_turn(n, 7) for n in range(3)])
 
@@ -731,6 +726,18 @@ def test_a_copy_killed_before_its_check_resumes_with_a_turn_the_old_service_edit
     with pytest.raises(KilledRun):
         relocate.relocate(db, allow_rename=False)
     monkeypatch.undo()
+    return db
+
+
+def test_a_copy_killed_before_its_check_resumes_with_a_turn_the_old_service_edited_since(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A copy is killed once its insert stands, before it checked the source again; while
+    it is down the old service edits a turn of that batch. The copy under its `_id` is the
+    batch's own (in flight, its digest recorded): the resumed copy makes it the turn as
+    edited and moves every turn once (was: refused as another document holding other
+    content, exit 1, with advice to give the turn another `_id`, which does not fit)."""
+    db = _copy_killed_before_its_check(monkeypatch)
     db[CONVERSATIONS].update_one({"_id": "t-1"}, {"$set": {"latency_ms": 9}})  # while down
 
     assert relocate.relocate(db, allow_rename=False).how == "copied"
@@ -771,16 +778,7 @@ def test_a_killed_copy_takes_back_its_copy_of_a_turn_edited_since_to_text_not_va
     stale copy is served or migrated; once the text is corrected the next run moves it once
     (was: the pre-edit copy kept, the copy's records cleared, the next run refused it as
     "other content", and the advice given stored the turn twice)."""
-    db: Any = mongomock.MongoClient()["legacy"]
-    db[CONVERSATIONS].insert_many([latency_turn(n, 7) for n in range(3)])
-
-    def killed_before_the_check(*args: Any) -> Any:
-        raise KilledRun
-
-    monkeypatch.setattr(relocate, "_still_in_source", killed_before_the_check)
-    with pytest.raises(KilledRun):
-        relocate.relocate(db, allow_rename=False)
-    monkeypatch.undo()
+    db = _copy_killed_before_its_check(monkeypatch)
     edit_to_text_not_utf8(db[CONVERSATIONS], "t-1")  # while the copy is down
 
     moved = relocate.relocate(db, allow_rename=False)
