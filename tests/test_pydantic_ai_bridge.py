@@ -2399,6 +2399,19 @@ HER_DENIAL: dict[str, Any] = {"content": None, "error": {"message": "tool call d
 A_RESULT: dict[str, Any] = {"content": "paid B"}
 
 
+async def _resumed_denying_what_she_denied(
+    logger: AgentMessageLogger, store: ConversationStore
+) -> tuple[Any, DeferredToolResults]:
+    """Run 1 pauses on bills A and B; the person denies B over HTTP; the runtime, from a read
+    before her denial, resumes approving A and denying B. The resumed run, not logged yet,
+    and the results it was resumed with."""
+    agent = _billing_agent(["A", "B"], fail=set())
+    history = await _paused(logger, store, agent)
+    await _answered_over_http(logger, store, "c-B", HER_DENIAL)
+    results = DeferredToolResults(approvals={"c-A": True, "c-B": ToolDenied("Not B.")})
+    return await agent.run(message_history=history, deferred_tool_results=results), results
+
+
 async def test_a_resumed_run_denying_a_call_she_denied_first_stores_the_result_of_the_tool_that_ran(
     backend: Backend,
 ) -> None:
@@ -2410,11 +2423,7 @@ async def test_a_resumed_run_denying_a_call_she_denied_first_stores_the_result_o
     (was: `AnsweredBefore` naming B, nothing stored, A pending again and paid twice when
     resumed again from the store)."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
-    agent = _billing_agent(["A", "B"], fail=set())
-    history = await _paused(logger, store, agent)
-    await _answered_over_http(logger, store, "c-B", HER_DENIAL)
-    results = DeferredToolResults(approvals={"c-A": True, "c-B": ToolDenied("Not B.")})
-    run = await agent.run(message_history=history, deferred_tool_results=results)
+    run, results = await _resumed_denying_what_she_denied(logger, store)
     resumed = run.new_messages()
 
     logged = await log_run(
@@ -2476,11 +2485,7 @@ async def test_a_resumed_run_whose_settled_denial_she_took_back_meanwhile_stores
     is left pending and the turn returned holds both answers (was: A's result stored without
     B's denial, B pending again, the turn giving no sign)."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
-    agent = _billing_agent(["A", "B"], fail=set())
-    history = await _paused(logger, store, agent)
-    await _answered_over_http(logger, store, "c-B", HER_DENIAL)
-    results = DeferredToolResults(approvals={"c-A": True, "c-B": ToolDenied("Not B.")})
-    run = await agent.run(message_history=history, deferred_tool_results=results)
+    run, results = await _resumed_denying_what_she_denied(logger, store)
     judged = logger.calls_denied_first
 
     async def her_denial_taken_back(*args: Any, **kwargs: Any) -> set[str]:
