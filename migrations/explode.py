@@ -943,7 +943,10 @@ class Explosion:
             return None
         self.late = {id_key(cid): cid for cid in owed}
         done, kinds = dict(state.get("done") or {}), dict(state.get("kinds") or {})
-        return Ranges(list(state["ranges"]), done, kinds, cut_by=state.get(RANGES_CUT_BY))
+        passed = {index: list(keys) for index, keys in (state.get("passed") or {}).items()}
+        return Ranges(
+            list(state["ranges"]), done, kinds, passed=passed, cut_by=state.get(RANGES_CUT_BY)
+        )
 
     def plan(self, after: Ranges | None) -> Ranges:
         """The ranges this run goes through: the resumed run's, or a new cut of the id space
@@ -961,6 +964,7 @@ class Explosion:
             "ranges": ranges.starts,
             "done": ranges.done,
             "kinds": ranges.kinds,
+            "passed": ranges.passed,
             "complete": complete,
             RANGES_CUT_BY: ranges.cut_by,
         }
