@@ -26,7 +26,7 @@ from bson import Decimal128, ObjectId
 from pymongo.database import Database
 from pymongo.errors import OperationFailure
 
-from agent_store.legacy import not_utf8_at
+from agent_store.legacy import not_utf8_at, texts_not_identifiers
 from migrations.keys import id_key
 
 _END = object()
@@ -129,6 +129,24 @@ class Ranges:
         self.done[str(index)] = value
         self.kinds[str(index)] = kind
         self.passed.pop(str(index), None)
+
+
+def passed_still_there(
+    db: Database[dict[str, Any]], source: str, match: dict[str, Any], ranges: Ranges
+) -> bool:
+    """Whether every id the ranges passed (`Ranges.passed`) is still an id of `source`'s
+    turns matching `match`: one gone was corrected since, to an id that may sort anywhere,
+    before a checkpoint too. Found among the ids that may hold such text (text that is no
+    identifier, and those of `REST`), by their keys."""
+    wanted = {key for keys in ranges.passed.values() for key in keys}
+    others = {"$nor": [{"conversation_id": c} for _, c in _BRACKETS]}
+    holding = {"$or": [texts_not_identifiers("conversation_id"), others, _ARRAY]}
+    if wanted:
+        for turn in db[source].find({"$and": [match, holding]}, {"conversation_id": 1}):
+            wanted.discard(id_key(turn.get("conversation_id")))
+            if not wanted:
+                break
+    return not wanted
 
 
 def plan_ranges(
