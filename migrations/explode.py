@@ -83,7 +83,7 @@ from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS, Bounds
 from migrations.errors import Misuse
 from migrations.keys import id_key, identity
 from migrations.lease import STATE, STATE_ID, Lease
-from migrations.order import Ranges, plan_ranges, range_ids, spread_ids
+from migrations.order import Ranges, passed_still_there, plan_ranges, range_ids, spread_ids
 from migrations.relocate import (
     LATE,
     LATE_OVERFLOW,
@@ -934,16 +934,23 @@ class Explosion:
         before a checkpoint. None when a move since brought in too many to list, or every
         turn at once (`relocate.LATE_OVERFLOW`), or the state lists more than it may
         (`relocate.late_fits`: written by an earlier version, it could not be written again at
-        a checkpoint): the run cuts new ranges, reaching every id."""
+        a checkpoint), or an id a range passed as it could not record it is gone (corrected
+        since: `order.passed_still_there`): the run cuts new ranges, reaching every id."""
         if self.options.restart or self.options.conversation is not None:
             return None
         state = self.db[STATE].find_one({"_id": STATE_ID}) or {}
         owed = list(state.get(LATE) or [])
         if not ranges_unfinished(state) or state.get(LATE_OVERFLOW) or not late_fits(owed):
             return None
-        self.late = {id_key(cid): cid for cid in owed}
         done, kinds = dict(state.get("done") or {}), dict(state.get("kinds") or {})
-        return Ranges(list(state["ranges"]), done, kinds, cut_by=state.get(RANGES_CUT_BY))
+        passed = {index: list(keys) for index, keys in (state.get("passed") or {}).items()}
+        ranges = Ranges(
+            list(state["ranges"]), done, kinds, passed=passed, cut_by=state.get(RANGES_CUT_BY)
+        )
+        if not passed_still_there(self.db, self.source, LEGACY_FILTER, ranges):
+            return None
+        self.late = {id_key(cid): cid for cid in owed}
+        return ranges
 
     def plan(self, after: Ranges | None) -> Ranges:
         """The ranges this run goes through: the resumed run's, or a new cut of the id space
@@ -961,6 +968,7 @@ class Explosion:
             "ranges": ranges.starts,
             "done": ranges.done,
             "kinds": ranges.kinds,
+            "passed": ranges.passed,
             "complete": complete,
             RANGES_CUT_BY: ranges.cut_by,
         }

@@ -26,7 +26,7 @@ from bson import Decimal128, ObjectId
 from pymongo.database import Database
 from pymongo.errors import OperationFailure
 
-from agent_store.legacy import not_utf8_at
+from agent_store.legacy import not_utf8_at, texts_not_identifiers
 from migrations.keys import id_key
 
 _END = object()
@@ -90,6 +90,11 @@ class Ranges:
     """The last id migrated in each range, by the range's index as a string."""
     kinds: dict[str, str] = field(default_factory=dict)
     """The kind each range's last id was read under (`_BRACKETS`, `REST`)."""
+    passed: dict[str, list[bytes]] = field(default_factory=dict)
+    """The ids read past each range's last id that it cannot record as they are (holding text
+    that is not valid UTF-8, which no state document nor query holds), by their `id_key`: a
+    resume reads on from the last id recorded and passes over these, so the range's progress
+    goes past them, and an id corrected since (another key) is read as any other."""
     cut_by: str | None = None
     """The run that cut them (`Explosion.plan`), which the runs resuming them go on with; None
     when not known (a state recorded before runs recorded it)."""
@@ -112,13 +117,36 @@ class Ranges:
         return self.kinds.get(str(index)) or kind_of(value), value
 
     def mark(self, index: int, kind: str, value: Any) -> None:
-        """Record `value` as the last id done in range `index`: never one holding text that
-        is not valid UTF-8 (`not_utf8_at`), which no state document nor query holds; the
-        checkpoint stays before it, so a resume reads it again (its problem recorded again)."""
+        """Record `value` as the last id done in range `index`. One holding text that is not
+        valid UTF-8 (`not_utf8_at`) is recorded as passed (`passed`, by its key): the
+        checkpoint stays at the last id before it, and a resume passes over it (its problem
+        stays recorded), while the same id corrected is another key, read again."""
         if not_utf8_at(value) is not None:
+            passed = self.passed.setdefault(str(index), [])
+            if id_key(value) not in passed:
+                passed.append(id_key(value))
             return
         self.done[str(index)] = value
         self.kinds[str(index)] = kind
+        self.passed.pop(str(index), None)
+
+
+def passed_still_there(
+    db: Database[dict[str, Any]], source: str, match: dict[str, Any], ranges: Ranges
+) -> bool:
+    """Whether every id the ranges passed (`Ranges.passed`) is still an id of `source`'s
+    turns matching `match`: one gone was corrected since, to an id that may sort anywhere,
+    before a checkpoint too. Found among the ids that may hold such text (text that is no
+    identifier, and those of `REST`), by their keys."""
+    wanted = {key for keys in ranges.passed.values() for key in keys}
+    others = {"$nor": [{"conversation_id": c} for _, c in _BRACKETS]}
+    holding = {"$or": [texts_not_identifiers("conversation_id"), others, _ARRAY]}
+    if wanted:
+        for turn in db[source].find({"$and": [match, holding]}, {"conversation_id": 1}):
+            wanted.discard(id_key(turn.get("conversation_id")))
+            if not wanted:
+                break
+    return not wanted
 
 
 def plan_ranges(
@@ -159,10 +187,19 @@ def range_ids(
     index: int = 0,
 ) -> Iterator[tuple[str, Any]]:
     """(kind, id) of the distinct conversation ids of `source`'s documents matching `match`
-    in range `index` of `ranges`, past its checkpoint, streamed from the server: kind after
-    kind (`_BRACKETS`, then `REST`), each sorted by the server. The range's bounds filter
-    before grouping, so a range reads its own documents (through the conversation id index)."""
+    in range `index` of `ranges`, past its checkpoint but for those it passed
+    (`Ranges.passed`), streamed from the server: kind after kind (`_BRACKETS`, then `REST`),
+    each sorted by the server. The range's bounds filter before grouping, so a range reads
+    its own documents (through the conversation id index)."""
     ranges = ranges or Ranges()
+    passed = set(ranges.passed.get(str(index)) or ())
+    found = _ids_past_checkpoint(db, source, match, ranges, index)
+    yield from (pair for pair in found if not passed or id_key(pair[1]) not in passed)
+
+
+def _ids_past_checkpoint(
+    db: Database[dict[str, Any]], source: str, match: dict[str, Any], ranges: Ranges, index: int
+) -> Iterator[tuple[str, Any]]:
     within = [match, ranges.bounds(index)]
     kinds = ["string"] if len(ranges.starts) > 1 else _KINDS
     checkpoint = ranges.checkpoint(index)

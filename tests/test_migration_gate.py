@@ -8146,15 +8146,84 @@ def test_a_turn_whose_id_holds_bytes_that_are_not_valid_utf8_is_a_named_problem(
 
 def test_an_id_holding_text_that_is_not_valid_utf8_is_no_checkpoint_and_a_key_apart() -> None:
     """An id holding text that is not valid UTF-8 is never a range's checkpoint (no state
-    document nor query holds it: a resume reads it again), and is a key apart from any other
-    id, the text spelling its escape too (`id_key`)."""
+    document nor query holds it): the range records it as passed, by its key, beside the last
+    id before it, until an id after it is done; and it is a key apart from any other id, the
+    text spelling its escape too (`id_key`)."""
     ranges = order.Ranges()
     ranges.mark(0, "string", "c-1")
     ranges.mark(0, "string", NOT_UTF8)
     assert ranges.done == {"0": "c-1"}
+    assert ranges.passed == {"0": [explode.id_key(NOT_UTF8)]}
+    ranges.mark(0, "string", "c-2")
+    assert (ranges.done, ranges.passed) == ({"0": "c-2"}, {})
     escaped = NOT_UTF8.encode("ascii", "backslashreplace").decode()
     keys = {explode.id_key(v) for v in (NOT_UTF8, escaped, [NOT_UTF8], {"a": NOT_UTF8})}
     assert len(keys) == 4
+
+
+def test_a_limited_run_passes_an_id_holding_text_that_is_not_valid_utf8(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md: a range's checkpoint passes an id holding text that is not valid UTF-8
+    (named as a problem, never recorded as it is): `run --limit 1` repeated migrates the ids
+    after it, one a run, and the run taking the last one completes the pass (was: every run
+    after the first read that id again, exit 0, and the ids after it never migrated)."""
+    ids = ["c-a", "c-b" + MARKER, "c-c", "c-d"]
+    turns = [legacy_turn(f"t-{n}", cid, n, f"q{n}") for n, cid in enumerate(ids)]
+    limited = ("run", "--spread", "1", "--limit", "1", "--batch-size", "1")
+    codes, database = _commands_on_mongomock(monkeypatch, turns, commands=[limited] * 4)
+    out = capsys.readouterr().out
+
+    assert codes == [0] * 4, out
+    assert {m["conversation_id"] for m in database[MESSAGES].find()} == {"c-a", "c-c", "c-d"}
+    assert (database[lease.STATE].find_one({"_id": lease.STATE_ID}) or {})["complete"] is True
+
+
+def test_a_corrected_nested_id_that_was_not_valid_utf8_migrates_on_the_next_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md: a conversation id that is an embedded document holding text that is not
+    valid UTF-8 is named (`unread_conversation`: correct it in the database, then run again)
+    and passed, so the run completes; once corrected, the next plain `run` migrates it and the
+    gate opens (was: the run never completed, the next one resumed past the corrected id and
+    migrated nothing, and `verify` and `finish` said "run the migration again" for ever)."""
+    turns = [legacy_turn("t-a", "c-a", 0, "one"), legacy_turn("t-c", "c-c", 2, "three")]
+    turns.append(legacy_turn("t-b", "c-b", 1, "two") | {"conversation_id": {"k": MARKER}})
+    run = ("run", "--spread", "1")
+    codes, database = _commands_on_mongomock(monkeypatch, turns, commands=[run, ("verify",)])
+    assert codes == [0, 1]
+    [problem] = database[PROBLEMS].find()
+    assert problem["kind"] == "unread_conversation"
+    assert "correct it in the database" in problem["detail"]
+
+    database[LEGACY_TURNS].update_one({"_id": "t-b"}, {"$set": {"conversation_id": "c-b"}})
+    codes = [cli("mongodb://unused", database, *c) for c in (run, ("verify",), ("finish",))]
+    out = capsys.readouterr().out
+
+    assert codes == [0, 0, 0], out
+    assert {m["conversation_id"] for m in database[MESSAGES].find()} == {"c-a", "c-b", "c-c"}
+
+
+def test_an_id_corrected_during_a_pass_that_passed_it_migrates_on_the_next_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md: an id holding text that is not valid UTF-8 that a stopped pass went past,
+    corrected before the pass completes to an id sorting before the last one it recorded, is
+    migrated by the next plain `run`: a passed id gone from the legacy turns makes the run start
+    over, since its correction may sort anywhere (was: the resume went on past it, and only the
+    run after the completed pass reached it)."""
+    ids = ["c-a", "c-b" + MARKER, "c-c", "c-d"]
+    turns = [legacy_turn(f"t-{n}", cid, n, f"q{n}") for n, cid in enumerate(ids)]
+    limited = ("run", "--spread", "1", "--limit", "1", "--batch-size", "1")
+    _, database = _commands_on_mongomock(monkeypatch, turns, commands=[limited] * 2)
+
+    database[LEGACY_TURNS].update_one({"_id": "t-1"}, {"$set": {"conversation_id": "c-0"}})
+    codes = [cli("mongodb://unused", database, *c) for c in (limited[:3], ("verify",))]
+    out = capsys.readouterr().out
+
+    assert codes == [0, 0], out
+    migrated = {m["conversation_id"] for m in database[MESSAGES].find()}
+    assert migrated == {"c-0", "c-a", "c-c", "c-d"}
 
 
 @pytest.mark.wire
