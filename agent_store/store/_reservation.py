@@ -1178,10 +1178,10 @@ def answer_found(found: Sequence[Mapping[str, Any]], call_id: str, made_by: str)
     (`core.calls_answered`: an answer takes the latest earlier call of its id without one):
     "answered" when a stored answer takes it, "followed" when a later call of its id has
     none (an answer now would take that call), None when it awaits its answer."""
-    start = next((i for i, d in enumerate(found) if d.get("_id") == made_by), None)
-    if start is None:
+    paired = _paired(found, call_id, made_by)
+    if paired is None:
         return None
-    calls, answers = _paired(found, call_id, start)
+    start, calls, answers = paired
     if start in answers:
         return "answered"
     return "followed" if any(c not in answers for c in calls if c != start) else None
@@ -1192,18 +1192,22 @@ def answers_found(
 ) -> list[Mapping[str, Any]]:
     """The stored answers among `found` (`answers_lookup`, in `seq` order) that the pairing
     of `answer_found` gives the call `call_id` the message `made_by` makes, in `seq` order."""
-    start = next((i for i, d in enumerate(found) if d.get("_id") == made_by), None)
-    if start is None:
+    paired = _paired(found, call_id, made_by)
+    if paired is None:
         return []
-    _, answers = _paired(found, call_id, start)
+    start, _, answers = paired
     return [found[index] for index in answers.get(start, ())]
 
 
 def _paired(
-    found: Sequence[Mapping[str, Any]], call_id: str, start: int
-) -> tuple[list[int], dict[int, list[int]]]:
-    """From `found[start]` on, the messages making a call of `call_id` (their indexes), and
-    the answers each takes (an answer takes the latest earlier call of its id without one)."""
+    found: Sequence[Mapping[str, Any]], call_id: str, made_by: str
+) -> tuple[int, list[int], dict[int, list[int]]] | None:
+    """From the message `made_by` on (`start`, its index in `found`; None when it is not
+    there), the messages making a call of `call_id` (their indexes), and the answers each
+    takes (an answer takes the latest earlier call of its id without one)."""
+    start = next((i for i, d in enumerate(found) if d.get("_id") == made_by), None)
+    if start is None:
+        return None
     calls: list[int] = []
     answers: dict[int, list[int]] = {}
     for index in range(start, len(found)):
@@ -1214,7 +1218,7 @@ def _paired(
         elif message.get("role") == "tool" and message.get("tool_call_id") == call_id and calls:
             taken = next((c for c in reversed(calls) if c not in answers), calls[-1])
             answers.setdefault(taken, []).append(index)
-    return calls, answers
+    return start, calls, answers
 
 
 @dataclass(frozen=True)
