@@ -831,12 +831,7 @@ def test_a_killed_copy_refuses_a_turn_it_confirmed_that_holds_text_not_valid_utf
     stale copy is migrated unsaid (was: the turn left in `agent_conversations`, the pre-edit
     copy kept, the copy's records cleared). Told that it is the moved turn edited, the
     operator deletes the copy and corrects the text: the next run moves it once."""
-    db: Any = mongomock.MongoClient()["legacy"]
-    db[CONVERSATIONS].insert_many([latency_turn(n, 7) for n in range(3)])
-    kill_the_first_copy_batch_after(monkeypatch, "confirmed")
-    with pytest.raises(KilledRun):
-        relocate.relocate(db, allow_rename=False)
-    monkeypatch.undo()
+    db = _copy_killed_after(monkeypatch, "confirmed")
     edit_to_text_not_utf8(db[CONVERSATIONS], "t-1")  # while the copy is down
 
     with pytest.raises(MigrationError, match="is not the one a killed copy confirmed moving"):
@@ -914,6 +909,18 @@ class _StepsOf:
     def _done(self, step: str) -> None:
         if step == self.kill_after:
             raise KilledRun(step)
+
+
+def _copy_killed_after(monkeypatch: pytest.MonkeyPatch, step: str) -> Any:
+    """A database of three turns whose copy was killed right after its first batch reached
+    `step` (`kill_the_first_copy_batch_after`)."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[CONVERSATIONS].insert_many([latency_turn(n, 7) for n in range(3)])
+    kill_the_first_copy_batch_after(monkeypatch, step)
+    with pytest.raises(KilledRun):
+        relocate.relocate(db, allow_rename=False)
+    monkeypatch.undo()
+    return db
 
 
 def kill_the_first_copy_batch_after(monkeypatch: pytest.MonkeyPatch, step: str) -> None:
@@ -1143,12 +1150,7 @@ def test_a_turn_logged_under_the_id_of_one_a_killed_copy_moved_never_overwrites_
     of `t-1` the delete missed: it refuses, exit 1, and the moved turn stays as moved (was:
     taken for the killed copy's own, confirmed, and overwritten: its words in no collection,
     `run`, `verify` and `finish` at 0)."""
-    db: Any = mongomock.MongoClient()["legacy"]
-    db[CONVERSATIONS].insert_many([latency_turn(n, 7) for n in range(3)])
-    kill_the_first_copy_batch_after(monkeypatch, "deleted")
-    with pytest.raises(KilledRun):
-        relocate.relocate(db, allow_rename=False)
-    monkeypatch.undo()
+    db = _copy_killed_after(monkeypatch, "deleted")
     conversation = (
         "c-other" if logged_in == "another conversation" else latency_turn(1, 7)["conversation_id"]
     )
