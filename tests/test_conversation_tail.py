@@ -1088,12 +1088,10 @@ async def test_a_pop_takes_back_an_automatic_name_stored_without_its_message(
     assert (unnamed.name, unnamed.name_source) == (None, None)
 
 
-def stall_after_reserving(
-    logger: AgentMessageLogger, seconds: float, released: asyncio.Event | None = None
-) -> asyncio.Event:
-    """The logger's first reservation returns, then the writer stalls `seconds` (or until
-    `released` is set) before going on (alive but slow: a pause, a throttled CPU): the event
-    is set once it has reserved."""
+def stall_after_reserving(logger: AgentMessageLogger, released: asyncio.Event) -> asyncio.Event:
+    """The logger's first reservation returns, then the writer stalls until `released` is set
+    before going on (alive but slow: a pause, a throttled CPU): the event returned is set once
+    it has reserved."""
     reserved, real = asyncio.Event(), logger._conversations
     reserve = real.find_one_and_update
 
@@ -1101,7 +1099,7 @@ def stall_after_reserving(
         doc = await reserve(*args, **kwargs)
         if not reserved.is_set():
             reserved.set()
-            await (asyncio.sleep(seconds) if released is None else released.wait())
+            await released.wait()
         return doc
 
     real.find_one_and_update = stalled  # type: ignore[method-assign]
@@ -1117,14 +1115,15 @@ async def test_a_writer_slower_than_abandon_after_stores_its_turn_past_what_read
     a late retry does, and is answered with the `seq`s its messages are at; a follower reads
     them."""
     rules = TurnRules(abandon_after=timedelta(seconds=0.3))
-    fast = AgentMessageLogger(backend.db, rules=rules)
+    fast = AgentMessageLogger(backend.db)  # never slower than its `abandon_after`, however loaded
     await fast.ensure_indexes()
     store = ConversationStore(backend.db, rules=rules)
     await fast.log_messages(CID, [user("t0?"), answer("t0!")], turn_id="t0")
     page = await store.messages_page(CID)
     seen, after = [m.seq for m in page.data], page.last_id
     slow = AgentMessageLogger(backend.db, rules=rules)
-    reserved = stall_after_reserving(slow, 1.2)
+    released = asyncio.Event()
+    reserved = stall_after_reserving(slow, released)
 
     writer = asyncio.create_task(slow.log_messages(CID, [user("t1?"), answer("t1!")], turn_id="t1"))
     await reserved.wait()  # t1 holds seq 2-3
@@ -1133,6 +1132,7 @@ async def test_a_writer_slower_than_abandon_after_stores_its_turn_past_what_read
     page = await store.messages_page(CID, after=after)  # passes 2-3, older than abandon_after
     seen += [m.seq for m in page.data]
     after = page.last_id or after
+    released.set()  # the stalled writer goes on, past its `abandon_after`
     logged = await writer
     page = await store.messages_page(CID, after=after)
     seen += [m.seq for m in page.data]
@@ -1156,7 +1156,7 @@ async def test_a_late_turn_whose_move_keeps_losing_to_busy_writers_is_sent_again
     race), which `with_retries` retries, never a failure a caller drops the turn on. Sent
     again, it is stored once, at the end."""
     rules = TurnRules(abandon_after=timedelta(seconds=0.3))
-    fast = AgentMessageLogger(backend.db, rules=rules)
+    fast = AgentMessageLogger(backend.db)  # never slower than its `abandon_after`, however loaded
     await fast.log_messages(CID, [user("t0?"), answer("t0!")], turn_id="t0")
     slow = AgentMessageLogger(backend.db, rules=rules)
     command, commands = slow._conversations.find_one_and_update, 0
@@ -1200,26 +1200,32 @@ async def test_a_first_attempt_whose_neighbouring_record_the_window_dropped_is_s
     (`turns_recorded` 3; x's is kept as a turn's own). x's first attempt, too slow now to
     insert where it reserved, is stored at the end with its own content, never refused as
     other content; sent again it is a replay, and with other content it is refused."""
-    rules = TurnRules(turns_recorded=3, abandon_after=timedelta(seconds=0.3))
-    fast = AgentMessageLogger(backend.db, rules=rules)
+    patient = TurnRules(turns_recorded=3)
+    passing = TurnRules(turns_recorded=3, abandon_after=timedelta(0))  # every block aged
+    fast, late = (
+        AgentMessageLogger(backend.db, rules=patient),
+        AgentMessageLogger(backend.db, rules=passing),
+    )
     await fast.ensure_indexes()
     await fast.log_messages(CID, exchange("a"), turn_id="t-a")
-    slow = AgentMessageLogger(backend.db, rules=rules)
+    slow = AgentMessageLogger(
+        backend.db, rules=TurnRules(turns_recorded=3, abandon_after=timedelta(seconds=0.3))
+    )
     released = asyncio.Event()
-    reserved = stall_after_reserving(slow, 0, released)
+    reserved = stall_after_reserving(slow, released)
     first = asyncio.create_task(slow.log_messages(CID, exchange("x"), turn_id="t-x"))
     await reserved.wait()  # x holds seq 2-3
     for tag in ("y", "w"):
         await fast.log_messages(CID, exchange(tag), turn_id=f"t-{tag}")
         await backend.db[MESSAGES].delete_many({"turn_id": f"t-{tag}"})  # its insert lost
-        await asyncio.sleep(0.35)
-        await fast.log_messages(CID, exchange(tag), turn_id=f"t-{tag}")  # moved to the end
+        await late.log_messages(CID, exchange(tag), turn_id=f"t-{tag}")  # moved to the end
     found = await backend.db[CONVERSATIONS].find_one({"_id": CID})
     assert found is not None
     kept = [(r["f"], r["m"]) for r in found["turns"]]
     assert kept == [(2, False), (6, False), (8, True), (10, False)]  # the move's at 4 dropped
 
-    released.set()  # x goes on, older than `abandon_after`
+    await asyncio.sleep(0.3)
+    released.set()  # x goes on, older than its `abandon_after`
     logged = await first
 
     assert [(m.seq, m.content) for m in logged.messages] == [(12, "x?"), (13, "x!")]
@@ -1239,7 +1245,7 @@ async def test_a_delivery_slower_than_abandon_after_is_stored_past_what_readers_
     reserving its `seq` moves to the end before its insert; the inbox follows it there, and a
     follower and the runtime draining the inbox both read it."""
     rules = TurnRules(abandon_after=timedelta(seconds=0.3))
-    fast = AgentMessageLogger(backend.db, rules=rules)
+    fast = AgentMessageLogger(backend.db)  # never slower than its `abandon_after`, however loaded
     await fast.ensure_indexes()
     store = ConversationStore(backend.db, rules=rules)
     await fast.log_messages(CID, [user("start")], turn_id="t0")  # seq 0
@@ -1248,7 +1254,8 @@ async def test_a_delivery_slower_than_abandon_after_is_stored_past_what_readers_
     page = await store.messages_page(CID)
     seen, after = [m.seq for m in page.data], page.last_id
     slow = AgentMessageLogger(backend.db, rules=rules)
-    reserved = stall_after_reserving(slow, 1.2)
+    released = asyncio.Event()
+    reserved = stall_after_reserving(slow, released)
 
     steer = {"role": "user", "content": "in metric, please"}
     sender = asyncio.create_task(SteeringInbox(slow).try_deliver(CID, "t-running", steer))
@@ -1258,6 +1265,7 @@ async def test_a_delivery_slower_than_abandon_after_is_stored_past_what_readers_
     page = await store.messages_page(CID, after=after)  # passes seq 1
     seen += [m.seq for m in page.data]
     after = page.last_id or after
+    released.set()  # the stalled writer goes on, past its `abandon_after`
     assert await sender
     page = await store.messages_page(CID, after=after)
     seen += [m.seq for m in page.data]
