@@ -19,6 +19,7 @@ from agent_store import ConversationStore, LegacyTurns
 from agent_store.core import NotFound, StorageFailure
 from agent_store.legacy import (
     LEGACY_TURNS,
+    SESSION_HITL,
     as_text,
     convert,
     derived_conversation_id,
@@ -2354,16 +2355,17 @@ async def test_the_api_answers_a_legacy_turn_the_driver_cannot_decode_with_its_e
 
 
 class UndecodableText:
-    """A fake of the legacy collection on a server holding the turn `bad` whose
-    `user_message` is not valid UTF-8: a reply carrying that field fails as PyMongo's strict
-    decoding of it does (`InvalidBSON`); one leaving it out (a projection of other fields)
-    decodes."""
+    """A fake of a legacy collection on a server holding the document `bad` whose `texts`
+    (a turn's `user_message`; a prompt's `prompt`, `action`, `params`, `request_id`) are not
+    valid UTF-8: a reply carrying one of those fields fails as PyMongo's strict decoding of
+    it does (`InvalidBSON`); one leaving them out (a projection of other fields) decodes."""
 
-    def __init__(self, real: Any, bad: str) -> None:
-        self._real, self._bad = real, bad
+    def __init__(self, real: Any, bad: str, texts: tuple[str, ...] = ("user_message",)) -> None:
+        self._real, self._bad, self._texts = real, bad, texts
 
     def _decoded(self, documents: list[Any]) -> list[Any]:
-        if any(d.get("_id") == self._bad and "user_message" in d for d in documents if d):
+        holding = [d for d in documents if d and d.get("_id") == self._bad]
+        if any(field in d for d in holding for field in self._texts):
             raise bson.errors.InvalidBSON(
                 "'utf-8' codec can't decode byte 0xc3 in position 7: invalid continuation byte"
             )
@@ -2456,3 +2458,152 @@ async def test_the_api_answers_another_users_undecodable_legacy_conversation_wit
         )
         assert owners.status_code == 500
         assert owners.json()["error"]["code"] == "storage_failure"
+
+
+PROMPT_TEXTS = ("prompt", "action", "params", "request_id")
+"""The texts of a `session_hitl` prompt `UndecodableText` finds not valid UTF-8."""
+
+
+async def _legacy_with_undecodable_prompt(db: Any, *, owner: str, prompter: str | None) -> None:
+    """`owner`'s legacy-only conversation `c-x` (one turn) and, under its id, a pending
+    `session_hitl` prompt `p-bad` naming `prompter` (None: no user) whose texts the driver
+    cannot decode (`UndecodableText` over `PROMPT_TEXTS`)."""
+    await db[LEGACY_TURNS].insert_one(
+        {"_id": "t-1", "conversation_id": "c-x", "user_id": owner,
+         "created_at": MESSY_START, "user_message": f"{owner}'s question"}
+    )  # fmt: skip
+    await db[SESSION_HITL].insert_one(
+        {"_id": "p-bad", "conversation_id": "c-x", "user_id": prompter,
+         "request_id": "confirm-x", "action": "confirm", "prompt": "Pay 9 EUR?",
+         "status": "pending", "created_at": MESSY_START + timedelta(minutes=1)}
+    )  # fmt: skip
+
+
+def _with_undecodable_prompt(db: Any) -> ConversationStore:
+    """A store whose legacy prompts hold `p-bad`'s texts undecodable (`UndecodableText`)."""
+    legacy = LegacyTurns(db)
+    legacy._prompts = UndecodableText(legacy._prompts, "p-bad", PROMPT_TEXTS)
+    return ConversationStore(db, legacy=legacy)
+
+
+@pytest.mark.parametrize(("owner", "prompter"), [("alice", "mallory"), ("mallory", "alice")])
+async def test_another_users_undecodable_prompt_under_the_id_is_no_obstacle_to_a_read(
+    backend: Backend, owner: str, prompter: str
+) -> None:
+    """API.md, MIGRATION.md: a `session_hitl` prompt naming another user is no part of a
+    user's conversation, so what its texts hold is never decoded for her: the owner's reads
+    of her legacy conversation under whose id another user's prompt holds text the driver
+    cannot decode are served as without it (was: StorageFailure, telling her that the id
+    holds another user's undecodable text), and so is a service's read (the conversation
+    does not take it either); the prompter's are NotFound, as for any other user."""
+    await _legacy_with_undecodable_prompt(backend.db, owner=owner, prompter=prompter)
+    store = _with_undecodable_prompt(backend.db)
+
+    for reader in (owner, None):
+        conversation = await store.get_conversation("c-x", user_id=reader)
+        assert (conversation.user_id, conversation.pending_hitl) == (owner, None)
+        transcript = await store.transcript("c-x", user_id=reader)
+        assert [m.content for m in transcript][:1] == [f"{owner}'s question"]
+        assert await store.pending_hitl("c-x", user_id=reader) is None
+    with pytest.raises(NotFound):
+        await store.get_conversation("c-x", user_id=prompter)
+
+
+@pytest.mark.parametrize("prompter", ["alice", None])
+async def test_a_users_own_undecodable_prompt_is_a_storage_failure_to_her_alone(
+    backend: Backend, prompter: str | None
+) -> None:
+    """API.md: a prompt that is the owner's part of her legacy conversation (naming her, or
+    no user) holding text the driver cannot decode is the StorageFailure naming the fault to
+    her and to a service; to another user the conversation is NotFound, as a clean one."""
+    await _legacy_with_undecodable_prompt(backend.db, owner="alice", prompter=prompter)
+    store = _with_undecodable_prompt(backend.db)
+
+    for reader in ("alice", None):
+        with pytest.raises(StorageFailure, match="not valid UTF-8"):
+            await store.get_conversation("c-x", user_id=reader)
+    with pytest.raises(NotFound):
+        await store.get_conversation("c-x", user_id="mallory")
+
+
+async def test_another_users_undecodable_turn_is_left_out_of_the_owners_reads(
+    backend: Backend,
+) -> None:
+    """API.md: a legacy conversation whose turns name Alice, then Mallory (hers: the last
+    user named) holds Alice's turn the driver cannot decode. That turn is no part of
+    Mallory's conversation, so its text is never decoded for her: her reads are served
+    without it (was: StorageFailure, telling her that the id holds another user's
+    undecodable text); Alice's are NotFound (not hers); a service, which reads every turn,
+    gets the StorageFailure."""
+    await backend.db[LEGACY_TURNS].insert_many(
+        [
+            {"_id": "t-bad", "conversation_id": "c-x", "user_id": "alice",
+             "created_at": MESSY_START, "user_message": "alice's question"},
+            {"_id": "t-mal", "conversation_id": "c-x", "user_id": "mallory",
+             "created_at": MESSY_START + timedelta(minutes=1),
+             "user_message": "mallory's question"},
+        ]
+    )  # fmt: skip
+    legacy = LegacyTurns(backend.db)
+    legacy._turns = UndecodableText(legacy._turns, "t-bad")
+    store = ConversationStore(backend.db, legacy=legacy)
+
+    assert (await store.get_conversation("c-x", user_id="mallory")).user_id == "mallory"
+    transcript = await store.transcript("c-x", user_id="mallory")
+    assert [m.content for m in transcript] == ["mallory's question"]
+    assert await store.pending_hitl("c-x", user_id="mallory") is None
+    with pytest.raises(NotFound):
+        await store.get_conversation("c-x", user_id="alice")
+    with pytest.raises(StorageFailure, match="not valid UTF-8"):
+        await store.get_conversation("c-x")
+
+
+async def test_the_api_serves_a_legacy_conversation_beside_another_users_undecodable_text() -> None:
+    """API.md: the owner's requests on her legacy conversation are answered as on a clean one
+    when only another user's prompt under its id (or another user's turn in it) holds text
+    the driver cannot decode: GET, transcript, messages and hitl 200, PATCH and hitl/resolve
+    409 "not migrated yet", DELETE 200 (was: 500 `storage_failure` each); her own
+    undecodable prompt is still the 500."""
+    from tests.api_harness import auth_headers, mongomock_db, serve
+
+    reads = [("GET", route, None) for route in ("", "/transcript", "/messages", "/hitl")]
+    writes = [
+        ("PATCH", "", {"name": "mine"}),
+        ("POST", "/hitl/resolve", {"request_id": "confirm-x"}),
+        ("DELETE", "", None),
+    ]
+    answered = [200] * len(reads) + [409, 409, 200]
+
+    async def answers(db: Any, bad: str, user: str, requests: list[Any]) -> list[Any]:
+        async with serve(db, seeded=False) as served:
+            legacy = served.store.legacy
+            if bad == "p-bad":
+                legacy._prompts = UndecodableText(legacy._prompts, bad, PROMPT_TEXTS)
+            else:
+                legacy._turns = UndecodableText(legacy._turns, bad)
+            found = []
+            for method, route, body in requests:
+                path = f"/v1/conversations/c-x{route}"
+                answer = await served.http.request(
+                    method, path, json=body, headers=auth_headers(user=user)
+                )
+                assert user == "alice" or "alice's question" not in answer.text
+                found.append(answer.status_code)
+            return found
+
+    db = mongomock_db()
+    await _legacy_with_undecodable_prompt(db, owner="alice", prompter="mallory")
+    assert await answers(db, "p-bad", "alice", reads + writes) == answered
+    db = mongomock_db()
+    await _legacy_with_undecodable_prompt(db, owner="alice", prompter="alice")
+    assert await answers(db, "p-bad", "alice", reads) == [500] * len(reads)
+    db = mongomock_db()
+    await db[LEGACY_TURNS].insert_many(
+        [
+            {"_id": "t-bad", "conversation_id": "c-x", "user_id": "alice",
+             "created_at": MESSY_START, "user_message": "alice's question"},
+            {"_id": "t-mal", "conversation_id": "c-x", "user_id": "mallory",
+             "created_at": MESSY_START + timedelta(minutes=1), "user_message": "hers"},
+        ]
+    )  # fmt: skip
+    assert await answers(db, "t-bad", "mallory", reads + writes) == answered

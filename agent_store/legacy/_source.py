@@ -4,7 +4,7 @@ erasures and claims that must reach them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -80,6 +80,9 @@ from agent_store.store import (
 _OWNERSHIP_FIELDS = {"conversation_id": 1, "user_id": 1, "created_at": 1, "dual_write": 1}
 """What tells a legacy conversation's owner (`owner_of`) and a user's part (`users_part`), a
 live conversation's copies (`live_copy`) apart."""
+_PROMPT_OWNERSHIP_FIELDS = {"user_id": 1, "dual_write": 1}
+"""What tells the `session_hitl` prompts a conversation takes (`owners_prompt`) and a user's
+part (`prompt_part_of`) apart from the others."""
 
 MAX_LEGACY_DOCUMENT_BYTES = 16 * 1024 * 1024 - 64 * 1024
 """A dual-written turn holds its whole texts while it fits in a BSON document (16 MiB, less
@@ -118,59 +121,87 @@ class LegacyTurns:
         self, conversation_id: str, *, user_id: str | None = None
     ) -> FallbackConversation | None:
         """The conversation converted from its legacy turns and prompts; None if it has none,
-        or if `user_id` is given and the turns name another owner (told from their ownership
-        fields before their texts are read, `_owned_by`: one lookup more, for a user only;
-        another's conversation is as a missing one whatever its turns hold, text the driver
-        cannot decode included, which is a StorageFailure to its owner only). For a user,
-        only the user's part of it (`users_part`, `prompt_part_of`): turns and prompts naming
-        another user are left out, and so are the copies of a live conversation under the id
-        that is not the user's, and the turns and prompts naming no user beside it, which are
-        its owner's (`reached_by`, `owns_legacy`: one lookup more, only when the turns hold a
-        copy).
+        or if `user_id` is given and the turns name another owner. For a user, only the
+        user's part of it (`_users_part`, `prompt_part_of`): turns and prompts naming another
+        user are left out, and so are the copies of a live conversation under the id that is
+        not the user's, and the turns and prompts naming no user beside it, which are its
+        owner's (`reached_by`, `owns_legacy`: one lookup more, only when the turns hold a
+        copy). Only what is served is read whole: the turns told from their ownership fields
+        first, for a user (`_users_part`), the prompts always (`_prompts_taken`), so text the
+        driver cannot decode in another user's turn or prompt under the id is never read for
+        her (another's conversation is as a missing one, hers is served without it); in her
+        own part it is a StorageFailure, and to a service in any turn, as it reads them all.
         """
         query, unnamed = await self._turns_of(conversation_id)
-        if user_id is not None and not await self._owned_by(
-            conversation_id, query, unnamed, user_id
-        ):
-            return None
+        live, owns = None, True
+        if user_id is not None:
+            part = await self._users_part(conversation_id, query, unnamed, user_id)
+            if part is None:
+                return None
+            query, live, owns = part
         with storage_errors("read the legacy turns"):
             turns = parse_turns(await self._turns.find(query).to_list(None), unnamed.names)
-        live, owns = None, True
-        if turns and user_id is not None:
-            live = await self._live(conversation_id, turns)
-            if owner_of([turns[i] for i in reached_by(turns, user_id, live)]) != user_id:
-                return None
-            owns = owns_legacy(turns, user_id, live)
+        if user_id is not None:  # a turn changed since its ownership was read: judged again
             turns = [turns[i] for i in users_part(turns, user_id, live)]
         if not turns:
             return None
         conversion = convert(turns, rules=self._rules, undated_at=await self._undated_at(turns))
         if conversion.conversation is None:
             return None
-        with storage_errors("read the pending prompt"):
-            prompts = await self._prompts.find(prompts_filter(conversation_id)).to_list(None)
-        # Only the owner's prompts (`owners_prompt`), as the migration takes them; for a user,
-        # only her part's (`prompt_part_of`), as her delete takes them.
-        if user_id is not None:
-            prompts = [p for p in prompts if prompt_part_of(p, user_id, live, owns=owns)]
+        owner = conversion.owner
+
+        def taken(prompt: Mapping[str, Any]) -> bool:
+            # The owner's prompts (`owners_prompt`), as the migration takes them; for a user,
+            # only her part's (`prompt_part_of`), as her delete takes them.
+            if user_id is not None and not prompt_part_of(prompt, user_id, live, owns=owns):
+                return False
+            return owners_prompt(owner, prompt)
+
+        prompts = await self._prompts_taken(conversation_id, taken)
         conversion = with_session_prompts(conversion, prompts)
         assert conversion.conversation is not None
         return FallbackConversation(conversion.conversation, conversion.messages)
 
-    async def _owned_by(
+    async def _users_part(
         self, conversation_id: str, query: dict[str, Any], unnamed: Unnamed, user_id: str
-    ) -> bool:
-        """Whether the legacy turns `query` selects (those naming no conversation told apart by
-        `unnamed`) are `user_id`'s conversation (`owner_of` the turns she reaches, `reached_by`),
-        read with their ownership fields only, as `holder` reads them: what their texts hold
-        is never decoded for another user."""
+    ) -> tuple[dict[str, Any], LiveConversation | None, bool] | None:
+        """`user_id`'s part of the legacy turns `query` selects (those naming no conversation
+        told apart by `unnamed`), told from their ownership fields only, as `holder` reads
+        them: a query selecting her part's turns (`users_part`), the live conversation under
+        the id (`_live`), and whether she owns the legacy conversation (`owns_legacy`). None
+        when it is not hers (`owner_of` the turns she reaches, `reached_by`), or she has no
+        turn in it. What a turn's texts hold is never decoded here, nor later for another
+        user's turn, whoever reads."""
         with storage_errors("read the legacy turns"):
             read = await self._turns.find(query, _OWNERSHIP_FIELDS).to_list(None)
             found = parse_turns(read, unnamed.names)
         if not found:
-            return False
-        reached = reached_by(found, user_id, await self._live(conversation_id, found))
-        return owner_of([found[i] for i in reached]) == user_id
+            return None
+        live = await self._live(conversation_id, found)
+        if owner_of([found[i] for i in reached_by(found, user_id, live)]) != user_id:
+            return None
+        ids = [found[i].id for i in users_part(found, user_id, live)]
+        if not ids:
+            return None
+        return {"$and": [query, {"_id": {"$in": ids}}]}, live, owns_legacy(found, user_id, live)
+
+    async def _prompts_taken(
+        self, conversation_id: str, taken: Callable[[Mapping[str, Any]], bool]
+    ) -> list[dict[str, Any]]:
+        """The `session_hitl` prompts of the conversation (`prompts_filter`) that `taken`
+        keeps, told from their ownership fields (`_PROMPT_OWNERSHIP_FIELDS`) before the
+        whole of those kept is read (one lookup more, only when one is kept): what a prompt
+        not taken holds, another user's included, is never decoded, text the driver cannot
+        decode too. A prompt changed between the two reads is judged again."""
+        named = prompts_filter(conversation_id)
+        with storage_errors("read the pending prompt"):
+            found = await self._prompts.find(named, _PROMPT_OWNERSHIP_FIELDS).to_list(None)
+            ids = [prompt["_id"] for prompt in found if taken(prompt)]
+            if not ids:
+                return []
+            kept = {"$and": [named, {"_id": {"$in": ids}}]}
+            whole: list[dict[str, Any]] = await self._prompts.find(kept).to_list(None)
+        return [prompt for prompt in whole if taken(prompt)]
 
     async def _undated_at(self, turns: Sequence[LegacyTurn]) -> datetime:
         """The time served for turns none of which has a readable time (`turn_times`), the
