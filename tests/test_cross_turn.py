@@ -8158,3 +8158,69 @@ async def test_a_stalled_writer_landing_in_its_passed_block_makes_its_call_pendi
 
     assert await pending_state(store) == (["c2"], None)
     assert await pending_state(store) == _folded(await store.transcript(CID))
+
+
+@pytest.mark.parametrize("asks", [False, True], ids=["call", "call and question"])
+async def test_a_stalled_writer_landing_while_another_turn_is_written_leaves_its_call_answerable(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, asks: bool
+) -> None:
+    """An acknowledged call is answerable. tA's insert stalls past `abandon_after`; tB finds
+    its block passed and empty and folds its call c2 (and question q2) away; tC reserves and
+    is still being written when tA's insert lands, so the fold tA's landing owes waits. tA
+    is acknowledged with c2 (and q2) pending at once, as read, and the runtime's result for
+    c2, naming its message, is stored at once (was: c2 off `pending_calls` and the result
+    `Unreserved`, a 503, until tC landed or its block passed)."""
+    writer = AgentMessageLogger(backend.db, rules=_SHORT)
+    store = ConversationStore(backend.db, rules=_SHORT)
+    sent = [_user("Book it."), _book("c2"), *([_asks("q2")] if asks else [])]
+    stall = _StalledInsert(writer, monkeypatch)
+    late = await stall.start(writer.log_messages(CID, sent, turn_id="tA"))
+    await asyncio.sleep(_SHORT.abandon_after.total_seconds() + 0.2)
+    other = AgentMessageLogger(backend.db, rules=_SHORT)
+    await other.log_messages(CID, [_user("hello?")], turn_id="tB")
+    assert await pending_state(store) == ([], None)
+    await reserved_insert_lost(other, partial(other.log_messages, CID, [_say("…")], turn_id="tC"))
+
+    stall.release()
+    landed = await late
+    monkeypatch.undo()
+
+    assert await pending_state(store) == (["c2"], "q2" if asks else None)
+    (listed,) = await store.pending_calls(CID)
+    assert listed.message_id == landed.messages[1].id
+    answered = await other.log_messages(
+        CID, [_answer("c2")], turn_id="result", answers_to={"c2": listed.message_id}
+    )
+    assert [m.tool_call_id for m in answered.messages] == ["c2"]
+    assert (await pending_state(store))[0] == []
+
+
+async def test_a_stalled_writer_landing_while_an_answer_to_its_call_is_written_leaves_it_answered(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tA's insert stalls past `abandon_after` and no fold leaves its call c2 out: c2 stays
+    listed, and tR's answer naming it takes it, tR still being written when tA lands. c2
+    is not put back (the fold tA's landing owes waits for tR): a second answer naming c2 is
+    not stored while tR's may still land."""
+    writer = AgentMessageLogger(backend.db, rules=_SHORT)
+    store = ConversationStore(backend.db, rules=_SHORT)
+    stall = _StalledInsert(writer, monkeypatch)
+    late = await stall.start(
+        writer.log_messages(CID, [_user("Book it."), _book("c2")], turn_id="tA")
+    )
+    (listed,) = await store.pending_calls(CID)
+    await asyncio.sleep(_SHORT.abandon_after.total_seconds() + 0.2)
+    other = AgentMessageLogger(backend.db, rules=_SHORT)
+    answers = {"c2": listed.message_id}
+    answer = partial(other.log_messages, CID, [_answer("c2")], turn_id="tR", answers_to=answers)
+    await reserved_insert_lost(other, answer)
+
+    stall.release()
+    await late
+    monkeypatch.undo()
+
+    assert await pending_state(store) == ([], None)
+    before = await store.transcript(CID)
+    with pytest.raises((StorageUnavailable, AnsweredBefore)):
+        await other.log_messages(CID, [_answer("c2", "again")], turn_id="t2", answers_to=answers)
+    assert await store.transcript(CID) == before
