@@ -100,6 +100,7 @@ class Progress:
 
 
 def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
+    source = relocate.turns_at(db)
     in_place = relocate.holds_turns(db, CONVERSATIONS)
     legacy = db[LEGACY_TURNS].estimated_document_count()
     print(f"legacy turns not yet moved aside (in {CONVERSATIONS}): {'yes' if in_place else 'no'}")
@@ -145,8 +146,9 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         )
     _report_left_marked(db)
     _report_unread(db)
+    _report_refused_prompts(db, args.rules, source)
     problem_report.print_summary(db, sys.stdout)
-    _report_id_clustering(db, relocate.turns_at(db))
+    _report_id_clustering(db, source)
     if not in_place and legacy == 0:
         print("no legacy data found")
     return 0
@@ -175,6 +177,18 @@ def _report_unread(db: Database[dict[str, Any]]) -> bool:
     for item in unread:
         print(f"work left in {item.conversation_id}: {'; '.join(item.reasons)}")
     return bool(unread)
+
+
+def _report_refused_prompts(db: Database[dict[str, Any]], rules: TurnRules, source: str) -> None:
+    """Name each conversation a run makes an `invalid_conversation` problem for a
+    `session_hitl` prompt holding bytes that are not valid UTF-8 (`explode.refused_for_prompts`),
+    before any run records it. `status` reads no turn's text: a turn holding such bytes is
+    found by a run, and counted by kind by `run --dry-run`."""
+    for problem in explode.refused_for_prompts(db, rules, source=source):
+        print(
+            f"a run records {problem.kind} for {problem.conversation_id!r} (not migrated until "
+            f"corrected): {problem.detail}"
+        )
 
 
 def _report_id_clustering(db: Database[dict[str, Any]], source: str, sample: int = 1000) -> None:

@@ -542,6 +542,32 @@ def convert_batch(
     return converted, failed, turns
 
 
+def refused_for_prompts(
+    db: Database[dict[str, Any]], rules: TurnRules, *, source: str
+) -> list[Problem]:
+    """The problems a run records for the conversations `session_hitl` prompts holding bytes
+    that are not valid UTF-8 name (`status`'s, before any run): each such conversation whose
+    prompts it takes cannot be converted (`_with_prompts`: an `invalid_conversation` naming
+    the prompt and where), told as a run tells it, by converting those conversations from
+    `source` (`convert_batch`, which writes nothing), a conversation held back left out
+    (`relocate.held_back`: a run records nothing of it). A prompt naming its conversation in
+    such text names none a run reads: `orphan_prompts` records it, a pending one. One read
+    of the prompts collection; the conversion and the look for documents holding
+    conversations back only when a prompt holds such bytes."""
+    named = {
+        conversation
+        for prompt in db[SESSION_HITL].find({})
+        if not_utf8_at(prompt) is not None
+        and (conversation := prompt_conversation(prompt)) is not None
+        and not_utf8_at(conversation) is None
+    }
+    if not named:
+        return []
+    _, failed, _ = convert_batch(db, sorted(named), rules, source=source)
+    held = held_back(db)
+    return [p for p in failed if p.kind == "invalid_conversation" and p.conversation_id not in held]
+
+
 def _with_prompts(
     converted: list[Converted], hitl: Mapping[str, list[Any]], source: str
 ) -> tuple[list[Converted], list[Problem]]:

@@ -16,7 +16,7 @@ import pytest
 from bson import Code, DatetimeMS, Decimal128, Int64, ObjectId
 
 from agent_store import ConversationStore, LegacyTurns
-from agent_store.core import NotFound, StorageFailure
+from agent_store.core import Conflict, NotFound, StorageFailure
 from agent_store.legacy import (
     LEGACY_TURNS,
     SESSION_HITL,
@@ -2607,3 +2607,113 @@ async def test_the_api_serves_a_legacy_conversation_beside_another_users_undecod
         ]
     )  # fmt: skip
     assert await answers(db, "t-bad", "mallory", reads + writes) == answered
+
+
+def _stuck_turn(turn_id: str, user_id: str, conversation_id: str) -> dict[str, Any]:
+    """A legacy turn a copy left in `agent_conversations` (text that is not valid UTF-8,
+    MIGRATION.md), standing under `turn_id`, of `user_id`'s conversation `conversation_id`:
+    no conversation document (no counter), held back until an operator corrects it."""
+    return {"_id": turn_id, "conversation_id": conversation_id, "user_id": user_id,
+            "created_at": MESSY_START, "user_message": "stuck words",
+            "response_parts": [{"type": "text", "content": "stuck answer"}]}  # fmt: skip
+
+
+async def _stuck_beside_legacy(db: Any, *, legacy_under_its_id: bool) -> dict[str, Any]:
+    """Alice's turn of `c-bad` left in `agent_conversations` under the `_id` `c-held`, beside
+    the legacy collection the copy filled (Bob's `c-other`; with `legacy_under_its_id`, Bob's
+    legacy conversation `c-held` too, which the turn holds back, `held_by_left`). The turn."""
+    stuck = _stuck_turn("c-held", "alice", "c-bad")
+    await db[CONVERSATIONS].insert_one(stuck)
+    named = ["c-other"] + (["c-held"] if legacy_under_its_id else [])
+    await db[LEGACY_TURNS].insert_many(
+        [{"_id": f"t-{cid}", "conversation_id": cid, "user_id": "bob",
+          "created_at": MESSY_START, "user_message": f"bob's {cid} question"}
+         for cid in named]
+    )  # fmt: skip
+    return stuck
+
+
+async def test_a_turn_left_in_agent_conversations_is_no_conversation_of_the_id_it_stands_under(
+    backend: Backend,
+) -> None:
+    """MIGRATION.md: a turn a copy left in `agent_conversations` is no conversation document,
+    so the conversation whose id its `_id` is, with no legacy turn of its own, does not
+    exist: every read of it is NotFound (404) to its turn's user, another user and a service
+    alike, never an empty conversation (was: `transcript` and `messages_page` `[]`,
+    `get_conversation` and `rename` a ValidationError, 500), and no write reaches the turn
+    (was: `rename` wrote a name into it, `delete` deleted it, its words in no collection); a
+    pop pops nothing, as of a missing id."""
+    stuck = await _stuck_beside_legacy(backend.db, legacy_under_its_id=False)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+    for user_id in ("alice", "bob", None):
+        for call in (
+            partial(store.get_conversation, "c-held"),
+            partial(store.transcript, "c-held"),
+            partial(store.messages_page, "c-held"),
+            partial(store.turn_count, "c-held"),
+            partial(store.rename, "c-held", "mine"),
+            partial(store.delete, "c-held"),
+        ):
+            with pytest.raises(NotFound):
+                await call(user_id=user_id)
+        assert await store.pop_last_message("c-held", user_id=user_id) is None  # as for none
+
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "c-held"}) == stuck
+
+
+async def test_a_conversation_a_turn_left_in_agent_conversations_holds_back_is_served_from_legacy(
+    backend: Backend,
+) -> None:
+    """MIGRATION.md: the conversation whose id is the `_id` of a turn a copy left in
+    `agent_conversations` (Bob's `c-held`, held back) is served from the legacy collection
+    only, to its owner and a service, and is NotFound to the turn's user (Alice, who owns no
+    conversation under the id); its writes are refused as not migrated yet, and Bob's delete
+    takes his legacy turn, never Alice's stuck one (was: the turn read as its document,
+    `[]` to Alice and a service, a ValidationError for `get_conversation`)."""
+    stuck = await _stuck_beside_legacy(backend.db, legacy_under_its_id=True)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+    for user_id in ("bob", None):
+        served = await store.transcript("c-held", user_id=user_id)
+        assert [m.content for m in served] == ["bob's c-held question"]
+        assert (await store.get_conversation("c-held", user_id=user_id)).user_id == "bob"
+        page = await store.messages_page("c-held", user_id=user_id)
+        assert [m.content for m in page.data] == ["bob's c-held question"]
+    for call in (
+        partial(store.get_conversation, "c-held"),
+        partial(store.transcript, "c-held"),
+        partial(store.messages_page, "c-held"),
+    ):
+        with pytest.raises(NotFound):
+            await call(user_id="alice")
+    with pytest.raises(Conflict, match="not migrated yet"):
+        await store.rename("c-held", "mine", user_id="bob")
+
+    deleted = await store.delete("c-held", user_id="bob")
+
+    assert deleted.legacy_turns == 1
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "c-held"}) == stuck
+    assert await backend.db[LEGACY_TURNS].count_documents({"conversation_id": "c-held"}) == 0
+
+
+async def test_the_api_answers_an_id_only_a_stuck_turn_stands_under_with_a_404() -> None:
+    """API.md: the requests of the user whose turn a copy left in `agent_conversations`, on
+    the id the turn stands under (no conversation), are 404 `not_found` (was: 200 with no
+    messages, 500 for the conversation itself)."""
+    from tests.api_harness import auth_headers, mongomock_db, serve
+
+    db = mongomock_db()
+    await _stuck_beside_legacy(db, legacy_under_its_id=False)
+    async with serve(db, seeded=False) as served:
+        alice = auth_headers(user="alice")
+        for method, path, body in [
+            ("GET", "/v1/conversations/c-held", None),
+            ("GET", "/v1/conversations/c-held/transcript", None),
+            ("GET", "/v1/conversations/c-held/messages", None),
+            ("PATCH", "/v1/conversations/c-held", {"name": "mine"}),
+            ("DELETE", "/v1/conversations/c-held", None),
+        ]:
+            answer = await served.http.request(method, path, json=body, headers=alice)
+            assert answer.status_code == 404, (method, path, answer.text)
+            assert answer.json()["error"]["code"] == "not_found"

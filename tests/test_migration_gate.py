@@ -8374,6 +8374,52 @@ def test_the_dry_run_counts_a_prompt_holding_text_that_is_not_valid_utf8_as_a_pr
     assert "2 not placed" not in out
 
 
+@pytest.mark.parametrize("field", ["prompt", "note"])
+def test_status_names_a_prompt_holding_text_that_is_not_valid_utf8_before_any_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], field: str
+) -> None:
+    """MIGRATION.md "Runbook": before any run, `status` names the conversation whose pending
+    `session_hitl` prompt holds text that is not valid UTF-8, with the problem a run records
+    for it (`invalid_conversation`, naming the prompt and the field), as the run then records
+    it (was: "problems: none recorded", only `run` found it); it writes nothing."""
+    database = _on_mongomock(monkeypatch, *_turns_and_a_prompt(field))
+
+    assert cli("mongodb://unused", database, "status") == 0
+    out = capsys.readouterr().out
+
+    said = [line for line in out.splitlines() if "c-hitl" in line]
+    assert len(said) == 1, out
+    assert "invalid_conversation" in said[0]
+    assert f"session_hitl prompt 'p-1': {field} holds bytes that are not valid UTF-8" in said[0]
+    assert database[PROBLEMS].count_documents({}) == 0
+    assert database[LEGACY_TURNS].count_documents({}) == 0
+
+    assert cli("mongodb://unused", database, "run", "--spread", "1") == 0
+    problem = database[PROBLEMS].find_one({"conversation_id": "c-hitl"})
+    assert problem is not None
+    assert problem["detail"].split(";")[0] in said[0]
+
+
+@pytest.mark.parametrize("case", list(UNTAKEN_PROMPTS))
+def test_status_names_no_prompt_holding_such_text_that_its_conversation_does_not_take(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    """MIGRATION.md: a prompt holding text that is not valid UTF-8 that its conversation does
+    not take (resolved by the old service, another user's, one only a problem keeps) blocks
+    nothing: `status` names no problem for it, as a run records none."""
+    turns, _ = _turns_and_a_prompt("prompt")
+    earlier = {"prompt": f"Pay {MARKER}?", "created_at": datetime(2024, 1, 1, 1, tzinfo=UTC)}
+    database = _on_mongomock(
+        monkeypatch, turns, [HITL_PROMPT, HITL_PROMPT | earlier | UNTAKEN_PROMPTS[case]]
+    )
+
+    assert cli("mongodb://unused", database, "status") == 0
+    out = capsys.readouterr().out
+
+    assert "invalid_conversation" not in out, out
+    assert "c-hitl" not in out, out
+
+
 def _encoding_queries(monkeypatch: pytest.MonkeyPatch) -> None:
     """mongomock's reads encoding their query as PyMongo's client does before sending it:
     one holding a text no BSON holds (a lone surrogate) fails so, `UnicodeEncodeError`."""

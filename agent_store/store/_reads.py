@@ -2606,7 +2606,16 @@ class ConversationStore:
     def _scope(
         conversation_id: str, user_id: str | None, *, or_unowned: bool = False
     ) -> dict[str, Any]:
-        scope: dict[str, Any] = {"_id": validate_identifier(conversation_id, "conversation_id")}
+        """The filter of every read and write of one conversation's document: the one under
+        the id (`user_id`'s, when named; with `or_unowned`, or no one's) that is a
+        conversation document (`CONVERSATION_DOCUMENT`). A legacy turn standing under the id
+        in `agent_conversations` (one a copy left there for text that is not valid UTF-8, or
+        one an old-service writer logged) is none: the id is answered from its legacy turns,
+        else NotFound, and no write of the store reaches that turn."""
+        scope: dict[str, Any] = {
+            "_id": validate_identifier(conversation_id, "conversation_id"),
+            **CONVERSATION_DOCUMENT,
+        }
         if user_id is not None:
             owner = validate_identifier(user_id, "user_id")
             scope["user_id"] = {"$in": [None, owner]} if or_unowned else owner
