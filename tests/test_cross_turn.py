@@ -299,6 +299,32 @@ async def test_a_refusal_read_before_another_tab_approved_denies_nothing(
     await _awaited_and_answered_by_its_result(runtime)
 
 
+async def test_a_refusal_alone_read_before_another_tab_approved_stores_nothing(
+    backend: Backend,
+) -> None:
+    """Tab B's turn only refuses the prompt tab A approved first (the stream ended after the
+    refusal): the turn without its denial holds nothing, so nothing is stored and the turn
+    says so (no message, not a replay), the approval stands, and its retry is the same."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    read_by_tab_b = await runtime.store.pending_calls(CID)
+    await runtime.stream([APPROVED])  # tab A
+    before = await runtime.store.transcript(CID)
+    refusal = turn_from_metadata([DENIED], complete=True, pending=read_by_tab_b)
+
+    for _ in range(2):
+        logged = await log_streamed_turn(
+            logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=refusal,
+            turn_id="tab-b",
+        )  # fmt: skip
+        assert logged == LoggedTurn(
+            conversation_id=CID, turn_id="tab-b", messages=[], replayed=False
+        )
+
+    assert await runtime.store.transcript(CID) == before
+    await _awaited_and_answered_by_its_result(runtime)
+
+
 async def _awaited_and_answered_by_its_result(runtime: Runtime) -> None:
     """tc-9 awaits its result, held by no prompt, and the booking's result answers it."""
     assert await held_calls(runtime.store) == [("tc-9", None)]
@@ -2758,6 +2784,40 @@ async def test_a_stale_streamed_denial_of_a_call_answered_first_is_logged_withou
     ]
     answers = [m.content for m in await store.transcript(CID) if m.tool_call_id == "c0"]
     assert answers == ["A"]
+
+
+@pytest.mark.parametrize(
+    "first",
+    [{"role": "tool", "tool_call_id": "c0", "content": "A"}, {**_DENIAL, "tool_call_id": "c0"}],
+    ids=["a result first", "a denial first"],
+)
+async def test_a_stale_streamed_turn_only_denying_a_call_answered_first_stores_nothing(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, first: dict[str, Any]
+) -> None:
+    """A stale streamed turn only denies c0, which tab A answered first (the stream ended
+    after the refusal): the turn without its denial holds nothing, so `log_streamed_turn`
+    stores nothing and says so (no message, not a replay), tab A's answer c0's only one, and
+    its retry is the same (was: InvalidInput "a turn needs at least one message", as for a
+    stream that said nothing)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    read = await _call_turn(backend, logger, monkeypatch, stored=True)
+    await logger.log_messages(CID, [first], turn_id="tab-a", answers_to={"c0": read.message_id})
+    before = await store.transcript(CID)
+    turn = StreamedTurn(
+        messages=tuple(messages_adapter.validate_python([{**_DENIAL, "tool_call_id": "c0"}])),
+        interrupted=False,
+        answered_calls=(("c0", read.message_id),),
+    )
+
+    for _ in range(2):
+        logged = await log_streamed_turn(
+            logger=logger, store=store, conversation_id=CID, turn=turn, turn_id="stale-stream"
+        )
+        assert logged == LoggedTurn(
+            conversation_id=CID, turn_id="stale-stream", messages=[], replayed=False
+        )
+
+    assert await store.transcript(CID) == before
 
 
 async def test_a_stale_answer_while_its_call_and_the_first_answer_are_still_written_is_retried(

@@ -36,6 +36,7 @@ from pymongo.errors import AutoReconnect
 
 from agent_store import (
     AgentMessageLogger,
+    AnsweredBefore,
     Conflict,
     ConversationStore,
     InvalidInput,
@@ -894,6 +895,33 @@ async def test_a_chain_acting_for_a_user_learns_no_tool_of_an_unowned_conversati
         assert str(refused.value) == f"conversation {conversation_id!r} was not found"
 
     assert await store.transcript(CID) == before
+
+
+async def test_a_declined_tool_message_for_a_call_she_denied_first_is_refused_as_a_result(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md "A denial she gave first": the person denies call_0 over HTTP; the chain,
+    from a history read before, adds its own refusal of it alone (a `ToolMessage` with
+    `status="error"`, stored as a failure: LangChain says no call was denied), which to the
+    store is a result: meeting her denial it is refused `AnsweredBefore`, nothing stored, no
+    turn of no message; only a denial meeting a denial is dropped as settled."""
+    store = ConversationStore(backend.db)
+    history = ConversationChatHistory(CID, backend.db, user_id="u-1")
+    await history.aadd_messages(
+        [HumanMessage("book a table"), AIMessage("", tool_calls=[_call("book_table")])]
+    )
+    served = {c.tool_call_id: c.message_id for c in await store.pending_calls(CID, user_id="u-1")}
+    denial = {"role": "tool", "tool_call_id": "call_0", "error": {"message": "tool call denied"}}
+    await history.logger.log_messages(
+        CID, [denial], user_id="u-1", owner_only=True, turn_id="her", answers_to=served
+    )
+    before = await store.transcript(CID, user_id="u-1")
+    declined = ToolMessage("Not approved.", tool_call_id="call_0", status="error")
+
+    with pytest.raises(AnsweredBefore, match="'call_0'"):
+        await history.aadd_messages([declined])
+
+    assert await store.transcript(CID, user_id="u-1") == before
 
 
 async def test_a_late_result_naming_no_tool_is_paired_by_its_call_id_as_before(

@@ -66,6 +66,7 @@ from agent_store import (
     ConversationStore,
     DenialTakenBack,
     InvalidInput,
+    LoggedTurn,
     NotFound,
     TurnRules,
 )
@@ -2266,17 +2267,20 @@ def test_a_retrys_attempt_and_budget_come_back(part: ToolReturnPart | RetryFeedb
 
 
 def _billing_agent(
-    first_bills: list[str], fail: set[str]
+    first_bills: list[str], fail: set[str], *, model_down: bool = False
 ) -> Agent[None, str | DeferredToolRequests]:
     """An agent that asks to pay `first_bills` at once, then bill C, every payment needing
     approval; the gateway is down for the bills in `fail` (their tool raises, cutting the
-    run off while its tools run)."""
+    run off while its tools run), and with `model_down` the model's after its first response
+    (a resumed run ends with its tools' answers: `_model_down_after`)."""
 
     def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
         responses = sum(isinstance(m, ModelResponse) for m in messages)
         if responses == 0:
             bills = [ToolCallPart("pay", {"bill": b}, tool_call_id=f"c-{b}") for b in first_bills]
             return ModelResponse(parts=list(bills))
+        if model_down:
+            raise RuntimeError("model gateway down")
         if responses == 1:
             return ModelResponse(parts=[ToolCallPart("pay", {"bill": "C"}, tool_call_id="c-C")])
         return ModelResponse(parts=[TextPart("Nothing more to pay.")])
@@ -2380,7 +2384,11 @@ async def test_a_stale_tab_cut_off_resuming_a_run_another_tab_moved_on_is_answer
 
 
 async def _answered_over_http(
-    logger: AgentMessageLogger, store: ConversationStore, call_id: str, answer: dict[str, Any]
+    logger: AgentMessageLogger,
+    store: ConversationStore,
+    call_id: str,
+    answer: dict[str, Any],
+    turn_id: str = "first-answer",
 ) -> None:
     """`call_id` answered over HTTP with `answer` (the person's turn, naming the call as she
     was served it): her denial, or the result another tab's tool returned."""
@@ -2390,7 +2398,7 @@ async def _answered_over_http(
         [{"role": "tool", "tool_call_id": call_id, **answer}],
         user_id="u1",
         owner_only=True,
-        turn_id="first-answer",
+        turn_id=turn_id,
         answers_to={call_id: served[call_id]},
     )
 
@@ -2543,6 +2551,136 @@ async def test_a_turn_leaving_out_a_settled_denial_is_refused_while_that_call_is
     assert await store.transcript(CID, user_id="u1") == before
     await _answered_over_http(logger, store, "c-B", HER_DENIAL)
     assert [m.tool_call_id for m in (await logged()).messages] == ["c-A"]
+
+
+async def _model_down_after(
+    agent: Agent[None, Any], history: list[ModelMessage], results: DeferredToolResults
+) -> list[ModelMessage]:
+    """The messages of a run resumed on `history` with `results` whose model is down (an
+    agent `model_down`): its tools' answers, nothing of its own after them."""
+    with capture_run_messages() as cut, pytest.raises(RuntimeError, match="model gateway down"):
+        await agent.run(message_history=history, deferred_tool_results=results)
+    return cut[len(history) :]
+
+
+async def test_a_resumed_run_only_denying_a_call_she_denied_first_stores_nothing_and_says_so(
+    backend: Backend,
+) -> None:
+    """Run 1 pauses on bill B; the person denies B over HTTP; the runtime, from a read before
+    her denial, resumes denying B and its model is down: the run is its denial of B alone,
+    which answers nothing her denial did not settle. `log_run` stores nothing and says so (a
+    turn of no message, not a replay), her denial B's only answer, nothing pending; its retry
+    is the same no-op, and the same turn answering B with the tool's result instead (the
+    runtime approved, the tool ran) is refused `AnsweredBefore`, nothing stored."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    agent = _billing_agent(["B"], fail=set(), model_down=True)
+    history = await _paused(logger, store, agent)
+    await _answered_over_http(logger, store, "c-B", HER_DENIAL)
+    before = await store.transcript(CID, user_id="u1")
+    denied = DeferredToolResults(approvals={"c-B": ToolDenied("Not B.")})
+    run = await _model_down_after(agent, history, denied)
+
+    logged = await log_run(
+        logger, CID, run, turn_id="run-2", user_id="u1", deferred_tool_results=denied
+    )
+
+    nothing = LoggedTurn(conversation_id=CID, turn_id="run-2", messages=[], replayed=False)
+    assert logged == nothing
+    assert await store.transcript(CID, user_id="u1") == before
+    assert await store.pending_calls(CID, user_id="u1") == []
+    again = await log_run(
+        logger, CID, run, turn_id="run-2", user_id="u1", deferred_tool_results=denied
+    )
+    assert again == nothing
+    approved = DeferredToolResults(approvals={"c-B": True})
+    ran = await _model_down_after(agent, history, approved)
+    with pytest.raises(AnsweredBefore, match="'c-B'") as refused:
+        await log_run(
+            logger, CID, ran, turn_id="run-2", user_id="u1", deferred_tool_results=approved
+        )
+    assert refused.value.tool_call_ids == ("c-B",)
+    assert await store.transcript(CID, user_id="u1") == before
+
+
+async def test_a_run_only_denying_what_she_denied_retried_once_she_took_it_back_is_its_answer(
+    backend: Backend,
+) -> None:
+    """A run of denials she settled first stored nothing, so nothing records its turn: once
+    she takes her denial back (pops it), B is pending, and the run's retry is judged as its
+    first attempt would be then: its denial is B's first answer and is stored, as a run
+    whose settled denial was taken back before it was logged is (RUNTIMES.md)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    agent = _billing_agent(["B"], fail=set(), model_down=True)
+    history = await _paused(logger, store, agent)
+    await _answered_over_http(logger, store, "c-B", HER_DENIAL)
+    denied = DeferredToolResults(approvals={"c-B": ToolDenied("Not B.")})
+    run = await _model_down_after(agent, history, denied)
+    await log_run(logger, CID, run, turn_id="run-2", user_id="u1", deferred_tool_results=denied)
+    popped = await store.pop_last_message(CID, user_id="u1")
+    assert popped is not None
+    assert popped.tool_call_id == "c-B"
+
+    retried = await log_run(
+        logger, CID, run, turn_id="run-2", user_id="u1", deferred_tool_results=denied
+    )
+
+    assert [(m.tool_call_id, m.content) for m in retried.messages] == [("c-B", "Not B.")]
+    assert await _answers(store) == [("c-B", "Not B.")]
+    assert await store.pending_calls(CID, user_id="u1") == []
+
+
+@pytest.mark.parametrize("bills", [["A", "B"], ["B"]], ids=["with-a-result", "denials-only"])
+async def test_a_denial_she_takes_back_and_gives_again_every_round_refuses_the_run_at_last(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, bills: list[str]
+) -> None:
+    """She takes her denial of B back (pops it) after every read finding it settling B, and
+    denies B again after every log refused for that (`DenialTakenBack`): the run is judged
+    again three times, then refused `AnsweredBefore` naming B, nothing of it stored, no
+    endless loop. A run of that denial alone is logged nowhere: it stores nothing at its
+    first read (nothing to log without the denial), judged once."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    agent = _billing_agent(bills, fail=set(), model_down=True)
+    history = await _paused(logger, store, agent)
+    await _answered_over_http(logger, store, "c-B", HER_DENIAL)
+    results = DeferredToolResults(approvals={"c-A": True, "c-B": ToolDenied("Not B.")})
+    if bills == ["B"]:
+        results = DeferredToolResults(approvals={"c-B": ToolDenied("Not B.")})
+    run = await _model_down_after(agent, history, results)
+    judged, logging = logger.calls_denied_first, logger.log_messages
+    reads: list[set[str]] = []
+
+    async def her_denial_taken_back(*args: Any, **kwargs: Any) -> set[str]:
+        settled = await judged(*args, **kwargs)
+        reads.append(settled)
+        popped = await store.pop_last_message(CID, user_id="u1")
+        assert popped is not None
+        assert popped.tool_call_id == "c-B"
+        return settled
+
+    async def given_again(*args: Any, **kwargs: Any) -> LoggedTurn:
+        try:
+            return await logging(*args, **kwargs)
+        except DenialTakenBack:
+            await _answered_over_http(logger, store, "c-B", HER_DENIAL, f"again-{len(reads)}")
+            raise
+
+    monkeypatch.setattr(logger, "calls_denied_first", her_denial_taken_back)
+    monkeypatch.setattr(logger, "log_messages", given_again)
+    logging_run = log_run(
+        logger, CID, run, turn_id="run-2", user_id="u1", deferred_tool_results=results
+    )
+
+    if bills == ["B"]:
+        assert (await logging_run).messages == []
+        assert reads == [{"c-B"}]
+    else:
+        with pytest.raises(AnsweredBefore, match="'c-B'") as refused:
+            await logging_run
+        assert refused.value.tool_call_ids == ("c-B",)
+        assert reads == [{"c-B"}] * 4
+    stored = await store.transcript(CID, user_id="u1")
+    assert [m for m in stored if m.turn_id == "run-2"] == []
+    assert "c-A" not in [m.tool_call_id for m in stored if isinstance(m, ToolMessage)]
 
 
 async def test_two_tabs_cut_off_resuming_one_paused_run_store_one_answer(backend: Backend) -> None:

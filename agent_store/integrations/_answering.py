@@ -88,7 +88,7 @@ async def log_answering(
             if rounds == _JUDGED_AGAIN or not _each_dropped(refused, messages, kept):
                 raise
         if not kept:
-            return _nothing_logged(conversation_id, turn_id)
+            return nothing_logged(conversation_id, turn_id)
         named = {c: m for c, m in answers_to.items() if c not in settled}
         with contextlib.suppress(DenialTakenBack):  # judged again: the call is pending
             return await logged(kept, named, {c: answers_to[c] for c in settled})
@@ -123,8 +123,12 @@ def _each_dropped(
     }
 
 
-def _nothing_logged(conversation_id: str, turn_id: str) -> LoggedTurn:
-    """The turn of a bridge whose every message was a settled denial: nothing stored."""
+def nothing_logged(conversation_id: str, turn_id: str) -> LoggedTurn:
+    """The turn of a bridge or a stream that holds no message to store: every message was a
+    denial answering nothing a first answer did not settle (dropped: `without_denials`), or
+    a stream only resolved prompts. Nothing stored, so nothing records the turn either: its
+    retry is judged on the conversation as it is then, the same no-op while that first
+    answer stands."""
     return LoggedTurn(
         conversation_id=validate_identifier(conversation_id, "conversation_id"),
         turn_id=validate_identifier(turn_id, "turn_id"),

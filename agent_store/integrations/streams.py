@@ -66,7 +66,7 @@ from agent_store.core import (
     tool_outcome,
     utc_now,
 )
-from agent_store.integrations._answering import without_denials
+from agent_store.integrations._answering import nothing_logged, without_denials
 from agent_store.integrations._stream_events import (
     ConfirmRequired,
     ConfirmResolved,
@@ -115,12 +115,7 @@ __all__ = [
     "turn_from_metadata",
     "turn_from_sse",
 ]
-from agent_store.store import (
-    AgentMessageLogger,
-    ConversationStore,
-    LoggedTurn,
-    validate_identifier,
-)
+from agent_store.store import AgentMessageLogger, ConversationStore, LoggedTurn
 
 
 @dataclass(frozen=True)
@@ -709,7 +704,8 @@ async def log_streamed_turn(
     refusal of a call another turn answered first (the store checks the calls the turn
     answers are still pending: `StreamedTurn.answered_calls`), while a result for such a
     call is refused (`AnsweredBefore`), nothing written: a call's first answer is its
-    answer, and the runtime learns its tool ran although the call had one.
+    answer, and the runtime learns its tool ran although the call had one. A turn holding
+    nothing but such refusals stores no message (`_answering.nothing_logged`).
     """
     messages = _turn_messages(prompt, turn)
     answered = await _approvals_answered(
@@ -722,7 +718,9 @@ async def log_streamed_turn(
         if len(without) == len(messages):
             raise
         try:  # the turn as logged when the approval came first (by this call or a retry)
-            logged = await _logged(logger, conversation_id, without, turn, turn_id, user_id)
+            logged = await _logged(
+                logger, conversation_id, without, turn, turn_id, user_id, settled=True
+            )
         except Conflict:
             raise refused from None
     await _resolve_the_rest(store, conversation_id, turn, logged, answered, user_id)
@@ -878,9 +876,12 @@ async def _logged(
     turn: StreamedTurn,
     turn_id: str,
     user_id: str | None,
+    *,
+    settled: bool = False,
 ) -> LoggedTurn:
-    """The turn's messages logged; a turn of resolutions only stores none."""
-    if messages or not turn.resolved_request_ids:
+    """The turn's messages logged; a turn of resolutions only stores none, nor does one
+    `settled` (logged without its stale denials: `without_denials`) that holds nothing else."""
+    if messages or not (turn.resolved_request_ids or settled):
         return await logger.log_messages(
             conversation_id,
             messages,
@@ -890,12 +891,7 @@ async def _logged(
             answers_to=_calls_named(turn.answered_calls, messages),
             strict_owner=user_id is not None,
         )
-    return LoggedTurn(
-        conversation_id=validate_identifier(conversation_id, "conversation_id"),
-        turn_id=validate_identifier(turn_id, "turn_id"),
-        messages=[],
-        replayed=False,
-    )
+    return nothing_logged(conversation_id, turn_id)
 
 
 def _calls_named(
