@@ -1451,12 +1451,6 @@ class Conversation(_Model):
     the end was still being written); null or absent when none is owed (the store's
     bookkeeping, never served). The next turn folds it after its insert, and a turn refused
     by its condition meanwhile is judged again once it is folded."""
-    folded_unstored: list[Count] = Field(default_factory=list, exclude=True)
-    """The `seq`s below the end that the last fold of the pending state written from the
-    stored messages found holding no message (blocks of turns passed as dead; the store's
-    bookkeeping, never served; absent when none): a writer stalled past `abandon_after` whose
-    insert lands there puts the calls and prompt that fold left out back itself while the
-    fold it then owes waits for a turn still being written."""
     last_step: str | None = Field(default=None, exclude=True)
     """The greatest `step` a turn was logged with (`log_messages`; a LangGraph thread's
     checkpoint ids), the store's bookkeeping, never served: a new turn of an earlier step is

@@ -120,7 +120,6 @@ from agent_store.store._pop import (
 )
 from agent_store.store._relocated import (
     MOVED,
-    Landed,
     Landing,
     Looked,
     Unlanded,
@@ -2073,14 +2072,11 @@ class AgentMessageLogger:
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
         )
 
-    async def _settle(
-        self, conversation_id: str, moved: Mapping[str, Any] | None, landed: Landed | None = None
-    ) -> bool:
+    async def _settle(self, conversation_id: str, moved: Mapping[str, Any] | None) -> bool:
         """The conversation's pending state folded from its stored messages and written
         (`_relocated.settle`: from `moved`, the conversation as a move left it, else read),
         after a move or for a fold owed (`REFOLD_OWED`); False, the fold owed, when it could
-        not be written (`landed`: the turn whose insert landed past its block's
-        `abandon_after` then puts what a fold left out of its own back)."""
+        not be written."""
         return await settle(
             self._conversations,
             self._messages,
@@ -2088,7 +2084,6 @@ class AgentMessageLogger:
             moved,
             abandon_after=self.rules.abandon_after,
             name_chars=self.rules.name_chars,
-            landed=landed,
         )
 
     async def _refuse_unless_met(
@@ -2644,9 +2639,9 @@ class AgentMessageLogger:
         readers may pass its block moves it to as `writer`, `_past_what_readers_passed`).
         After a move, a reservation that found a fold of the pending state owed
         (`_Reserved.owed`) or a block listing pending state passed and empty, or an insert
-        landing past its block's `abandon_after` (`_fold_after_insert`), the pending state is
-        folded from the stored messages (`_relocated.settle`: two or three round trips more,
-        on those paths only).
+        landing past its block's `abandon_after` (`_to_fold`), the pending state is folded
+        from the stored messages (`_relocated.settle`: two or three round trips more, on
+        those paths only).
 
         A message an earlier attempt stored collides on its `_id` and is read back, so
         a retry answers with the stored timestamps, not its own.
@@ -2681,7 +2676,8 @@ class AgentMessageLogger:
         first = reserved.first_seq
         if reserved.assigns:
             await self._hand_over_earlier(plan.conversation_id, reserved)
-        await self._fold_after_insert(plan, reserved, started)
+        if await self._to_fold(plan, reserved, started):  # pending as the stored messages say
+            await self._settle(plan.conversation_id, reserved.moved)
         stored = found if found is not None else plan.stored(first, owner, epoch)
         refilled = inserted and reserved.replayed and reserved.moved is None
         if refilled and reserved.in_flight_until is not None:
@@ -2694,24 +2690,17 @@ class AgentMessageLogger:
             await self._follow_times(plan, reserved, stored, inserted=inserted)
         return stored, reserved
 
-    async def _fold_after_insert(self, plan: TurnPlan, reserved: _Reserved, started: float) -> None:
-        """The pending state folded from the stored messages after the turn's insert
-        (`_settle`), when an insert landing past its block's `abandon_after`
-        (`_landed_past_its_block`: its own calls and prompt then put back while that fold
-        waits, unless it moved) or `_to_fold` asks for it; nothing more on the common path."""
-        late = self._landed_past_its_block(plan, started)
-        if late or await self._to_fold(plan, reserved):
-            landed = Landed(plan, reserved.first_seq) if late and reserved.moved is None else None
-            await self._settle(plan.conversation_id, reserved.moved, landed)
-
-    async def _to_fold(self, plan: TurnPlan, reserved: _Reserved) -> bool:
+    async def _to_fold(self, plan: TurnPlan, reserved: _Reserved, started: float) -> bool:
         """Whether the pending state is folded from the stored messages after the turn's
-        insert, besides an insert landing past its block's `abandon_after`
-        (`_landed_past_its_block`): after a move, a fold owed (`_Reserved.owed`), or a block
-        listing pending state found passed and empty (`_left_unstored`: one `find`, only
-        when one was found passed)."""
+        insert: after a move, a fold owed (`_Reserved.owed`), an insert landing past its
+        block's `abandon_after` (`_landed_past_its_block`), or a block listing pending state
+        found passed and empty (`_left_unstored`: one `find`, only when one was found
+        passed)."""
         return (
-            reserved.moved is not None or reserved.owed or await self._left_unstored(reserved, plan)
+            reserved.moved is not None
+            or reserved.owed
+            or self._landed_past_its_block(plan, started)
+            or await self._left_unstored(reserved, plan)
         )
 
     def _landed_past_its_block(self, plan: TurnPlan, started: float) -> bool:
@@ -2719,9 +2708,7 @@ class AgentMessageLogger:
         landed later than `abandon_after` after its reservation (`started`): a writer stalled
         past the margin its check before the insert keeps, whose block a later turn may
         have found passed and empty, the pending state folded without its calls and prompt
-        (`_left_unstored`); folded again now that they are stored, or, while that fold waits
-        for a turn below the end still being written, its calls and prompt put back
-        (`_relocated.put_back`): acknowledged, they are answerable at once. Never with an
+        (`_left_unstored`); folded again now that they are stored. Never with an
         `abandon_after` of zero, where no block listing pending state is kept."""
         after = self.rules.abandon_after.total_seconds()
         return bool(after) and lists_pending(plan) and time.monotonic() - started > after

@@ -26,9 +26,6 @@ messages say:
 - A fold that cannot be written (the conversation kept changing, a turn below the end still
   being written) is owed (`REFOLD_OWED`, `_owe`): the next turn reserving folds it after its
   insert, clearing the mark it read in the fold's own guarded update (`refolded`).
-- A fold written records the `seq`s it found holding no message (`FOLDED_UNSTORED`): a writer
-  stalled past `abandon_after` whose insert lands there, its fold owed, puts what that fold
-  left out of its own back (`put_back`), so its acknowledged calls are answerable at once.
 """
 
 from __future__ import annotations
@@ -61,8 +58,6 @@ from agent_store.store._fork import (
 )
 from agent_store.store._naming import first_named, renamed
 from agent_store.store._reservation import (
-    FOLDED_UNSTORED,
-    FOLDED_UNSTORED_KEPT,
     REFOLD_OWED,
     RESERVED,
     RecordedBlock,
@@ -74,7 +69,6 @@ from agent_store.store._reservation import (
 from agent_store.store._turns import (
     ANSWERED_READ,
     GAPS_READ,
-    PENDING_CALLS_KEPT,
     Gaps,
     TurnConflict,
     TurnPlan,
@@ -98,15 +92,8 @@ MOVED: dict[str, Any] = {
 """What the move returns of the conversation: what a reservation returns, and what the fold
 after it needs (the gaps below the new block, a fork's turn starts, the approvals, the pops'
 guard, its name and where an automatic name was taken from)."""
-_FOLD_READ: dict[str, Any] = {
-    **MOVED,
-    "pending_calls": 1,
-    "pending_hitl": 1,
-    "resolved_hitl": 1,
-    FOLDED_UNSTORED: 1,
-}
-"""What the fold reads of a conversation it reads again: `MOVED`, the pending state, and the
-`seq`s the last fold written found holding no message."""
+_FOLD_READ: dict[str, Any] = {**MOVED, "pending_calls": 1, "pending_hitl": 1, "resolved_hitl": 1}
+"""What the fold reads of a conversation it reads again: `MOVED` and the pending state."""
 
 _FOLD_ATTEMPTS = 3
 
@@ -407,10 +394,6 @@ class Refold:
     keeps (`_fork.approvals_in_fork`, the one rule pops follow too). None withdrawn while
     `resolved` is None: a block reserved and not stored may still store, where an answer
     reaches it, the question that answer was for."""
-    unstored: Sequence[int] = ()
-    """The `seq`s below `message_count` holding no message and not popped, ascending: blocks
-    passed (their turns taken as dead), when `folded`; recorded by the fold's write
-    (`FOLDED_UNSTORED`)."""
 
     def summary(self) -> dict[str, Any]:
         """The conversation as read with its pending state, resolutions and approvals the
@@ -466,7 +449,6 @@ async def refold(
     gaps = Gaps.of(conversation)
     if gaps.written(missing, now=utc_now(), abandon_after=abandon_after) is not None:
         return Refold(conversation, [], None, None, stored, folded=False) if partial else None
-    unstored = [s for s in missing if s not in gaps.popped]
     answered = answered_in(conversation)
     folded = folded_after(stored, fork_turns_of(conversation), answered)
     kept = conversation.get("resolved_hitl") or ()
@@ -474,15 +456,7 @@ async def refold(
     resolved = resolved_in_fork(kept, answered, answered, folded) if alone else None
     approved = conversation.get("approved_calls") or ()
     withdrawn = approvals_withdrawn(approved, answered, folded) if alone else []
-    return Refold(
-        conversation,
-        folded.calls,
-        folded.hitl,
-        resolved,
-        stored,
-        withdrawn=withdrawn,
-        unstored=unstored,
-    )
+    return Refold(conversation, folded.calls, folded.hitl, resolved, stored, withdrawn=withdrawn)
 
 
 def of_its_life(conversation: Mapping[str, Any], count: int) -> dict[str, Any]:
@@ -503,8 +477,7 @@ def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     the fold tells `resolved_hitl` (`Refold.resolved`), it is set too, and the prompt is
     pending unless among them, the whole update matching only while no answer came since;
     else a prompt resolved by request id, even meanwhile, stays resolved. A fold owed as read
-    (`REFOLD_OWED`) is cleared (null), unless marked again since. The `seq`s it found holding
-    no message are recorded (`FOLDED_UNSTORED`, the highest `FOLDED_UNSTORED_KEPT`)."""
+    (`REFOLD_OWED`) is cleared (null), unless marked again since."""
     conversation = fold.conversation
     pops = int(conversation.get("pops") or 0)
     query: dict[str, Any] = {
@@ -521,8 +494,6 @@ def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         hitl = {"$cond": [resolved, literal(None), literal(fold.prompt.model_dump())]}
     calls = literal([c.model_dump() for c in fold.calls])
     stage: dict[str, Any] = {"pending_calls": calls, "pending_hitl": hitl}
-    unstored = [Int64(s) for s in fold.unstored[-FOLDED_UNSTORED_KEPT:]]
-    stage[FOLDED_UNSTORED] = literal(unstored) if unstored else "$$REMOVE"
     answers = list(conversation.get("answered_prompts") or ())
     given = {"$ifNull": ["$answered_prompts", literal([])]}
     unanswered_since = {"$eq": [given, literal(answers)]}
@@ -550,7 +521,6 @@ async def settle(
     name_chars: int,
     given_up: bool = False,
     own: range = range(0),
-    landed: Landed | None = None,
 ) -> bool:
     """After a moved turn's insert: its conversation's pending state (and the approvals a fork
     of all of it keeps: `Refold.withdrawn`) folded from the stored messages and written
@@ -573,8 +543,7 @@ async def settle(
     the conversation as the retry read it (every field), else None: the turn is never
     stored, so the fold leaves out what its first reservation changed (a prompt it asked
     again under an answered id is resolved again; `own`, the `seq`s of the block given
-    up, not stored); written only when the summary says otherwise. `landed`: a turn landed
-    past its block's `abandon_after`, whose own pending state is put back (`_written`)."""
+    up, not stored); written only when the summary says otherwise."""
     for _ in range(_FOLD_ATTEMPTS):
         fold = await refold(
             conversations,
@@ -588,99 +557,20 @@ async def settle(
         if fold is None:
             return False
         names = renamed(fold.conversation, first_named(fold.stored, name_chars))
-        written = _written(fold, names, landed)
-        if written is None and await _changed(conversations, fold):
+        if not fold.folded and not names and await _changed(conversations, fold):
             moved = None  # a pop (or a turn) ran between its two reads: read again
             continue
-        if written is None or (not names and given_up and _already(fold)):
+        if not names and (not fold.folded or (given_up and _already(fold))):
             return fold.folded or await _owe(conversations, conversation_id)
+        query, update = refolded(fold)
+        update = update if fold.folded else [{"$set": {}}]  # else the name alone, guarded
+        update[0]["$set"].update(names)
         with storage_errors("set what the moved turn leaves pending"):
-            result = await conversations.update_one(*written)
+            result = await conversations.update_one(query, update)
         if result.matched_count:
             return fold.folded or await _owe(conversations, conversation_id)
         moved = None
     return await _owe(conversations, conversation_id)
-
-
-def _written(
-    fold: Refold, names: dict[str, Any], landed: Landed | None
-) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-    """The filter and update `settle` writes: the fold's (`refolded`), with the automatic
-    name `names`; while a turn below the end is still being written (`fold` not folded),
-    the name alone and the `landed` turn's own calls and prompt put back (`put_back`) while
-    the pending state is as read, all under the fold's guard; None when neither is to be
-    written then."""
-    back = None if fold.folded or landed is None else put_back(fold, landed)
-    if not fold.folded and not names and back is None:
-        return None
-    query, update = refolded(fold)
-    update = update if fold.folded else [{"$set": {}}]  # else the name alone, guarded
-    update[0]["$set"].update(names)
-    if back is not None:
-        query = {"$and": [query, back[0]]}
-        update[0]["$set"].update(back[1])
-    return query, update
-
-
-@dataclass(frozen=True)
-class Landed:
-    """A turn whose insert landed later than `abandon_after` after its reservation, in the
-    block that reservation took (`AgentMessageLogger._landed_past_its_block`)."""
-
-    plan: TurnPlan
-    first_seq: int
-
-
-def put_back(fold: Refold, landed: Landed) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """The filter and the `$set` fields that put the landed turn's own calls and prompt back
-    in the pending state as read (`fold.conversation`), while a turn below the end is still
-    being written (`fold` not folded): those a fold of the stored messages (that turn's
-    left out) leaves pending that the summary lacks, when a fold written since the turn's
-    reservation found its block holding no message (`FOLDED_UNSTORED`) and so left them
-    out. Only then: no answer naming them passed since, so none still being written takes
-    them, and none stored does (the fold of the stored messages would not leave them). Each
-    call at its place by `seq` (the newest `PENDING_CALLS_KEPT` kept); the prompt only where
-    none is pending, and not once a person resolved its request id. The filter matches while
-    the pending state and the answers are as read. None when nothing is to be put back."""
-    conversation = fold.conversation
-    record = [int(s) for s in conversation.get(FOLDED_UNSTORED) or ()]
-    if landed.first_seq not in record:
-        return None
-    own = {str(document["_id"]) for document in landed.plan.documents}
-    answered = answered_in(conversation)
-    folded = folded_after(fold.stored, fork_turns_of(conversation), answered)
-    calls, prompt = pending_now(conversation)
-    listed = {(c.tool_call_id, c.message_id) for c in calls}
-    back = [c for c in folded.calls if c.message_id in own]
-    back = [c for c in back if (c.tool_call_id, c.message_id) not in listed]
-    asked = folded.hitl if prompt is None and folded.hitl is not None else None
-    asked = asked if asked is not None and asked.message_id in own else None
-    if not back and asked is None:
-        return None
-    block = range(landed.first_seq, landed.first_seq + landed.plan.count)
-    fields: dict[str, Any] = {
-        FOLDED_UNSTORED: literal([Int64(s) for s in record if s not in block])
-    }
-    if back:
-        every = sorted([*calls, *back], key=lambda c: -1 if c.seq is None else c.seq)
-        fields["pending_calls"] = literal([c.model_dump() for c in every[-PENDING_CALLS_KEPT:]])
-    if asked is not None:
-        resolved = resolved_by_request(asked.request_id)
-        fields["pending_hitl"] = {"$cond": [resolved, literal(None), literal(asked.model_dump())]}
-    as_read = [
-        {
-            "$eq": [
-                {"$ifNull": [f"${name}", literal(default)]},
-                literal(conversation.get(name) or default),
-            ]
-        }
-        for name, default in (
-            ("pending_calls", []),
-            ("pending_hitl", None),
-            ("answered_prompts", []),
-        )
-    ]
-    return {"$expr": {"$and": as_read}}, fields
 
 
 async def _owe(conversations: Any, conversation_id: str) -> bool:

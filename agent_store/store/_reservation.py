@@ -82,16 +82,6 @@ conversation changing under it or a turn below the end still being written): the
 reserving sees it in what its reservation returns and folds again after its insert, and a
 reservation refused by its condition folds before it judges again. Cleared by the fold's
 own guarded update, only while it is the mark that fold read."""
-FOLDED_UNSTORED = "folded_unstored"
-"""The field a fold of the pending state written from the stored messages sets to the `seq`s
-below the end it found holding no message and not popped (the newest `FOLDED_UNSTORED_KEPT`;
-absent when none): blocks of turns passed as dead, whose reservation's calls and prompt that
-fold left out. A writer stalled past `abandon_after` whose insert lands in such a block
-while the fold it then owes must wait (a turn below the end still being written) puts its
-own calls and prompt back itself (`_relocated.put_back`): no other turn can have answered
-them since that fold, which no answer naming them passed."""
-FOLDED_UNSTORED_KEPT = 64
-"""How many `seq`s `FOLDED_UNSTORED` keeps (the highest)."""
 
 
 DELETING = "deleting_since"

@@ -312,12 +312,6 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   refold_owed?: Date | null;
   /**
-   * The `seq`s below the end that the last fold of the pending state written from the stored messages found holding no message (blocks of turns passed as dead; the store's bookkeeping, never served; absent when none): a writer stalled past `abandon_after` whose insert lands there puts the calls and prompt that fold left out back itself while the fold it then owes waits for a turn still being written.
-   *
-   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
-   */
-  folded_unstored?: unknown[];
-  /**
    * The greatest `step` a turn was logged with (`log_messages`; a LangGraph thread's checkpoint ids), the store's bookkeeping, never served: a new turn of an earlier step is refused, so the transcript ends as the runtime's latest step.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
