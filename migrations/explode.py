@@ -139,7 +139,10 @@ def after_the_drop(db: Database[dict[str, Any]]) -> str | None:
     legacy turn makes. It says what the legacy collection holds as it is (empty, or how many
     documents, and how many a service still dual-writing made: `_held_after_the_drop`);
     legacy turns in `CONVERSATIONS` an old-service writer logged after the drop hold content
-    no new collection does, and it names them."""
+    no new collection does, and it names them. The restore it advises names the one backup
+    holding no turn a delete or an erasure took before the drop (the deprecated collection
+    as it stood right before it), and says to leave out those of any taken since: the store
+    keeps no record of a delete or an erasure once done, so no run can tell them."""
     begun = drop_unfinished(db)
     if begun is not None:
         return (
@@ -151,7 +154,11 @@ def after_the_drop(db: Database[dict[str, Any]]) -> str | None:
     if dropped is None:
         return None
     restore = (
-        f"restore the dropped legacy turns from a backup into {LEGACY_TURNS} and unset "
+        f"restore the dropped legacy turns into {LEGACY_TURNS} from a backup of "
+        f'{LEGACY_TURNS} taken right before the drop, never the "Before" backup, and leave '
+        "out the turns of every conversation deleted, and of every user erased, since that "
+        "backup was taken (the store keeps no record of a delete or an erasure once done: a "
+        "run would migrate such turns anew and serve them to their owners), and unset "
         f"`dropped_at` and `dropping_at` in the {STATE_ID!r} document of {STATE}"
     )
     late = db[CONVERSATIONS].count_documents(TURN_FILTER)

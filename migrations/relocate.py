@@ -311,7 +311,9 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
     turns are those of before the rollback, conversations the old service deleted since
     among them: merged back, they would be migrated again. Turns the old service logged
     after a move (new `_id`s) and a collection standing empty or holding dual-written turns
-    only are no leftover: a run copies the turns into it; a turn logged after the move under
+    only are no leftover: a run copies the turns into it; nor is a moved turn the old
+    service saved again unchanged, its conversation's document standing (`_rolled_back`):
+    the copy takes it as moved; a turn logged after the move under
     a moved turn's `_id` with other content is refused as such (`_other_content`), nothing
     moved, whatever type of number either `_id` is (`5.0` is the turn `5` to the server's
     `$in`: both are paired by `matched_key`). A turn holding text that is not valid UTF-8 is
@@ -330,16 +332,39 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
         if not copies:
             continue
         turns = {matched_key(t["_id"]): t for t in db[CONVERSATIONS].find({"_id": {"$in": chunk}})}
-        same = [c for c in copies if _same_content(c, turns.get(matched_key(c["_id"]), {}))]
-        if not same:  # turns logged after the move under a moved turn's `_id`
-            raise _other_content(copies[0]["_id"])
-        raise WorkLeft(
-            f"{LEGACY_TURNS} holds turn documents {CONVERSATIONS} holds too, and no copy "
-            "of a run is under way: it is a collection a rollback that copied the turns "
-            "back left standing, whose turns the old service may have deleted since. "
-            f"Moving nothing: drop {LEGACY_TURNS} or rename it away (once "
-            f"{CONVERSATIONS} holds every turn to keep), then `run` again"
-        )
+        paired = [(c, turns.get(matched_key(c["_id"]), {})) for c in copies]
+        same = [turn for copy, turn in paired if _same_content(copy, turn)]
+        if _rolled_back(db, same):
+            raise WorkLeft(
+                f"{LEGACY_TURNS} holds turn documents {CONVERSATIONS} holds too, and no copy "
+                "of a run is under way, nor does the conversation document of each stand in "
+                f"{CONVERSATIONS}: it is a collection a rollback that copied the turns "
+                "back left standing, whose turns the old service may have deleted since. "
+                f"Moving nothing: drop {LEGACY_TURNS} or rename it away (once "
+                f"{CONVERSATIONS} holds every turn to keep), then `run` again"
+            )
+        for copy, turn in paired:  # turns logged after the move under a moved turn's `_id`
+            if not _same_content(copy, turn):
+                raise _other_content(copy, turn)
+
+
+def _rolled_back(db: Database[dict[str, Any]], same: list[dict[str, Any]]) -> bool:
+    """Whether turns of `agent_conversations` the deprecated collection holds as they are
+    (`same`) are a rollback's, which moves the conversation documents away before it copies
+    the turns back (MIGRATION.md, "Rollback"): one whose conversation's document is not
+    standing in `agent_conversations`. A moved turn the old service saved again unchanged
+    after the move (an upsert by `_id`), its conversation's document standing (the run
+    wrote it, no rollback moved it), is the moved turn: no leftover, the copy takes it as
+    moved (`_accept_identical_copies`). A turn filed under no conversation a document can
+    stand for is taken for a rollback's. One read, of those documents, only then."""
+    if not same:
+        return False
+    filed = [_filed_under(turn) for turn in same]
+    if not all(filed):
+        return True
+    named = set().union(*filed)
+    found = db[CONVERSATIONS].find({"_id": {"$in": list(named)}, **CONVERSATION_FILTER}, {"_id": 1})
+    return bool(named - {d["_id"] for d in found})
 
 
 def _same_content(copy: Mapping[str, Any], turn: Mapping[str, Any]) -> bool:
@@ -914,13 +939,21 @@ def _accept_identical_copies(
         target.replace_one({"_id": found["_id"]}, turn)
 
 
-def _other_content(turn_id: Any) -> WorkLeft:
-    """A turn of `agent_conversations` under the `_id` of a moved-aside turn holding other
-    content: neither is overwritten nor deleted."""
+def _other_content(copy: Mapping[str, Any], turn: Mapping[str, Any]) -> WorkLeft:
+    """A turn of `agent_conversations` (`turn`) under the `_id` of a moved-aside turn (`copy`)
+    holding other content: neither is overwritten nor deleted. The old service edited the
+    moved turn after the move (an upsert by `_id` completing it), or logged another turn
+    under its `_id`: the refusal says whose each is (conversation, user, time) and the way
+    out of each, the edited turn first, since another `_id` given to it would migrate the
+    turn twice, its stale copy beside it."""
     return WorkLeft(
-        f"turn document {turn_id!r} exists in {LEGACY_TURNS} with other content; "
-        f"refusing to overwrite or delete it: give the turn in {CONVERSATIONS} another "
-        "_id, then `run` again"
+        f"turn document {copy['_id']!r} exists in {LEGACY_TURNS} with other content "
+        f"({_whose(copy)}) than the turn under that _id in {CONVERSATIONS} ({_whose(turn)}); "
+        "refusing to overwrite or delete either: if the turn in "
+        f"{CONVERSATIONS} is the moved turn edited since (the same conversation, user and "
+        f"time), delete its copy from {LEGACY_TURNS} (another _id would migrate the turn "
+        "twice); only if it is another turn, give the turn in "
+        f"{CONVERSATIONS} another _id; then `run` again"
     )
 
 
@@ -933,7 +966,7 @@ def _replaced(copy: Mapping[str, Any], turn: Mapping[str, Any], own: _KilledCopy
     says whose each is (conversation, user, time), so the operator can."""
     turn_id = copy["_id"]
     if matched_key(turn_id) not in own.confirmed:
-        return _other_content(turn_id)
+        return _other_content(copy, turn)
     return WorkLeft(
         f"turn document {turn_id!r} in {CONVERSATIONS} ({_whose(turn)}) is not the one a killed "
         f"copy confirmed moving, which {LEGACY_TURNS} holds as that copy read it "

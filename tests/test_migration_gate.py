@@ -4392,6 +4392,34 @@ def test_a_legacy_turn_an_old_writer_logs_after_the_drop_gets_one_instruction_fr
 
 
 @pytest.mark.wire
+def test_the_advice_after_the_drop_names_the_backup_to_restore_and_what_no_run_can_tell(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After the drop a late legacy turn asks for the dropped turns back. The store keeps no
+    record of a delete or an erasure once done, so a run after the restore cannot tell a
+    restored turn a delete took from the others: the advice names the one backup that holds
+    no such turn, `agent_conversations_deprecated` as it stood right before the drop, never
+    the runbook's "Before" backup, and says to leave out the turns of every conversation
+    deleted, and every user erased, since it was taken (was: "restore the dropped legacy
+    turns from a backup": the "Before" one, restored, brought back a conversation its owner
+    deleted and an erased user's, served again, `finish` exit 0)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(2)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    database[CONVERSATIONS].insert_one(legacy_turn("t-late", "c-0", 9, "LATE"))
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"a backup of {LEGACY_TURNS} taken right before the drop" in said
+    assert 'never the "Before" backup' in said
+    assert "keeps no record of a delete or an erasure" in said
+    assert "leave out the turns of every conversation deleted" in said
+
+
+@pytest.mark.wire
 def test_finish_counts_as_migrated_only_the_legacy_conversations_that_are(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -6515,6 +6543,95 @@ def test_a_late_turn_under_a_moved_turns_number_id_of_another_type_is_named_and_
     moved = database[LEGACY_TURNS].find_one({"_id": 5})
     assert moved is not None
     assert moved["user_message"] == "EARLY question"
+
+
+def _served_questions(wire_uri: str, database: Database[dict[str, Any]], cid: str) -> Any:
+    """The user's messages the store serves of `cid` (its owner `u-1`), or None: not found."""
+
+    async def served(db: Any) -> Any:
+        store = ConversationStore(db)
+        try:
+            transcript = await store.transcript(cid, user_id="u-1")
+        except NotFound:
+            return None
+        return [m.content for m in transcript if m.role == "user"]
+
+    return _on_its_database(wire_uri, database, served)
+
+
+@pytest.mark.wire
+def test_a_moved_turn_the_old_service_saved_again_unchanged_is_taken_as_moved_not_a_rollback(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After the move the old service saves a moved turn again as it was (an upsert by `_id`;
+    no rollback happened): its conversation's document still stands in `agent_conversations`,
+    which a rollback moves away, so the turn is the moved one, its copy the same: `run` takes
+    it as moved (exit 0), never calls the collection a rollback's leftover to drop, and every
+    conversation stays served whole (was: exit 1 advising to drop or rename the collection
+    away; followed, the next run removed `c-2` and `c-1`'s second turn, `finish` exit 0)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-1", 0, "ONE"), legacy_turn("t-2", "c-1", 1, "TWO"),
+         legacy_turn("t-3", "c-2", 0, "THREE")]
+    )  # fmt: skip
+    assert cli(wire_uri, database, "run") == 0
+    moved = database[LEGACY_TURNS].find_one({"_id": "t-1"})
+    database[CONVERSATIONS].replace_one({"_id": "t-1"}, moved, upsert=True)
+    stored = stored_messages(database)
+    capsys.readouterr()
+
+    for dry_run in (("--dry-run",), ()):
+        assert cli(wire_uri, database, "run", *dry_run) == 0
+        said = "".join(capsys.readouterr())
+        assert "rollback" not in said
+        assert "no legacy turn makes now" not in said
+    assert database[CONVERSATIONS].find_one({"_id": "t-1"}) is None
+    assert database[LEGACY_TURNS].count_documents({}) == 3
+    assert stored_messages(database) == stored
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    assert _served_questions(wire_uri, database, "c-1") == ["ONE question", "TWO question"]
+    assert _served_questions(wire_uri, database, "c-2") == ["THREE question"]
+
+
+@pytest.mark.wire
+def test_a_moved_turn_edited_after_the_move_is_refused_with_advice_that_never_duplicates(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The old service completes a turn by an upsert by `_id` just after the run moved it: the
+    turn in `agent_conversations` holds other content than its moved copy. `run` refuses
+    (exit 1), naming whose each is (conversation, user, time) and the moved turn edited first:
+    delete its copy from `agent_conversations_deprecated`; another turn: another `_id`.
+    Followed (the same conversation, user and time: the moved turn edited), the next run
+    migrates the edited turn in its place: the question served once, with the whole answer,
+    `finish` exit 0 (was: the only advice was another `_id`, which served the question twice,
+    the stale answer beside the whole one, `finish` exit 0)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-1", 0, "ONE"), legacy_turn("t-3", "c-2", 0, "THREE")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    completed = {"response_parts": [{"type": "text", "content": "ONE answer, now complete"}]}
+    moved = database[LEGACY_TURNS].find_one({"_id": "t-1"})
+    database[CONVERSATIONS].replace_one({"_id": "t-1"}, moved | completed, upsert=True)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 1
+    said = "".join(capsys.readouterr())
+    assert "conversation 'c-1', user 'u-1'" in said
+    delete_copy = said.find(f"delete its copy from {LEGACY_TURNS}")
+    another_id = said.find("another _id")
+    assert -1 < delete_copy < another_id
+    assert database[LEGACY_TURNS].delete_one({"_id": "t-1"}).deleted_count == 1  # as advised
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+    async def served(db: Any) -> list[Any]:
+        store = ConversationStore(db)
+        return [(m.role, m.content) for m in await store.transcript("c-1", user_id="u-1")]
+
+    assert _on_its_database(wire_uri, database, served) == [
+        ("user", "ONE question"), ("assistant", "ONE answer, now complete")
+    ]  # fmt: skip
 
 
 def pairing_turns(case: str) -> list[dict[str, Any]]:
