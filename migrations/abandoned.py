@@ -37,10 +37,15 @@ from pymongo.database import Database
 from agent_store.core import InvalidInput
 from agent_store.legacy import (
     CONVERSATION_COUNTERS,
+    NAMING_FIELDS,
     TURN_ONLY_FIELDS,
     LegacyTurn,
     not_identifiers,
+    not_utf8_at,
     parse_turns,
+    storable_text,
+    stored_conversation_id,
+    texts_not_identifiers,
     turn_names,
     turns_known_as,
 )
@@ -426,3 +431,49 @@ def remove(run: Explosion) -> list[Abandoned]:
         problem_report.replace(run.db, ids, [], at=run.undated_at, bounds=run.options.bounds)
     run.counts.abandoned_left += len(left)
     return left
+
+
+FILED_AS_READ = ("unread_conversation", "invalid_conversation")
+"""The kinds of problem a run files under the conversation id as its turns hold it
+(`explode._unread`, `explode._parsed`: a Regex or a DBRef under its text, `Regex('a.b', 0)`),
+which names no conversation a run converts once the id is stored otherwise."""
+_NOT_TEXT = {
+    "$or": [
+        {"conversation_id": {"$not": {"$type": "string"}}},
+        {"conversation_id": {"$type": "array"}},
+    ]
+}
+"""The turns whose conversation id is no text (or none), an array too."""
+
+
+def forget_problems_of_ids_gone(run: Explosion) -> None:
+    """A run's last step, once it has gone through every conversation: the problems of a kind
+    filed under the id as read (`FILED_AS_READ`) that no legacy turn goes by now, neither as
+    it holds its id nor as it is stored, are deleted: an operator stored the id as text, as
+    advised, and the run converted the conversation under that id, or its turns were
+    deleted. No other run replaces them (each replaces those of the ids it converts), and
+    the report says what the current code makes of the data. One read of the records, one
+    of the turns under their texts, and one of the turns whose id is no plain text; only
+    while such records stand. A dry run deletes nothing."""
+    recorded = run.db[problem_report.PROBLEMS].find(
+        {"kind": {"$in": list(FILED_AS_READ)}}, {"conversation_id": 1}
+    )
+    ids = {d.get("conversation_id") for d in recorded}
+    named = sorted(i for i in ids if isinstance(i, str) and not_utf8_at(i) is None)
+    if run.options.dry_run or not named:
+        return
+    source = run.db[run.source]
+    held = {t.get("conversation_id") for t in source.find({"conversation_id": {"$in": named}})}
+    odd = {"$or": [texts_not_identifiers("conversation_id"), _NOT_TEXT]}
+    for turn in source.find({"$and": [LEGACY_FILTER, odd]}, NAMING_FIELDS):
+        held.add(storable_text(str(turn.get("conversation_id"))))  # as a problem holds it
+        try:
+            held.add(storable_text(stored_conversation_id(turn)))
+        except (InvalidInput, UnicodeEncodeError):
+            continue
+    gone = [i for i in named if i not in held]
+    if gone:
+        run.fence()
+        run.db[problem_report.PROBLEMS].delete_many(
+            {"conversation_id": {"$in": gone}, "kind": {"$in": list(FILED_AS_READ)}}
+        )

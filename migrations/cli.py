@@ -113,6 +113,10 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     print(f"conversations in {CONVERSATIONS}: {conversations}")
     print(f"messages in {MESSAGES}: {db[MESSAGES].estimated_document_count()}")
     print(f"lock: {lease.describe(lease.current(db))}")
+    moved = relocate.turns_at(db) == LEGACY_TURNS
+    in_place_said = _said_of_turns_in_place(db) if in_place and moved else []
+    for said in in_place_said:
+        print(f"legacy turns in {CONVERSATIONS}: {said}")
     state = db[lease.STATE].find_one({"_id": lease.STATE_ID})
     if state:
         done = state.get("done") or {}
@@ -126,7 +130,8 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         if state.get("complete") and in_place:
             where = (
                 f"the last run completed, but legacy turns are back in {CONVERSATIONS} (a "
-                "rollback, or the old service logging since): run again"
+                "rollback, or the old service logging since)"
+                + ("" if in_place_said else ": run again")
             )
         print(f"progress: {where} (run {state.get('run_id')})")
         if state.get("dropped_at") is None and state.get("dropping_at") is not None:
@@ -322,10 +327,12 @@ def _explode(
 
 def _last_step(run: explode.Explosion) -> None:
     """Once a run has gone through every conversation: the pending prompts no conversation
-    takes, and the conversations the migration made that no legacy turn makes now."""
+    takes, the conversations the migration made that no legacy turn makes now, and the
+    problems filed under an id no legacy turn goes by now."""
     orphan_prompts.record(run)
     for item in abandoned.remove(run):
         print(f"  {item.conversation_id}: {item.reason}", file=sys.stderr)
+    abandoned.forget_problems_of_ids_gone(run)
 
 
 def summary_line(label: str, counts: explode.Counts) -> str:
@@ -488,6 +495,17 @@ NOT_MOVED = (
 """What `verify` and `finish` say of legacy turns not moved aside: content neither compares."""
 
 
+def _said_of_turns_in_place(db: Database[dict[str, Any]]) -> list[str]:
+    """What `verify`, `finish` and `status` say of the legacy turns in `agent_conversations`:
+    of those a copy left there for text that is not valid UTF-8, what the copy said
+    (`relocate.left_named`: each turn, the conversations it holds back, and to correct its
+    text there, as running again moves none of them); `NOT_MOVED` for any other turn there,
+    which the next run moves. So the advice followed converges."""
+    left, said = relocate.left_named(db)
+    others = db[CONVERSATIONS].count_documents(relocate.TURN_FILTER, limit=left + 1) > left
+    return ([NOT_MOVED] if others else []) + ([said] if said else [])
+
+
 WHILE_A_RUN = "{command} reads nothing while a run goes on: run it again once that run ends"
 """What `verify` and `finish` say, exit 3, when a run holds the lock: part of the legacy turns
 may be moved aside, part of a conversation migrated, and neither is work left."""
@@ -562,7 +580,7 @@ def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     )
     unread = _report_unread(db)
     if _not_moved(db, "`verify`"):
-        print(NOT_MOVED)
+        print("\n".join(_said_of_turns_in_place(db)))
         return 1
     other_rules = _other_rules(db, args.rules)
     return 0 if result.ok and not unread and not other_rules else 1
@@ -617,7 +635,7 @@ def cmd_finish(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     if not unfinished:
         explode.refuse_after_the_drop(db)  # before the turns not moved: no run can move them
         if _not_moved(db, "`finish`"):
-            print(NOT_MOVED)
+            print("\n".join(_said_of_turns_in_place(db)))
             return 1
         _require_legacy_data(db)
         accepting = [_acceptable(db, conversation_id) for conversation_id in args.accept or ()]

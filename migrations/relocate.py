@@ -198,6 +198,19 @@ def left_not_utf8(db: Database[dict[str, Any]]) -> Iterator[dict[str, Any]]:
             yield document
 
 
+def left_named(db: Database[dict[str, Any]]) -> tuple[int, str]:
+    """How many turns a copy left in `agent_conversations` for text that is not valid UTF-8
+    (`left_not_utf8`), and what the copy said of them (`_not_copied`, `_holding_back`): each
+    by `_id` and where, the conversations they hold back, and the one step that moves them,
+    their text corrected there (a run alone leaves them again), for `verify`, `finish` and
+    `status` to say as the run did."""
+    kept = _Left()
+    for document in left_not_utf8(db):
+        kept.not_utf8(document, not_utf8_at(document) or "a field")
+    said = "; ".join(filter(None, [_not_copied(kept.named), _holding_back(kept)]))
+    return len(kept.named), said and f"the copy {said}"
+
+
 def late_bytes(ids: list[Any]) -> int:
     """The bytes `ids` take encoded as the state lists them (`LATE`)."""
     return len(bson.encode({LATE: ids}))

@@ -2672,6 +2672,46 @@ def test_finish_and_run_report_a_listed_conversation_whose_turns_no_read_finds(
 
 
 @pytest.mark.wire
+@pytest.mark.parametrize(
+    "unreadable", [bson.Regex("a.b"), bson.DBRef("x", "a.b")], ids=["regex", "dbref"]
+)
+def test_the_problem_of_an_unreadable_id_goes_once_the_id_is_stored_as_text(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    unreadable: Any,
+) -> None:
+    """MIGRATION.md ("The problem report"): each run replaces the problems of the
+    conversations it converts, so the report says what the current code makes of the data. A
+    conversation id no run converts as stored (a Regex, a DBRef: `unread_conversation`,
+    `invalid_conversation`) is recorded under its text (`Regex('a.b', 0)`); once the operator
+    stores it as text as advised and runs again, no legacy turn goes by it any more and the
+    run's last step drops its problem (was: `finish` exit 0 and `status` still counting it,
+    "1 holding content no message holds (not placed)", every word in messages)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", unreadable, 0, "ODD"), legacy_turn("t-2", "plain", 1, "PLAIN")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    if database[MESSAGES].count_documents({"content": "ODD question"}):
+        pytest.skip("this server reads the conversation by this id: its turns are migrated")
+    recorded = database[PROBLEMS].find_one({"conversation_id": str(unreadable)})
+    assert recorded is not None
+    assert cli(wire_uri, database, "finish") == 1
+
+    database[LEGACY_TURNS].update_one({"_id": "t-1"}, {"$set": {"conversation_id": "a.b"}})
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish") == 0
+    assert cli(wire_uri, database, "status") == 0
+    out = capsys.readouterr().out
+    assert database[MESSAGES].count_documents({"content": "ODD question"}) == 1
+    assert database[PROBLEMS].count_documents({}) == 0, list(database[PROBLEMS].find())
+    assert recorded["kind"] not in out, out
+    assert "not placed" not in out, out
+
+
+@pytest.mark.wire
 def test_a_turn_refiled_in_another_conversation_is_moved_out_of_the_first_by_a_rerun(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -8668,6 +8708,31 @@ def test_a_turn_a_copy_leaves_for_text_that_is_not_valid_utf8_holds_its_conversa
     assert migrated == {"c-good-1", "c-good-2"}
     assert database[CONVERSATIONS].find_one({"_id": "c-bad"}) is None
     assert codes[1:4] == [1, 1, 1], out
+
+
+def test_verify_finish_and_status_name_a_late_turn_a_copy_leaves_for_text_not_valid_utf8(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md: `finish` names each conversation of work left with the reason. After the
+    move the old service logs a turn holding text that is not valid UTF-8, which the copy of
+    the next run leaves in `agent_conversations`: `verify`, `finish` and `status` name it by
+    `_id` and field, the conversation it holds back, and say to correct its text there, the
+    one step that gets it moved, every time (was: only "run the migration again", which
+    changes nothing: an advice followed in a loop)."""
+    turns = [legacy_turn("t-1", "c-a", 0, "A"), legacy_turn("t-2", "c-b", 1, "B")]
+    database = _on_mongomock(monkeypatch, turns)
+    assert cli("mongodb://unused", database, "run", "--spread", "1") == 0
+    _late_turns_logged(database, [legacy_turn("t-late", "c-a", 2, MARKER)])
+
+    for _ in range(2):
+        assert cli("mongodb://unused", database, "run", "--spread", "1") == 0
+        for command, code in [("verify", 1), ("finish", 1), ("status", 0)]:
+            capsys.readouterr()
+            assert cli("mongodb://unused", database, command) == code
+            out = capsys.readouterr().out
+            assert "turn 't-late' (user_message holds bytes that are not valid UTF-8)" in out, out
+            assert "'c-a'" in out, out
+            assert "correct it there" in out, out
 
 
 def test_a_turn_a_copy_leaves_under_another_conversations_id_holds_that_one_back_named(
