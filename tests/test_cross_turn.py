@@ -24,6 +24,7 @@ from agent_store import (
     LoggedTurn,
     NotFound,
     StorageUnavailable,
+    StoreError,
     TurnRules,
 )
 from agent_store.core import (
@@ -8218,3 +8219,73 @@ async def test_a_stalled_writer_landing_in_its_passed_block_makes_its_call_pendi
 
     assert await pending_state(store) == (["c2"], None)
     assert await pending_state(store) == _folded(await store.transcript(CID))
+
+
+async def test_a_call_being_answered_is_never_listed_again(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stalled writer's call, off `pending_calls` once its block was passed as dead, is not
+    put back when its insert lands while an answer to it, sent without `answers_to`, is
+    still being written: that answer is not there to fold, so the call stays off the list
+    (the documented window), never listed for a second answer. A call's first answer is
+    its answer."""
+    writer = AgentMessageLogger(backend.db, rules=_SHORT)
+    store = ConversationStore(backend.db, rules=_SHORT)
+    stall = _StalledInsert(writer, monkeypatch)
+    late = await stall.start(
+        writer.log_messages(CID, [_user("Book it."), _book("c2")], turn_id="tA")
+    )
+    await asyncio.sleep(_SHORT.abandon_after.total_seconds() + 0.2)
+    other = AgentMessageLogger(backend.db, rules=_SHORT)
+    await other.log_messages(CID, [_user("hello?")], turn_id="tB")
+    answer = partial(other.log_messages, CID, [_answer("c2", "first")], turn_id="tR")
+    await reserved_insert_lost(other, answer)  # tR reserved, still being written
+
+    stall.release()
+    await late
+    monkeypatch.undo()
+
+    assert "c2" not in [c.tool_call_id for c in await store.pending_calls(CID)]
+    await answer()
+    answers = [m.content for m in await store.transcript(CID) if m.tool_call_id == "c2"]
+    assert answers == ["first"]
+
+
+async def test_a_stalled_writer_landing_takes_the_calls_it_answered_off_the_list(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer answering a call, stalled inside its insert past `abandon_after`, looks dead
+    to the turn that finds its block passed and empty: the call it answered is listed
+    again. When its insert lands while another turn is still being written (the fold
+    waits), the call its stored answer answers goes off `pending_calls` before it is
+    acknowledged: a call's first answer is its answer, and no second one is stored."""
+    writer = AgentMessageLogger(backend.db, rules=_SHORT)
+    store = ConversationStore(backend.db, rules=_SHORT)
+    await writer.log_messages(CID, [_user("Search."), _book("c1", "search")], turn_id="t0")
+    (c1,) = await store.pending_calls(CID)
+    stall = _StalledInsert(writer, monkeypatch)
+    late = await stall.start(
+        writer.log_messages(
+            CID,
+            [_answer("c1", "found"), _book("c2")],
+            turn_id="tA",
+            answers_to={"c1": c1.message_id},
+        )
+    )
+    await asyncio.sleep(_SHORT.abandon_after.total_seconds() + 0.2)
+    other = AgentMessageLogger(backend.db, rules=_SHORT)
+    await other.log_messages(CID, [_user("hello?")], turn_id="tB")
+    assert await pending_state(store) == (["c1"], None)
+    await reserved_insert_lost(other, partial(other.log_messages, CID, [_say("...")], turn_id="tC"))
+
+    stall.release()
+    await late
+    monkeypatch.undo()
+
+    assert "c1" not in [c.tool_call_id for c in await store.pending_calls(CID)]
+    with contextlib.suppress(StoreError):  # refused, never stored
+        await other.log_messages(
+            CID, [_answer("c1", "again")], turn_id="tR2", answers_to={"c1": c1.message_id}
+        )
+    answers = [m.content for m in await store.transcript(CID) if m.tool_call_id == "c1"]
+    assert answers == ["found"]

@@ -130,6 +130,7 @@ from agent_store.store._relocated import (
     refold,
     settle,
     stored_at,
+    take_answered_off,
     unchanged,
 )
 from agent_store.store._reservation import (
@@ -2676,8 +2677,7 @@ class AgentMessageLogger:
         first = reserved.first_seq
         if reserved.assigns:
             await self._hand_over_earlier(plan.conversation_id, reserved)
-        if await self._to_fold(plan, reserved, started):  # pending as the stored messages say
-            await self._settle(plan.conversation_id, reserved.moved)
+        await self._fold_after_insert(plan, reserved, started)
         stored = found if found is not None else plan.stored(first, owner, epoch)
         refilled = inserted and reserved.replayed and reserved.moved is None
         if refilled and reserved.in_flight_until is not None:
@@ -2689,6 +2689,30 @@ class AgentMessageLogger:
         if reserved.replayed and stored:
             await self._follow_times(plan, reserved, stored, inserted=inserted)
         return stored, reserved
+
+    async def _fold_after_insert(self, plan: TurnPlan, reserved: _Reserved, started: float) -> None:
+        """The pending state folded from the stored messages after the turn's insert, when it
+        is to be (`_to_fold`, `_settle`). A fold that could not be written (owed: a turn below
+        the end still being written) after an insert landing past its block
+        (`_landed_past_its_block`) still takes the calls the turn answers off `pending_calls`
+        (`_relocated.take_answered_off`: two round trips more, on that path only), where a
+        fold that found its block passed and empty listed them again: the turn is
+        acknowledged with its answers standing, never with the calls they answer listed."""
+        if not await self._to_fold(plan, reserved, started):
+            return
+        if await self._settle(plan.conversation_id, reserved.moved):
+            return
+        if self._landed_past_its_block(plan, started):
+            first = reserved.first_seq
+            await take_answered_off(
+                self._conversations,
+                self._messages,
+                _same_as_reserved(plan.conversation_id, reserved),
+                plan,
+                range(first, first + len(plan.documents)),
+                epoch=reserved.epoch,
+                pops=reserved.pops,
+            )
 
     async def _to_fold(self, plan: TurnPlan, reserved: _Reserved, started: float) -> bool:
         """Whether the pending state is folded from the stored messages after the turn's

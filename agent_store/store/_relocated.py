@@ -44,6 +44,7 @@ from agent_store.core import (
     StorageUnavailable,
     StoreError,
     answers_to_calls,
+    calls_answered,
     messages_adapter,
     utc_now,
 )
@@ -616,3 +617,71 @@ def stored_at(plan: TurnPlan, stored: Sequence[Mapping[str, Any]]) -> int | None
     if len(firsts) > 1:
         raise TurnConflict(f"the messages of turn {plan.turn_id!r} are stored in several blocks")
     return firsts.pop() if firsts else None
+
+
+async def take_answered_off(
+    conversations: Any,
+    messages: Any,
+    same: Mapping[str, Any],
+    plan: TurnPlan,
+    block: range,
+    *,
+    epoch: str | None,
+    pops: int | None,
+) -> None:
+    """After the insert of a turn landing past its block whose fold could not be written
+    (`settle`, owed: a turn below the end still being written): the calls its messages,
+    stored at the `seq`s of `block`, answer go off `pending_calls`, where a fold finding its
+    block passed and empty listed them again (DESIGN.md: a call's first answer is its
+    answer). Nothing is put back: taking off is always safe, the answer being stored. Each
+    call is the one the stored messages pair with the answer (`calls_answered`: one find of
+    the messages of the conversation's life, `epoch`, making or answering a call of its
+    ids); the update matches the conversation the turn reserved on (`same`) while no pop
+    ran since its reservation (`pops`) nor runs."""
+    answered = sorted(set(plan.answered_calls))
+    if not answered or pops is None:
+        return
+    query: dict[str, Any] = {
+        "conversation_id": plan.conversation_id,
+        "seq": {"$lt": block.stop},
+        "$or": [{"tool_calls.id": {"$in": answered}}, {"tool_call_id": {"$in": answered}}],
+    }
+    if epoch is not None:
+        query["epoch"] = {"$in": [epoch, None]}
+    with storage_errors("read the calls the turn answers"):
+        docs = await messages.find(query).sort("seq", 1).to_list(None)
+    found = messages_adapter.validate_python(docs)
+    taken = sorted(
+        (call_id, str(docs[at]["_id"]))  # the message making the call
+        for index, (at, call_id) in calls_answered(found).items()
+        if found[index].seq in block
+    )
+    if taken:
+        with storage_errors("take the calls the turn answers off the pending calls"):
+            await conversations.update_one(*answered_calls_off(same, taken, pops))
+
+
+def answered_calls_off(
+    same: Mapping[str, Any], taken: Sequence[tuple[str, str]], pops: int
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The filter and update taking the calls `taken` (`(tool_call_id, message_id)`) off
+    `pending_calls` of the conversation `same` names, while its pops are `pops` and none is
+    under way; matching only while one of them is listed."""
+    query: dict[str, Any] = {
+        **same,
+        "pops": pops if pops else {"$in": [None, 0]},
+        "popping": None,
+        "pending_calls.tool_call_id": {"$in": sorted({call_id for call_id, _ in taken})},
+    }
+    each = [
+        {"$and": [{"$eq": ["$$call.tool_call_id", c]}, {"$eq": ["$$call.message_id", m]}]}
+        for c, m in taken
+    ]
+    kept = {
+        "$filter": {
+            "input": "$pending_calls",
+            "as": "call",
+            "cond": {"$eq": [{"$or": each}, False]},
+        }
+    }
+    return query, [{"$set": {"pending_calls": kept}}]
