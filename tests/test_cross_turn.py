@@ -8289,3 +8289,112 @@ async def test_a_stalled_writer_landing_takes_the_calls_it_answered_off_the_list
         )
     answers = [m.content for m in await store.transcript(CID) if m.tool_call_id == "c1"]
     assert answers == ["found"]
+
+
+async def _asked_and_approved(logger: AgentMessageLogger, store: ConversationStore) -> str:
+    """c1 asked under r1 and approved; the id of the message that made c1."""
+    logged = await logger.log_messages(CID, [_calls("c1"), _asks_about("r1", "c1")], turn_id="asks")
+    await store.resolve_hitl(CID, "r1")
+    return logged.messages[0].id
+
+
+async def _passed_and_folded(logger: AgentMessageLogger) -> None:
+    """The dead turn's block passed (`abandon_after`), and a later turn's reservation finds it
+    so (`pending_blocks`): the pending state is folded from the stored messages."""
+    await asyncio.sleep(_SHORT.abandon_after.total_seconds() + 0.2)
+    await logger.log_messages(CID, [_user("hello?")], turn_id="later")
+
+
+async def test_a_dead_turn_asking_an_answered_id_again_leaves_the_approval_once_folded(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RELIABILITY.md, "A writer that died before its insert": the fold takes back what the
+    dead turn's reservation did as a whole. Its question under r1, answered already, is never
+    stored: r1 is resolved again and c1 approved again (DESIGN.md §2 `resolved_hitl`,
+    `approved_calls`), so a denial of c1 is refused, and answering r1 again adds nothing."""
+    logger = AgentMessageLogger(backend.db, rules=_SHORT)
+    store = ConversationStore(backend.db, rules=_SHORT)
+    made_by = await _asked_and_approved(logger, store)
+    await _reserved_only(logger, monkeypatch, [_asks_about("r1", "c1")], "dies")
+    assert [c.request_id for c in await store.pending_calls(CID)] == ["r1"]
+
+    await _passed_and_folded(logger)
+
+    assert [(c.tool_call_id, c.request_id) for c in await store.pending_calls(CID)] == [
+        ("c1", None)
+    ]
+    assert await store.pending_hitl(CID) is None
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert doc["resolved_hitl"] == ["r1"]
+    with pytest.raises(AnsweredBefore):
+        await logger.check_turn(
+            CID, [_denial_of("c1")], turn_id="denies", answers_to={"c1": made_by}
+        )
+    await store.resolve_hitl(CID, "r1")
+    assert await _approved_calls(backend) == ["c1"]
+
+
+async def test_a_dead_turns_late_retry_denying_a_call_approved_after_the_fold_is_refused(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dead turn denied c1 and asked about c9; folded, c1 is pending under r1 again and
+    the person approves it. The turn's late retry moves to the end, after her approval, and
+    is judged there as the same turn logged fresh: refused (`AnsweredBefore`), nothing
+    stored, c1 still approved (DESIGN.md §2 `approved_calls`)."""
+    logger = AgentMessageLogger(backend.db, rules=_SHORT)
+    store = ConversationStore(backend.db, rules=_SHORT)
+    logged = await logger.log_messages(CID, [_calls("c1"), _asks_about("r1", "c1")], turn_id="asks")
+    turn = [_denial_of("c1"), _calls("c9"), _asks_about("r9", "c9")]
+    answers = {"c1": logged.messages[0].id}
+
+    async def lost(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("the turn reserved and has not inserted")
+
+    monkeypatch.setattr(logger._messages, "insert_many", lost)
+    with pytest.raises(ConnectionError):
+        await logger.log_messages(CID, turn, turn_id="dies", answers_to=answers)
+    monkeypatch.undo()
+    await _passed_and_folded(logger)
+    assert await pending_state(store) == (["c1"], "r1")
+    await store.resolve_hitl(CID, "r1")
+    before = await store.transcript(CID)
+
+    with pytest.raises(AnsweredBefore):
+        await logger.log_messages(CID, turn, turn_id="dies", answers_to=answers)
+
+    assert await store.transcript(CID) == before
+    assert await _approved_calls(backend) == ["c1"]
+    assert [(c.tool_call_id, c.request_id) for c in await store.pending_calls(CID)] == [
+        ("c1", None)
+    ]
+
+
+async def test_a_pop_after_a_dead_turn_withdraws_the_approval_of_the_question_it_removes(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §2 `approved_calls`: a pop keeps the approvals a fork of all that remains
+    keeps, also once a turn died before its insert earlier in the conversation (its passed
+    block a `seq` gap no message fills). c1 and c2, approved under r3, asked again under r12
+    and again under r3, approved again: popping that last question gives them back to r12,
+    as in a fork of all that remains."""
+    logger = AgentMessageLogger(backend.db, rules=_SHORT)
+    store = ConversationStore(backend.db, rules=_SHORT)
+    await logger.log_messages(
+        CID, [_calls("c1", "c2"), _asks_about("r3", "c1", "c2")], turn_id="t1"
+    )
+    await store.resolve_hitl(CID, "r3")
+    await logger.log_messages(CID, [_asks_about("r12", "c2", "c1")], turn_id="t2")
+    await _reserved_only(logger, monkeypatch, [_calls("c14"), _asks_about("r16", "c14")], "dies")
+    await _passed_and_folded(logger)
+    await logger.log_messages(CID, [_asks_about("r3", "c1", "c2")], turn_id="t5")
+    await store.resolve_hitl(CID, "r3")
+
+    await store.pop_last_message(CID)
+
+    held = [(c.tool_call_id, c.request_id) for c in await store.pending_calls(CID)]
+    assert held == [("c1", "r12"), ("c2", "r12")]
+    assert await _approved_calls(backend) == ["c1", "c2"]
+    last = (await store.transcript(CID))[-1].seq
+    await logger.fork(CID, last, "fork-whole")
+    forked = [(c.tool_call_id, c.request_id) for c in await store.pending_calls("fork-whole")]
+    assert forked == held

@@ -4703,7 +4703,27 @@ def _denials(plan: TurnPlan, refused: Mapping[str, str]) -> Condition | None:
         every,
         create=True,
         explain=answered_before,
+        landing=_denials_landing(plan, denied, refused),
     )
+
+
+def _denials_landing(plan: TurnPlan, denied: Sequence[str], refused: Mapping[str, str]) -> Landing:
+    """`_denials` where a turn logged at the end in place of its empty block lands
+    (`Landing`), as the same turn logged there fresh is judged: a call it denies that is
+    listed pending again (the fold after its block passed put it back, `_relocated.refold`)
+    and that a person approved since is `AnsweredBefore`. One still off the list is the
+    turn's first reservation's, which nobody could approve meanwhile (a later message
+    answering it refuses the move: `Unmovable`, `_answers_landing`)."""
+
+    def refusal(
+        conversation: Mapping[str, Any], _found: Sequence[Mapping[str, Any]]
+    ) -> StoreError | None:
+        calls = conversation.get("pending_calls") or ()
+        listed = {c.get("tool_call_id") for c in calls if isinstance(c, Mapping)}
+        released = released_calls(conversation, [c for c in denied if c in listed], refused)
+        return _answered_before(plan, released) if released else None
+
+    return Landing((), refusal)
 
 
 def _denied(plan: TurnPlan, refused: Mapping[str, str]) -> tuple[str, ...]:

@@ -1262,9 +1262,10 @@ class ConversationStore:
         them (`folded_after`): the calls and the prompt pending, the approvals none of those
         answers gives (`approvals_withdrawn`); and the `seq`s below it with no message that a
         turn may still hold (the pop waits for a turn still writing one), not the gaps the
-        conversation records no turn holds (`Gaps.held`): those are as if never reserved, so
-        they keep no fold from settling. One lookup more of the conversation when a prompt is
-        among them or is `popped`, or they are a fork's."""
+        conversation records no turn holds (`Gaps.held`): those are as if never reserved, as
+        are the blocks passed (`Gaps.written`: a dead turn's, never stored in place), and
+        neither keeps the fold from settling. One lookup more of the conversation when a
+        prompt is among them or is `popped`, or they are a fork's."""
         docs = await (
             self._messages.find(
                 {"conversation_id": popped.conversation_id, "seq": {"$lt": popped.seq}}
@@ -1287,6 +1288,7 @@ class ConversationStore:
         assert popped.seq is not None
         gaps = Gaps.of(conversation)
         missing = gaps.held(seq for seq in range(popped.seq) if seq not in stored)
+        writing = gaps.written(missing, now=utc_now(), abandon_after=self._rules.abandon_after)
         return LeftBefore(
             calls=folded.calls,
             prompt=folded.hitl,
@@ -1294,7 +1296,9 @@ class ConversationStore:
                 (conversation or {}).get("approved_calls") or (), answered, folded
             ),
             missing=missing,
-            settled=None if conversation is None or missing else settled(conversation, folded),
+            settled=None
+            if conversation is None or writing is not None
+            else settled(conversation, folded),
         )
 
     async def messages_by_seq(

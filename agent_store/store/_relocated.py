@@ -30,7 +30,7 @@ messages say:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -63,6 +63,8 @@ from agent_store.store._reservation import (
     RESERVED,
     RecordedBlock,
     absent_stays,
+    approvals_left_unstored,
+    approvals_unstored,
     approvals_without,
     literal,
     resolved_by_request,
@@ -378,10 +380,11 @@ class Refold:
     prompt: PendingHitl | None
     resolved: list[str] | None
     """`resolved_hitl` as the fold leaves it (`_fork.resolved_in_fork`, as a pop sets it): a
-    prompt a person answered that no stored message asks again stays resolved. None (left
-    as it is) while a block other than `own` is reserved and not stored, passed or not: a
-    retry may still move its turn, and an id its reservation asked again, no longer in
-    `resolved_hitl`, tells the move so (`_reservation.relocation`)."""
+    prompt a person answered that no stored message asks again stays resolved. While a
+    block other than `own` is reserved and not stored (passed: a dead turn's, whose retry
+    may still move it), the ids as read stay, and those the fold resolves are added: what
+    the dead turn's reservation asked again under an answered id is resolved again, none
+    resolved is taken off. None: not folded (`folded`)."""
     stored: Sequence[AgentMessage] = ()
     """The stored messages folded, in `seq` order."""
     folded: bool = True
@@ -393,8 +396,14 @@ class Refold:
     a person gave (`_fork.approvals_withdrawn`): an answer approves only calls that questions
     stored below its reach held, so the conversation keeps the approvals a fork of all of it
     keeps (`_fork.approvals_in_fork`, the one rule pops follow too). None withdrawn while
-    `resolved` is None: a block reserved and not stored may still store, where an answer
-    reaches it, the question that answer was for."""
+    a block other than `own` is reserved and not stored: its retry may still store, where an
+    answer reaches it, the question that answer was for."""
+    unstored: frozenset[str] = frozenset()
+    """The messages the approvals as read name as holding their call again or superseding it
+    (`held_by`, `held_before`, `superseded_by`) that are not stored: a dead turn's, its
+    block passed. They hold nothing, as a pop of each leaves them
+    (`_reservation.approvals_unstored`): the fold takes back what that turn's reservation
+    did to the approvals as a whole."""
 
     def summary(self) -> dict[str, Any]:
         """The conversation as read with its pending state, resolutions and approvals the
@@ -407,16 +416,18 @@ class Refold:
         }
         if self.resolved is not None:
             summary["resolved_hitl"] = self.resolved
-        if self.withdrawn:
+        if self.withdrawn or self.unstored:
             summary["approved_calls"] = self.approvals_kept(
                 self.conversation.get("approved_calls") or ()
             )
         return summary
 
     def approvals_kept(self, approved: Iterable[Any]) -> list[Any]:
-        """`approved` (`approved_calls` entries) without those the fold withdraws."""
+        """`approved` (`approved_calls` entries) without those the fold withdraws, naming no
+        message not stored (`unstored`)."""
         withdrawn = set(self.withdrawn)
-        return [a for a in approved if approval_key(a) not in withdrawn]
+        kept = [a for a in approved if approval_key(a) not in withdrawn]
+        return list(approvals_left_unstored(kept, self.unstored)) if self.unstored else kept
 
 
 async def refold(
@@ -434,8 +445,8 @@ async def refold(
     its own life (`of_its_life`; one more). None when the conversation is gone, or a turn
     below the end is still being written (its messages are not there to fold), unless
     `partial`: then the stored messages, not folded (`Refold.folded`). `own`: the `seq`s of
-    the block given back or up, not stored (the resolutions are folded only when no other
-    block is unstored)."""
+    the block given back or up, not stored (while another block is unstored, a dead turn's,
+    the resolutions are only added to and no approval withdrawn: `Refold.resolved`)."""
     if conversation is None:
         with storage_errors("read the conversation"):
             conversation = await conversations.find_one({"_id": conversation_id}, _FOLD_READ)
@@ -454,10 +465,32 @@ async def refold(
     folded = folded_after(stored, fork_turns_of(conversation), answered)
     kept = conversation.get("resolved_hitl") or ()
     alone = all(s in gaps.popped or s in own for s in missing)
-    resolved = resolved_in_fork(kept, answered, answered, folded) if alone else None
+    resolved = resolved_in_fork(kept, answered, answered, folded)
+    if not alone:  # a dead turn's retry may still move it: take back, never take off
+        resolved = [*kept, *(r for r in resolved if r not in kept)]
     approved = conversation.get("approved_calls") or ()
     withdrawn = approvals_withdrawn(approved, answered, folded) if alone else []
-    return Refold(conversation, folded.calls, folded.hitl, resolved, stored, withdrawn=withdrawn)
+    unstored = _named_unstored(approved, {m.id for m in stored})
+    return Refold(
+        conversation,
+        folded.calls,
+        folded.hitl,
+        resolved,
+        stored,
+        withdrawn=withdrawn,
+        unstored=unstored,
+    )
+
+
+def _named_unstored(approved: Iterable[Any], stored: Collection[str | None]) -> frozenset[str]:
+    """The messages `approved` (`approved_calls` entries) name as holding or superseding
+    their call that are not among `stored` (`Refold.unstored`)."""
+    named: set[Any] = set()
+    for approval in approved:
+        if isinstance(approval, Mapping):
+            named.update((approval.get("held_by"), approval.get("superseded_by")))
+            named.update(approval.get("held_before") or ())
+    return frozenset(m for m in named if isinstance(m, str) and m not in stored)
 
 
 def of_its_life(conversation: Mapping[str, Any], count: int) -> dict[str, Any]:
@@ -509,7 +542,8 @@ def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     if (owed := conversation.get(REFOLD_OWED)) is not None:  # the mark read, and no later one
         read = {"$eq": [f"${REFOLD_OWED}", literal(owed)]}
         stage[REFOLD_OWED] = {"$cond": [read, literal(None), f"${REFOLD_OWED}"]}
-    return query, [{"$set": stage}]
+    unstored = approvals_unstored(None, fold.unstored) if fold.unstored else []
+    return query, [{"$set": stage}, *unstored]
 
 
 async def settle(
@@ -537,10 +571,10 @@ async def settle(
     still being written: it is written alone then, as the stored messages give it, under
     the same guard (`refold`, `partial`).
 
-    `resolved_hitl` is the fold's too (`Refold.resolved`, while no other block is unstored),
-    after a move as after a give-up: an answer that named calls, carried to the moved
-    question, released only those, and its id stays unresolved while the question holds
-    others. `given_up`: after a refused move or a block given back instead, `moved` being
+    `resolved_hitl` is the fold's too (`Refold.resolved`; while another block is unstored,
+    only added to), after a move as after a give-up: an answer that named calls, carried to
+    the moved question, released only those, and its id stays unresolved while the question
+    holds others. `given_up`: after a refused move or a block given back instead, `moved` being
     the conversation as the retry read it (every field), else None: the turn is never
     stored, so the fold leaves out what its first reservation changed (a prompt it asked
     again under an answered id is resolved again; `own`, the `seq`s of the block given
@@ -605,7 +639,7 @@ def _already(fold: Refold) -> bool:
     same = fold.resolved is None or set(resolved) == set(fold.resolved)
     owed = conversation.get(REFOLD_OWED) is not None  # written, to clear the mark
     kept = now_calls == list(fold.calls) and now_prompt == prompt
-    return same and kept and not fold.withdrawn and not owed
+    return same and kept and not fold.withdrawn and not fold.unstored and not owed
 
 
 def stored_at(plan: TurnPlan, stored: Sequence[Mapping[str, Any]]) -> int | None:

@@ -130,8 +130,9 @@ class LeftBefore:
     """The `seq`s below the message with no message a turn may still be writing (the gaps
     `popped_seqs` records none holds left out: `Gaps.held`)."""
     settled: Settled | None = None
-    """With the conversation's answers as read, all the messages below read (none missing):
-    what those messages and answers leave, in full."""
+    """With the conversation's answers as read, all the messages below read (none missing
+    that a turn may still write: the blocks passed hold none): what those messages and
+    answers leave, in full."""
 
 
 @dataclass(frozen=True)
