@@ -642,8 +642,9 @@ def resolution(
     may take a prompt holding none of the calls it names: when that prompt was not asked
     again since they were made (an answer read before a later prompt asked under the id
     does not answer that one). They then release those of the calls only (`_named`): a
-    call a prompt of the id holds that the answer does not name stays held, and the request
-    id is remembered once none is left unreleased."""
+    call a prompt of the id holds that the answer does not name stays held (one an earlier
+    answer released that a later prompt asked about again too), and the request id is
+    remembered once none is left unreleased (`_held_unreleased`)."""
     pending: dict[str, Any] = {"pending_hitl.request_id": request_id}
     held: dict[str, Any] = {"resolved_hitl": {"$ne": request_id}}
     named: dict[str, Any] | None = None
