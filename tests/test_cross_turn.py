@@ -2335,6 +2335,78 @@ async def test_an_answer_naming_the_first_questions_call_releases_it_and_not_the
         await logger.log_messages(CID, [_user("No."), _denial("b")], turn_id="t2")
 
 
+@pytest.mark.parametrize("naming", ["call_ids", "calls"])
+async def test_an_answer_naming_one_call_leaves_held_a_call_its_request_id_asked_again(
+    backend: Backend, naming: str
+) -> None:
+    """DESIGN.md §2 `approved_calls` (a later prompt naming the call holds it again) and API.md
+    (an answer naming calls releases those calls only): `confirm-1` asks about `a` and `b`, the
+    answer naming `a` releases it, then `confirm-1` asks again about `a`. The answer naming `b`
+    releases `b` only: `a` stays held by the question asked again, unanswered (the id is not
+    resolved, so a denial of `a` is stored), and the fold of the stored messages with the
+    answers says the same."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    t0 = [_user("Clean up."), _calls("a", "b"), _asks_about("confirm-1", "a", "b")]
+    await logger.log_messages(CID, t0, turn_id="t0")
+    read = await store.pending_calls(CID)
+
+    async def answer(call_id: str) -> None:
+        if naming == "call_ids":
+            await store.resolve_hitl(CID, "confirm-1", call_ids=[call_id])
+        else:
+            named = [c for c in read if c.tool_call_id == call_id]
+            await store.resolve_hitl(CID, "confirm-1", calls=named)
+
+    await answer("a")
+    await logger.log_messages(CID, [_user("Sure?"), _asks_about("confirm-1", "a")], turn_id="t1")
+    assert await held_state(store) == ([("a", "confirm-1"), ("b", "confirm-1")], "confirm-1")
+
+    await answer("b")
+
+    assert (await held_state(store))[0] == [("a", "confirm-1"), ("b", None)]
+    stored, folded = await _as_stored_and_folded(backend, store)
+    assert folded == stored
+    await logger.log_messages(CID, [_user("Don't."), _denial("a")], turn_id="t2")
+    assert (await held_state(store))[0] == [("b", None)]
+
+
+async def test_a_pop_of_a_denial_records_the_approval_of_the_call_its_prompts_answer_released(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §2 `approved_calls` (a call an answer released: its denial refused, whatever
+    becomes of its prompt's request id): `confirm-1` asks about `a` and `b`, a turn denies
+    `a`, the person resolves `confirm-1` (releasing `b`), and the denial is popped. What
+    remains is `confirm-1` asking about both and answered: both are released, and the pop
+    records both approvals, so a denial of `a` is refused, also once `confirm-1` asks again
+    about `b`, and in a fork of all that remains."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    t0 = [_user("Clean up."), _calls("a", "b"), _asks_about("confirm-1", "a", "b")]
+    made_by = (await logger.log_messages(CID, t0, turn_id="t0")).messages[1].id
+    await logger.log_messages(CID, [_denial("a")], turn_id="t1", answers_to={"a": made_by})
+    await store.resolve_hitl(CID, "confirm-1")
+    assert (await store.pop_last_message(CID)).tool_call_id == "a"  # the denial
+
+    async def denial_refused(cid: str = CID) -> bool:
+        try:
+            await logger.check_turn(cid, [_denial("a")], turn_id="probe", answers_to={"a": made_by})
+        except AnsweredBefore:
+            return True
+        return False
+
+    assert await held_state(store) == ([("a", None), ("b", None)], None)
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert doc is not None
+    assert sorted(a["tool_call_id"] for a in doc["approved_calls"]) == ["a", "b"]
+    assert await denial_refused()
+    last = (await store.transcript(CID))[-1].seq
+    assert last is not None
+    await logger.fork(CID, last, "conv-fork")
+    assert await denial_refused("conv-fork")
+    await logger.log_messages(CID, [_user("And b?"), _asks_about("confirm-1", "b")], turn_id="t2")
+    assert await held_state(store) == ([("a", None), ("b", "confirm-1")], "confirm-1")
+    assert await denial_refused()
+
+
 async def test_an_http_answer_naming_one_call_of_a_request_id_asked_twice_leaves_the_other_held(
     backend: Backend,
 ) -> None:

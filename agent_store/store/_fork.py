@@ -205,7 +205,8 @@ def approvals_in_fork(
     answers released), and those no recorded answer could have given (`_given_by_one_of`;
     `answered`, every one the original keeps), or recorded without one, where they came
     unknown. An approval an answer gave once the original had gone past the fork's point is
-    not the fork's."""
+    not the fork's. Then those the answers released in the fold that no stored one records
+    (`_released_unrecorded`)."""
     left: Counter[tuple[Any, Any, Any]] = Counter(folded.released)
     kept: list[Mapping[str, Any]] = []
     for approval in approved:
@@ -218,7 +219,28 @@ def approvals_in_fork(
         elif left[key] > 0:
             left[key] -= 1
             kept.append(approval)
-    return kept
+    return kept + _released_unrecorded(kept, folded)
+
+
+def _released_unrecorded(
+    kept: Sequence[Mapping[str, Any]], folded: Folded
+) -> list[Mapping[str, Any]]:
+    """The approvals the answers gave in the fold (`folded`) that none of the `kept` ones
+    records: of a call still pending, the latest of its id, that no prompt asked about
+    again since (`Folded.in_force`). The fold serves such a call released (`request_id:
+    null`), so its approval is recorded with it, and a denial of it stays refused whatever
+    becomes of its prompt's request id: a pop of a denial made before the answer came (the
+    answer, given where it came in what remains, released that call too). An approval
+    dropped from the list's newest kept, its call answered, is not brought back."""
+    recorded = {(a.get("tool_call_id"), a.get("message_id")) for a in kept}
+    latest = {c.tool_call_id: c.message_id for c in folded.calls}
+    added: dict[tuple[str, str], str] = {}
+    for call_id, message_id, request_id in folded.released:
+        key = (call_id, message_id)
+        if key in recorded or key not in folded.in_force or latest.get(call_id) != message_id:
+            continue
+        added[key] = request_id  # the latest answer releasing it
+    return [{"tool_call_id": c, "message_id": m, "request_id": r} for (c, m), r in added.items()]
 
 
 def _given_by_one_of(key: tuple[Any, Any, Any], answered: Iterable[Answer]) -> bool:

@@ -642,8 +642,9 @@ def resolution(
     may take a prompt holding none of the calls it names: when that prompt was not asked
     again since they were made (an answer read before a later prompt asked under the id
     does not answer that one). They then release those of the calls only (`_named`): a
-    call a prompt of the id holds that the answer does not name stays held, and the request
-    id is remembered once none is left unreleased."""
+    call a prompt of the id holds that the answer does not name stays held (one an earlier
+    answer released that a later prompt asked about again too), and the request id is
+    remembered once none is left unreleased (`_held_unreleased`)."""
     pending: dict[str, Any] = {"pending_hitl.request_id": request_id}
     held: dict[str, Any] = {"resolved_hitl": {"$ne": request_id}}
     named: dict[str, Any] | None = None
@@ -653,7 +654,10 @@ def resolution(
     elif asked is None:
         named = _named(concerns)
         held.update(_holding(request_id, concerns))
-        held["$expr"] = {"$gt": [{"$size": _held_unreleased(request_id, named)}, 0]}
+        # A call an answer to the id released is no match, held again or not: a retry of
+        # that answer, read before the id was asked again, answers as the first one did.
+        ever = _held_unreleased(request_id, named, in_force_only=False)
+        held["$expr"] = {"$gt": [{"$size": ever}, 0]}
         query = held
     else:
         named = _named(concerns)
@@ -692,10 +696,16 @@ def _named(concerns: Sequence[CallKey]) -> dict[str, Any]:
     return {"$or": named or [False]}
 
 
-def _held_unreleased(request_id: str, cond: dict[str, Any]) -> dict[str, Any]:
+def _held_unreleased(
+    request_id: str, cond: dict[str, Any], *, in_force_only: bool = True
+) -> dict[str, Any]:
     """The pending calls a prompt `request_id` holds that meet `cond` (on `$$call`) and no
-    answer to that id released yet (`approved_calls`), as an expression."""
-    by_it = _approval_keys(request_id=literal(request_id))
+    answer to that id released (`approved_calls`), as an expression. An approval a later
+    prompt holds again (`held_by`) releases its call no more: the call is held, unreleased,
+    as `core.awaiting_results` serves it; with `in_force_only=False`, a call an answer to the
+    id ever released counts as released, held again or not."""
+    held_again = False if in_force_only else None
+    by_it = _approval_keys(held_again=held_again, request_id=literal(request_id))
     unreleased = {"$eq": [{"$in": [_call_key("call"), by_it]}, False]}
     holder = {"$eq": [{"$ifNull": ["$$call.request_id", None]}, literal(request_id)]}
     calls = {"$ifNull": ["$pending_calls", literal([])]}

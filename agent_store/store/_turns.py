@@ -1491,9 +1491,10 @@ class Folded:
         `calls` names when it names some (`AnsweredPrompt.calls`), but those whose approval
         is in force (`in_force`: a call approved, asked about again and approved again is
         released by each answer); the prompt of the id no longer pending; the id answered
-        once none of the calls they hold is left that no answer to the id released. The
-        calls keep their holder."""
-        done = {(c, m) for c, m, r in self.released if r == request_id}
+        once none of the calls they hold is left that no answer to the id released and no
+        prompt asked about again since (an approval held again releases its call no more,
+        `_reservation._held_unreleased`). The calls keep their holder."""
+        done = {(c, m) for c, m, r in self.released if r == request_id and (c, m) in self.in_force}
         held = [c for c in self.calls if c.request_id == request_id]
         unreleased = [c for c in held if (c.tool_call_id, c.message_id) not in done]
         named = [c for c in unreleased if names_call(calls, c)]
