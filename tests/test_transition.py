@@ -672,6 +672,104 @@ async def test_deleting_a_conversation_takes_its_owners_late_legacy_turns_no_run
     assert sorted(d["_id"] for d in left) == ["late-elsewhere", "late-other"]
 
 
+@pytest.mark.parametrize(
+    "late_owner", [EXAMPLE_USER_ID, "user-other", None], ids=["owner", "another-user", "no-user"]
+)
+async def test_a_late_legacy_turn_under_a_legacy_conversations_id_is_never_taken_for_its_document(
+    backend: Backend, late_owner: str | None
+) -> None:
+    """MIGRATION.md (`relocate.held_by_left`): a late legacy turn of another conversation
+    whose `_id` is a legacy conversation's id is no conversation document of that id
+    (`conversation_by_id`): the read fallback serves the conversation from its legacy turns,
+    every write to it is refused as not migrated yet (a user token not its owner's finds
+    nothing), its owner's delete takes its legacy turns only, and the late turn stays as it
+    was logged, whoever it names."""
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    late = late_legacy_turn(EXAMPLE_CONVERSATION_ID, late_owner, "conv-elsewhere")
+    await backend.db[CONVERSATIONS].insert_one(late)
+    legacy = LegacyTurns(backend.db)
+    store = ConversationStore(backend.db, legacy=legacy)
+    logger = AgentMessageLogger(backend.db, legacy=legacy)
+    expected = convert(example_legacy_turns())
+    hi = [{"role": "user", "content": "hi"}]
+
+    for user_id in (EXAMPLE_USER_ID, None):
+        served = await store.get_conversation(EXAMPLE_CONVERSATION_ID, user_id=user_id)
+        assert served.turn_count == expected.conversation.turn_count
+        assert await store.transcript(EXAMPLE_CONVERSATION_ID, user_id=user_id) == (
+            expected.messages
+        )
+        page = await store.messages_page(EXAMPLE_CONVERSATION_ID, user_id=user_id, limit=100)
+        assert page.data == expected.messages
+    for user_id, owner_only in [(EXAMPLE_USER_ID, True), (None, False)]:
+        with pytest.raises(Conflict, match="exists as legacy turns not migrated yet"):
+            await logger.log_messages(
+                EXAMPLE_CONVERSATION_ID, hi, user_id=user_id, owner_only=owner_only
+            )
+        with pytest.raises(Conflict, match="exists as legacy turns not migrated yet"):
+            await logger.upsert_conversation(EXAMPLE_CONVERSATION_ID, user_id=user_id)
+        with pytest.raises(Conflict, match="exists as legacy turns not migrated yet"):
+            await store.rename(EXAMPLE_CONVERSATION_ID, "New name", user_id=user_id)
+        with pytest.raises(Conflict, match="exists as legacy turns not migrated yet"):
+            await SteeringInbox(logger).open_turn(
+                EXAMPLE_CONVERSATION_ID, "run-1", user_id=user_id, strict_owner=owner_only
+            )
+    with pytest.raises(NotFound):
+        await logger.log_messages(EXAMPLE_CONVERSATION_ID, hi, user_id="user-other",
+                                  owner_only=True)  # fmt: skip
+    with pytest.raises(NotFound):
+        await store.get_conversation(EXAMPLE_CONVERSATION_ID, user_id="user-other")
+    assert await backend.db[CONVERSATIONS].find_one({"_id": EXAMPLE_CONVERSATION_ID}) == late
+
+    deleted = await store.delete(EXAMPLE_CONVERSATION_ID, user_id=EXAMPLE_USER_ID)
+
+    assert (deleted.conversations, deleted.legacy_turns) == (0, 4)
+    assert await backend.db[CONVERSATIONS].find_one({"_id": EXAMPLE_CONVERSATION_ID}) == late
+
+
+@pytest.mark.parametrize("wired", [True, False], ids=["legacy-wired", "store-only"])
+async def test_a_late_legacy_turns_id_is_no_conversation_and_none_is_created_over_it(
+    backend: Backend, wired: bool
+) -> None:
+    """A late legacy turn whose `_id` is an identifier no conversation has: reads of that id
+    find no conversation (NotFound, never its fields read as one), and a write creating one
+    there, which would stand where the turn stands, is refused as not migrated yet (to a user
+    token the turn does not name: NotFound), nothing written: the turn stays as logged, its
+    user's list unchanged."""
+    await log_example(AgentMessageLogger(backend.db))
+    late = late_legacy_turn("late-1", EXAMPLE_USER_ID, "conv-elsewhere")
+    await backend.db[CONVERSATIONS].insert_one(late)
+    legacy = LegacyTurns(backend.db)
+    store = ConversationStore(backend.db, legacy=legacy)
+    logger = AgentMessageLogger(backend.db, legacy=legacy if wired else None)
+    hi = [{"role": "user", "content": "hi"}]
+
+    for user_id in (EXAMPLE_USER_ID, None):
+        with pytest.raises(NotFound):
+            await store.get_conversation("late-1", user_id=user_id)
+        with pytest.raises(NotFound):
+            await store.transcript("late-1", user_id=user_id)
+        with pytest.raises(NotFound):
+            await store.rename("late-1", "New name", user_id=user_id)
+        with pytest.raises(NotFound):
+            await store.delete("late-1", user_id=user_id)
+        with pytest.raises(NotFound):
+            await SteeringInbox(logger).open_turn("late-1", "run-1", user_id=user_id)
+    for user_id, owner_only in [(EXAMPLE_USER_ID, True), (None, False)]:
+        with pytest.raises(Conflict, match="exists as legacy turns not migrated yet"):
+            await logger.log_messages("late-1", hi, user_id=user_id, owner_only=owner_only)
+        with pytest.raises(Conflict, match="exists as legacy turns not migrated yet"):
+            await logger.upsert_conversation("late-1", user_id=user_id)
+        with pytest.raises(Conflict, match="exists as legacy turns not migrated yet"):
+            await logger.upsert_conversation("late-1", user_id=user_id, create_only=True)
+    with pytest.raises(NotFound):
+        await logger.log_messages("late-1", hi, user_id="user-other", owner_only=True)
+
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "late-1"}) == late
+    listed = await store.list_conversations(EXAMPLE_USER_ID)
+    assert [c.id for c in listed.data] == [EXAMPLE_CONVERSATION_ID]
+
+
 async def test_deleting_a_conversation_takes_a_late_legacy_turn_a_run_was_moving_aside(
     backend: Backend,
 ) -> None:
@@ -1142,7 +1240,7 @@ async def test_a_conversation_migrated_under_a_derived_id_reaches_a_legacy_id_st
         {"_id": "t-big", "conversation_id": 1e300, "user_message": "hi"}
     )
     await backend.db["agent_conversations"].insert_one(
-        {"_id": derived, "legacy_conversation_id": named}
+        {"_id": derived, "legacy_conversation_id": named, "message_count": 0, "turn_count": 0}
     )
 
     assert await LegacyTurns(backend.db).delete(derived, owner=None) == 1

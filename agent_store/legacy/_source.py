@@ -71,6 +71,7 @@ from agent_store.store import (
     LoggedTurn,
     TurnRules,
     bounded_read,
+    conversation_by_id,
     fork_turn_id,
     refuse_unless_fallback_serves,
     same_conversation,
@@ -248,7 +249,7 @@ class LegacyTurns:
             found = self._turns.find(query).sort([("created_at", 1), ("_id", 1)]).limit(limit)
             turns = list(await found.to_list(None))
             conversation = await self._conversations.find_one(
-                {"_id": conversation_id}, UNSTANDING_READ
+                conversation_by_id(conversation_id), UNSTANDING_READ
             )
         refuse_unless_fallback_serves(conversation_id, conversation)
         return turns
@@ -275,7 +276,7 @@ class LegacyTurns:
 
             turns, more = await bounded_read(read, limit)
             conversation = await self._conversations.find_one(
-                {"_id": conversation_id}, UNSTANDING_READ
+                conversation_by_id(conversation_id), UNSTANDING_READ
             )
         refuse_unless_fallback_serves(conversation_id, conversation)
         return turns, more
@@ -361,7 +362,7 @@ class LegacyTurns:
             return None
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                {"_id": conversation_id, **CONVERSATION_DOCUMENT}, {"user_id": 1}
+                conversation_by_id(conversation_id), {"user_id": 1}
             )
         return None if found is None else LiveConversation(found.get("user_id"))
 
@@ -382,7 +383,7 @@ class LegacyTurns:
             return None
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                {"_id": conversation_id}, {"legacy_conversation_id": 1}
+                conversation_by_id(conversation_id), {"legacy_conversation_id": 1}
             )
         return legacy_id_of(conversation_id, (found or {}).get("legacy_conversation_id"))
 
@@ -534,7 +535,7 @@ class LegacyTurns:
             return
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                {"_id": conversation_id},
+                conversation_by_id(conversation_id),
                 {"user_id": 1, "legacy_conversation_id": 1, "legacy_user_id": 1},
             )
         found = found or {}

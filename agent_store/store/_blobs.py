@@ -35,6 +35,7 @@ from pymongo.errors import BulkWriteError
 from agent_store.core import AgentMessage, Truncation, message_adapter
 from agent_store.store._driver import Database, only_duplicates, storage_errors
 from agent_store.store._indexes import BLOB_CHUNKS, BLOB_FILES, CONVERSATIONS, MESSAGES
+from agent_store.store._reservation import CONVERSATION_DOCUMENT
 from agent_store.store._truncation import FullText, put_text
 
 CHUNK_BYTES = 255 * 1024
@@ -269,9 +270,9 @@ class FullTextStore:
             ).to_list(None)
             if not found:
                 return
-            holding = await self._conversations.find({"_id": {"$in": ids}}, {"epoch": 1}).to_list(
-                None
-            )
+            holding = await self._conversations.find(
+                {"_id": {"$in": ids}, **CONVERSATION_DOCUMENT}, {"epoch": 1}
+            ).to_list(None)
             named = await self._messages.find(
                 {"conversation_id": {"$in": ids}, "truncated": {"$ne": None}}, {"truncated": 1}
             ).to_list(None)

@@ -14,6 +14,7 @@ from agent_store.store._indexes import CONVERSATIONS, DELETIONS, MESSAGES
 from agent_store.store._reservation import (
     DELETING,
     UNSTANDING_READ,
+    life_told,
     refuse_unless_standing,
     same_as_read,
 )
@@ -21,21 +22,22 @@ from agent_store.store._reservation import (
 
 async def refuse_unless_found_standing(
     conversations: Any, query: Mapping[str, Any], what: str
-) -> None:
+) -> Mapping[str, Any] | None:
     """The refusal of `what` when the conversation `query` finds is no conversation: marked by
     a delete or an erasure (`being_deleted`), or a fork not made yet (`unfinished_fork`). For a
-    write `STANDING` fences that matched nothing, or found nothing to do. One round trip, on
-    that path only."""
+    write `STANDING` fences that matched nothing, or found nothing to do; what it found
+    (None: nothing). One round trip, on that path only."""
     with storage_errors("read the conversation"):
-        doc = await conversations.find_one(query, UNSTANDING_READ)
+        doc: Mapping[str, Any] | None = await conversations.find_one(query, UNSTANDING_READ)
     refuse_unless_standing(str(query["_id"]), doc, what)
+    return doc
 
 
 def recorded_as(conversation_id: str, found: Mapping[str, Any]) -> dict[str, Any]:
     """The records of the deletion of the conversation `found` (as a delete read it): told by
     its `epoch`, or its `created_at` when it had none (`same_conversation`)."""
-    told = same_as_read(conversation_id, found)
-    return {"conversation_id": told.pop("_id"), **told}
+    told = life_told(epoch=found.get("epoch"), created_at=found.get("created_at"))
+    return {"conversation_id": conversation_id, **told}
 
 
 class DeletionRecords:
@@ -156,5 +158,7 @@ class DeletionRecords:
 
 def _is_of(record: Mapping[str, Any], conversation: Mapping[str, Any]) -> bool:
     """Whether `conversation` (a document read now) is the one `record` names."""
-    told = same_as_read(record["conversation_id"], record)
+    told = {"_id": record["conversation_id"]} | life_told(
+        epoch=record.get("epoch"), created_at=record.get("created_at")
+    )
     return all(conversation.get(field) == value for field, value in told.items())

@@ -74,12 +74,14 @@ from agent_store.store._reservation import (
     Actor,
     BeingDeleted,
     being_deleted,
+    conversation_by_id,
     int64,
     is_standing,
     literal,
     refuse_unless_fallback_serves,
     refuse_unless_standing,
     seen_by_caller,
+    with_none_of,
 )
 from agent_store.store._turns import (
     DELIVERY_TURN,
@@ -353,13 +355,15 @@ class SteeringInbox:
         remembered = _runtime_turn(turn_id)
         limit = self._logger.rules.open_inboxes
         room = {"$lt": [{"$size": {"$objectToArray": {"$ifNull": ["$inbox", {}]}}}, limit]}
-        query = {
-            "_id": conversation_id,
-            **actor.owner_filter(),
-            "$or": [{field: {"$exists": True}}, {"$expr": room}],
-            "$nor": [{"turns": {"$elemMatch": {"k": Int64(turn_key(turn_id)), "u": True}}}],
-            **STANDING,
-        }
+        query = with_none_of(
+            {
+                **conversation_by_id(conversation_id),
+                **actor.owner_filter(),
+                "$or": [{field: {"$exists": True}}, {"$expr": room}],
+                **STANDING,
+            },
+            {"turns": {"$elemMatch": {"k": Int64(turn_key(turn_id)), "u": True}}},
+        )
         for _ in range(3):  # another inbox may close between a refusal and its explanation
             with storage_errors("open the turn's inbox"):
                 doc = await self._conversations.find_one_and_update(
@@ -494,7 +498,8 @@ class SteeringInbox:
         unscoped = plan_turn(conversation_id, [message], turn_id=delivery_id, rules=rules)
         with storage_errors("read the turn's inbox"):
             doc = await self._conversations.find_one(
-                {"_id": unscoped.conversation_id}, {field: 1, "turns.k": 1, "turns.f": 1}
+                conversation_by_id(unscoped.conversation_id),
+                {field: 1, "turns.k": 1, "turns.f": 1},
             )
         if doc is not None and _delivered_unscoped(doc, field, unscoped):
             return unscoped
@@ -511,7 +516,9 @@ class SteeringInbox:
         stored: the inbox handed it to the runtime before closing; else it is refused."""
         delivered = plan.documents[0]["_id"]
         with storage_errors("read the turn's inbox"):
-            doc = await self._conversations.find_one({"_id": plan.conversation_id}, {field: 1})
+            doc = await self._conversations.find_one(
+                conversation_by_id(plan.conversation_id), {field: 1}
+            )
         entry = None if doc is None else doc.get("inbox", {}).get(field.split(".")[1])
         if entry is not None:
             return any(
@@ -584,7 +591,7 @@ class SteeringInbox:
                 )
             with storage_errors("close the turn's inbox"):
                 closed = await self._conversations.find_one_and_update(
-                    {"_id": conversation_id, f"{field}.v": entry["v"]},
+                    conversation_by_id(conversation_id) | {f"{field}.v": entry["v"]},
                     {"$unset": {field: ""}},
                     projection={"_id": 1},
                     return_document=ReturnDocument.BEFORE,
@@ -607,7 +614,7 @@ class SteeringInbox:
         actor = Actor(user_id, strict_owner=user_id is not None)
         with storage_errors("read the turn's inbox"):
             found = await self._conversations.find_one(
-                {"_id": conversation_id}, {field: 1, "user_id": 1, **UNSTANDING_READ}
+                conversation_by_id(conversation_id), {field: 1, "user_id": 1, **UNSTANDING_READ}
             )
         owned = found is not None and actor.owns(found)
         doc = seen_by_caller(found, owned)
@@ -695,7 +702,7 @@ class SteeringInbox:
         """What the conversation records of its pops (`POPS_READ`), read after the messages,
         so that a delivery popped since that read is found popped; {} once it is gone."""
         with storage_errors("read the conversation's pops"):
-            doc = await self._conversations.find_one({"_id": conversation_id}, POPS_READ)
+            doc = await self._conversations.find_one(conversation_by_id(conversation_id), POPS_READ)
         return doc or {}
 
     async def _explain_unopened(self, conversation_id: str, actor: Actor, turn_id: str) -> None:
@@ -705,7 +712,7 @@ class SteeringInbox:
         many inboxes open as the rules allow (unless one closed meanwhile: opened now)."""
         read = {"user_id": 1, "inbox": 1, "turns.k": 1, "turns.u": 1, **UNSTANDING_READ}
         with storage_errors("read the conversation"):
-            doc = await self._conversations.find_one({"_id": conversation_id}, read)
+            doc = await self._conversations.find_one(conversation_by_id(conversation_id), read)
         if doc is None:
             await self._unstanding(conversation_id, actor, writes=True)
         assert doc is not None  # else `_unstanding` raised
@@ -747,7 +754,7 @@ class SteeringInbox:
         unchanged = {f"inbox.{key}.opened_at": opened for key, opened in expired.items()}
         with storage_errors("close the expired inboxes"):
             await self._conversations.update_one(
-                {"_id": conversation_id, **unchanged},
+                conversation_by_id(conversation_id) | unchanged,
                 {"$unset": {f"inbox.{key}": "" for key in expired}},
             )
         return True

@@ -137,6 +137,7 @@ from agent_store.store._reservation import (
     ANSWERS_READ,
     DELETING,
     FORK_CHECK,
+    LEGACY_TURN_DOCUMENT,
     MIGRATING,
     NOT_BEING_DELETED,
     PENDING_BLOCKS,
@@ -161,6 +162,7 @@ from agent_store.store._reservation import (
     being_deleted,
     being_migrated,
     blocks_of,
+    conversation_by_id,
     denials_hold,
     given_back,
     given_back_abandoned,
@@ -183,6 +185,7 @@ from agent_store.store._reservation import (
     seen_by_caller,
     unfinished_fork,
     updated_at_left,
+    with_none_of,
 )
 from agent_store.store._tail import preview_of
 from agent_store.store._text import clean_name
@@ -561,8 +564,10 @@ class AgentMessageLogger:
                 await self._conversations.insert_one(doc)
             except DuplicateKeyError as exc:
                 taken = await self._conversations.find_one(
-                    {"_id": conversation_id}, {DELETING: 1, "user_id": 1}
+                    conversation_by_id(conversation_id), {DELETING: 1, "user_id": 1}
                 )
+                if taken is None:
+                    await self._refuse_held_by_a_legacy_turn(conversation_id, actor)
                 if actor.strict and (taken is None or not actor.owns(taken)):
                     raise NotFound(f"conversation {conversation_id!r} was not found") from exc
                 if taken is not None and taken.get(DELETING) is not None:
@@ -625,7 +630,9 @@ class AgentMessageLogger:
 
     async def _exists(self, conversation_id: str) -> bool:
         with storage_errors("read the conversation"):
-            found = await self._conversations.find_one({"_id": conversation_id}, {"_id": 1})
+            found = await self._conversations.find_one(
+                conversation_by_id(conversation_id), {"_id": 1}
+            )
         return found is not None
 
     async def _upsert(
@@ -644,7 +651,7 @@ class AgentMessageLogger:
         yet; `_assign`, for a replayed turn whose own checks came first, passes
         `NOT_BEING_DELETED`), and `create` is false.
         Creating it finds it so: `being_deleted`, `unfinished_fork`."""
-        query = {"_id": conversation_id, **(same or {}), **actor.owner_filter()}
+        query = {**conversation_by_id(conversation_id), **(same or {}), **actor.owner_filter()}
         with storage_errors("upsert the conversation"):
             try:
                 found: dict[str, Any] | None = await self._conversations.find_one_and_update(
@@ -655,9 +662,10 @@ class AgentMessageLogger:
                     return_document=ReturnDocument.AFTER,
                 )
             except DuplicateKeyError as exc:
-                await refuse_unless_found_standing(
+                if not await refuse_unless_found_standing(
                     self._conversations, query, "the update of the conversation"
-                )
+                ):
+                    await self._refuse_held_by_a_legacy_turn(conversation_id, actor)
                 if actor.strict:  # not theirs, in whatever state: as a missing one
                     raise NotFound(f"conversation {conversation_id!r} was not found") from exc
                 raise Conflict(
@@ -788,7 +796,7 @@ class AgentMessageLogger:
             return None
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                {"_id": conversation_id}, {"epoch": 1, "created_at": 1, "user_id": 1}
+                conversation_by_id(conversation_id), {"epoch": 1, "created_at": 1, "user_id": 1}
             )
         if found is not None and (refusal := actor.refusal(conversation_id, found.get("user_id"))):
             raise refusal
@@ -859,7 +867,7 @@ class AgentMessageLogger:
             raise refused
         with storage_errors("read the conversation"):
             conversation = await self._conversations.find_one(
-                {"_id": plan.conversation_id, **actor.owner_filter()}, _ANSWERED_FIELDS
+                conversation_by_id(plan.conversation_id) | actor.owner_filter(), _ANSWERED_FIELDS
             )
         if conversation is None:
             raise refused
@@ -978,7 +986,7 @@ class AgentMessageLogger:
         """`check_turn`'s decision as the conversation stands when read, `at` the turn's
         `next_seq` and `step`, `named` its `answers_to` and `refused_prompts`."""
         (next_seq, step), refused_prompts = at, named[1]
-        query = {"_id": plan.conversation_id}
+        query = conversation_by_id(plan.conversation_id)
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(query, _CHECKED_FIELDS)
             if await self._finished_a_pop(actor, found):  # read again once it is finished
@@ -1067,7 +1075,7 @@ class AgentMessageLogger:
         names = _call_id_map(tool_names, "tool_names must map call ids to tool names")
         if not wanted:
             return {}
-        scope = {"_id": validate_identifier(conversation_id, "conversation_id")}
+        scope = conversation_by_id(validate_identifier(conversation_id, "conversation_id"))
         with storage_errors("read the pending calls"):
             found = await self._conversations.find_one(scope, _PENDING_READ)
         owner = found.get("user_id") if found is not None else None
@@ -1101,7 +1109,7 @@ class AgentMessageLogger:
         conversation, then the messages making or answering the calls (`answers_lookup`)."""
         if not answers_to:
             return set()
-        scope = {"_id": validate_identifier(conversation_id, "conversation_id")}
+        scope = conversation_by_id(validate_identifier(conversation_id, "conversation_id"))
         with storage_errors("read the answers to the calls"):
             found = await self._conversations.find_one(scope, {"user_id": 1, "epoch": 1})
             if found is None or not _reaches(
@@ -1226,7 +1234,7 @@ class AgentMessageLogger:
         if at is None:
             return
         own = at.again(range(block.first_seq, block.first_seq + block.count))
-        query = {"_id": plan.conversation_id}
+        query = conversation_by_id(plan.conversation_id)
         with storage_errors("read the conversation"):
             if await self._conversations.find_one({**own, **query}, {"_id": 1}) is not None:
                 return
@@ -1345,13 +1353,13 @@ class AgentMessageLogger:
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         condition = _logged_at(conversation_id, next_seq, step)
         assert condition is not None
-        query = {"_id": conversation_id} | condition.filter
+        query = conversation_by_id(conversation_id) | condition.filter
         with storage_errors("record the conversation's latest step"):
             result = await self._conversations.update_one(query, {"$set": {"last_step": step}})
             if result.matched_count:
                 return
             found = await self._conversations.find_one(
-                {"_id": conversation_id}, {"message_count": 1, "last_step": 1}
+                conversation_by_id(conversation_id), {"message_count": 1, "last_step": 1}
             )
         if found is None:
             raise NotFound(f"conversation {conversation_id!r} was not found")
@@ -1576,7 +1584,7 @@ class AgentMessageLogger:
             new_id = validate_identifier(new_conversation_id, "conversation_id")
         except InvalidInput:
             return None
-        query: dict[str, Any] = {"_id": new_id, "forked_from.conversation_id": conversation_id}
+        query = conversation_by_id(new_id) | {"forked_from.conversation_id": conversation_id}
         if unchecked:
             query["fork_check"] = {"$ne": None}
         with storage_errors("read the conversation"):
@@ -1611,7 +1619,7 @@ class AgentMessageLogger:
             return
         with storage_errors("read the conversation"):
             source = await self._conversations.find_one(
-                {"_id": conversation_id}, {"message_count": 1, **GAPS_READ}
+                conversation_by_id(conversation_id), {"message_count": 1, **GAPS_READ}
             )
         if source is not None:
             self._refuse_unfinished(conversation_id, source, stored, max(stored))
@@ -1963,7 +1971,7 @@ class AgentMessageLogger:
         the one `version` names (started again under the id since)."""
         with storage_errors("read the conversation"):
             source = await self._conversations.find_one(
-                {"_id": conversation_id},
+                conversation_by_id(conversation_id),
                 {
                     "epoch": 1,
                     "created_at": 1,
@@ -2043,8 +2051,7 @@ class AgentMessageLogger:
             )
             if doc is not None:
                 return _reserved(plan, doc, observed=bool(self._observers))
-            with storage_errors("read the conversation"):
-                found = await self._conversations.find_one({"_id": plan.conversation_id})
+            found = await self._unreserved_on(plan, actor, condition, collided=create)
             if await self._finished_a_pop(actor, found):
                 continue  # its summary corrected: the turn decides on it as it now stands
             try:  # a retry past `abandon_after` that cannot move gives its turn up
@@ -2119,7 +2126,7 @@ class AgentMessageLogger:
         for part in condition.judged():
             asked = part.filter if own is None else part.again(own)
             with storage_errors("read the conversation"):
-                unmet = await self._conversations.find_one({**judged, "$nor": [asked]})
+                unmet = await self._conversations.find_one(with_none_of(judged, asked))
             if unmet is not None:
                 raise part.refused(unmet, own=own is not None)
 
@@ -2230,6 +2237,48 @@ class AgentMessageLogger:
             except DuplicateKeyError:
                 return None
         return doc
+
+    async def _unreserved_on(
+        self, plan: TurnPlan, actor: Actor, condition: Condition | None, *, collided: bool
+    ) -> dict[str, Any] | None:
+        """The conversation a reservation matched none of, as it stands now (one lookup); None
+        when there is none, after `_refuse_held_by_a_legacy_turn` when the reservation's
+        creation of it `collided` with a document under the id (an upsert that matched none
+        raised `DuplicateKeyError`)."""
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(conversation_by_id(plan.conversation_id))
+        if found is None and collided:
+            await self._refuse_held_by_a_legacy_turn(
+                plan.conversation_id, actor, condition=condition
+            )
+        return found
+
+    async def _refuse_held_by_a_legacy_turn(
+        self,
+        conversation_id: str,
+        actor: Actor,
+        what: str = "written",
+        *,
+        condition: Condition | None = None,
+    ) -> None:
+        """Refuse a write whose creation of the conversation collided with a document under
+        its id (`DuplicateKeyError`) that is a legacy turn, no conversation
+        (`LEGACY_TURN_DOCUMENT`, which `conversation_by_id` never matches): an old-service
+        writer logged it into `agent_conversations` under that `_id` (MIGRATION.md,
+        `relocate.held_by_left`), and no conversation is created where it stands until a run
+        has moved it aside: refused as not migrated yet (`not_migrated_yet`; a fork's
+        reservation as for any id that is taken, `_held`), NotFound to a user token the turn
+        does not name, nothing written. Nothing when none is there (another writer created
+        the conversation meanwhile). One round trip, on that path only."""
+        with storage_errors("read the conversation"):
+            turn = await self._conversations.find_one(
+                {"_id": conversation_id, **LEGACY_TURN_DOCUMENT}, {"user_id": 1}
+            )
+        if turn is None:
+            return
+        if actor.strict and turn.get("user_id") != actor.user_id:
+            raise NotFound(f"conversation {conversation_id!r} was not found")
+        raise _held(not_migrated_yet(conversation_id, what), condition)
 
     async def _replayed_by(
         self,
@@ -2505,7 +2554,7 @@ class AgentMessageLogger:
             return replace(reserved, first_seq=at, assigns=_assigned_at(conversation, at))
         with storage_errors("read the conversation"):
             records = await self._conversations.find_one(
-                {"_id": plan.conversation_id}, {"turns.k": 1, "turns.f": 1}
+                conversation_by_id(plan.conversation_id), {"turns.k": 1, "turns.f": 1}
             )
         if records is not None and at in blocks_of(records, plan.key):
             return None  # moved by another attempt since `conversation` was read
@@ -2599,7 +2648,7 @@ class AgentMessageLogger:
         `refused`, with its advice: nothing tells that a person removed what is not stored."""
         with storage_errors("read the conversation's pops"):
             pops = await self._conversations.find_one(
-                {"_id": plan.conversation_id}, {"popped_messages": 1, "popping": 1}
+                conversation_by_id(plan.conversation_id), {"popped_messages": 1, "popping": 1}
             )
         return _corrected(plan) if _popped_from(plan, block, pops) else refused
 
@@ -2976,7 +3025,7 @@ class AgentMessageLogger:
         stored in `other`) is not one it left: the turn is where that attempt found it."""
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                {"_id": plan.conversation_id},
+                conversation_by_id(plan.conversation_id),
                 {"turns.k": 1, "turns.f": 1, "turns.g": 1, "popped_seqs": 1},
             )
         if found is None:
@@ -3344,7 +3393,7 @@ class AgentMessageLogger:
         if latest > read.updated_at:
             with storage_errors("update the conversation"):
                 await self._conversations.update_one(
-                    {"_id": plan.conversation_id}, {"$max": {"updated_at": latest}}
+                    conversation_by_id(plan.conversation_id), {"$max": {"updated_at": latest}}
                 )
         elif inserted and reserved.moved is None and read.message_count == end:
             await self._take_times_back(
@@ -3573,7 +3622,7 @@ class AgentMessageLogger:
         epoch and the messages pops removed, as `_own_duplicates` reads them."""
         with storage_errors("read the conversation"):
             found: dict[str, Any] | None = await self._conversations.find_one(
-                {"_id": conversation_id},
+                conversation_by_id(conversation_id),
                 {"turns.k": 1, "turns.f": 1, "turns.g": 1, "turns_dropped": 1, "epoch": 1,
                  "popped_messages": 1},
             )  # fmt: skip

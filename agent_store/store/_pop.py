@@ -63,7 +63,11 @@ from agent_store.store._blobs import kept_blob_ids
 from agent_store.store._driver import storage_errors
 from agent_store.store._fork import copies_turn_of, fork_turns_of
 from agent_store.store._indexes import LANGGRAPH_TURN, LIFE_READ, checkpoints_referring_to
-from agent_store.store._reservation import UNSTANDING_READ, refuse_unless_standing
+from agent_store.store._reservation import (
+    UNSTANDING_READ,
+    conversation_by_id,
+    refuse_unless_standing,
+)
 from agent_store.store._tail import (
     LeftBefore,
     free_to_mark,
@@ -318,7 +322,7 @@ class Pop:
         ours = [earlier.earlier, *(p.earlier for p in self.memory.in_doubt.get(scope, ()))]
         with storage_errors("read the conversation"):
             doc = await self.conversations.find_one(
-                {"_id": scope[0]}, {"popping": 1, "popped_messages": 1}
+                conversation_by_id(scope[0]), {"popping": 1, "popped_messages": 1}
             )
         if doc is None:
             return False
@@ -371,7 +375,9 @@ class Pop:
         with storage_errors("read the conversation's LangGraph checkpoints"):
             if await self.checkpoints.find_one(anywhere, {"_id": 1}) is None:
                 return False
-            found = await self.conversations.find_one({"_id": conversation_id}, LIFE_READ)
+            found = await self.conversations.find_one(
+                conversation_by_id(conversation_id), LIFE_READ
+            )
             if found is None:
                 return False
             query = checkpoints_referring_to(conversation_id, seq, found)
@@ -452,7 +458,7 @@ class Pop:
         if message.role not in ("user", "system") or not is_fork_turn(message.turn_id):
             return False
         doc = await self.conversations.find_one(
-            {"_id": message.conversation_id}, {"forked_from": 1}
+            conversation_by_id(message.conversation_id), {"forked_from": 1}
         )
         copied = message.turn_id == copies_turn_of(doc or {})
         return copied and message.seq in fork_turns_of(doc or {})
@@ -467,7 +473,9 @@ class Pop:
         if not missing and not under:
             return False
         with storage_errors("read the conversation's turns"):
-            doc = await self.conversations.find_one({"_id": message.conversation_id}, GAPS_READ)
+            doc = await self.conversations.find_one(
+                conversation_by_id(message.conversation_id), GAPS_READ
+            )
         gaps, now = Gaps.of(doc), utc_now()
         writing = gaps.written(missing, now=now, abandon_after=self.abandon_after)
         if writing is not None:
@@ -564,7 +572,8 @@ async def finish_pop(
         )
     with storage_errors("update the conversation"):
         await conversations.update_one(
-            {"_id": conversation_id, "popping.message_id": pop.message_id}, unlogged(pop)
+            conversation_by_id(conversation_id) | {"popping.message_id": pop.message_id},
+            unlogged(pop),
         )
 
 
@@ -599,7 +608,7 @@ async def last_before(
     previous, latest = await last_and_latest(messages, below, seq)
     if latest is not None:
         return previous, latest["created_at"]
-    doc = await conversations.find_one({"_id": conversation_id}, {"created_at": 1})
+    doc = await conversations.find_one(conversation_by_id(conversation_id), {"created_at": 1})
     return None, (doc or {}).get("created_at")
 
 

@@ -92,6 +92,7 @@ from agent_store.store._reservation import (
     CallKey,
     answered_before,
     concerned_calls,
+    conversation_by_id,
     is_listed,
     is_standing,
     life_named,
@@ -608,9 +609,9 @@ class ConversationStore:
         if not ids:
             return {}
         with storage_errors("read the conversations"):
-            docs = await self._conversations.find({"_id": {"$in": ids}} | LISTED, SUMMARY).to_list(
-                None
-            )
+            docs = await self._conversations.find(
+                {"_id": {"$in": ids}} | LISTED | CONVERSATION_DOCUMENT, SUMMARY
+            ).to_list(None)
         return {str(doc["_id"]): Conversation.model_validate(doc) for doc in docs}
 
     async def _summary(
@@ -690,7 +691,7 @@ class ConversationStore:
         gone = NotFound(f"conversation {conversation_id!r} was not found")
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                {"_id": conversation_id}, {"epoch": 1, "created_at": 1}
+                conversation_by_id(conversation_id), {"epoch": 1, "created_at": 1}
             )
         life = None if found is None else life_named(conversation_id, found, version)
         if found is None or life is None:  # none, or another one under the id: it went
@@ -975,7 +976,7 @@ class ConversationStore:
                 return {}
             ids = list({d["conversation_id"] for d in found})
             standing = await self._conversations.find(
-                {"_id": {"$in": ids}, **holders}, {"epoch": 1}
+                {"_id": {"$in": ids}, **holders, **CONVERSATION_DOCUMENT}, {"epoch": 1}
             ).to_list(None)
         held = {d["_id"]: (d.get("epoch"), None) for d in standing}
         lives: dict[str, set[str | None]] = {}
@@ -1026,7 +1027,9 @@ class ConversationStore:
         (`log_messages`)."""
         await self._grace()
         with storage_errors("delete the conversation"):
-            again = await self._conversations.find_one({"_id": conversation_id}, {"turns.k": 1})
+            again = await self._conversations.find_one(
+                conversation_by_id(conversation_id), {"turns.k": 1}
+            )
         taken = {r.get("k") for r in (again or {}).get("turns") or ()}
         return await self._sweep_late_inserts(conversation_id, gone, spare=taken, any_owner=True)
 
@@ -1278,7 +1281,7 @@ class ConversationStore:
         conversation: Mapping[str, Any] | None = None
         if forked or any(m.hitl_action is not None for m in [*messages, popped]):
             conversation = await self._conversations.find_one(
-                {"_id": popped.conversation_id},
+                conversation_by_id(popped.conversation_id),
                 {"forked_from.turn_starts": 1, **LEFT_BEFORE_READ, **GAPS_READ},
             )
         starts = fork_turns_of(conversation or {}) if forked else []
@@ -1638,7 +1641,7 @@ class ConversationStore:
 
     async def _gaps(self, conversation_id: str) -> Gaps:
         with storage_errors("read the conversation's turns"):
-            doc = await self._conversations.find_one({"_id": conversation_id}, GAPS_READ)
+            doc = await self._conversations.find_one(conversation_by_id(conversation_id), GAPS_READ)
         return Gaps.of(doc)
 
     async def _legacy_page(
@@ -1724,7 +1727,7 @@ class ConversationStore:
             if doc is not None:
                 return int(doc["seq"]), False, doc.get("epoch")
             scope: dict[str, Any] = {
-                "_id": query["conversation_id"],
+                **conversation_by_id(query["conversation_id"]),
                 "$or": [{"popped_messages.i": message_id}, {"popping.message_id": message_id}],
             }
             if "user_id" in query:
@@ -2051,7 +2054,7 @@ class ConversationStore:
     async def _owner_of(self, conversation_id: str) -> str | None:
         with storage_errors("read the conversation"):
             doc = await self._conversations.find_one(
-                {"_id": conversation_id, **self._listed}, {"user_id": 1}
+                conversation_by_id(conversation_id) | self._listed, {"user_id": 1}
             )
         if doc is None:
             raise NotFound(f"conversation {conversation_id!r} was not found")
@@ -2213,7 +2216,11 @@ class ConversationStore:
             return lives
         with storage_errors("erase the user's data"):
             claimed = await self._conversations.find(
-                {"_id": {"$in": list(lives)}, "user_id": {"$nin": [user_id, None]}},
+                {
+                    "_id": {"$in": list(lives)},
+                    "user_id": {"$nin": [user_id, None]},
+                    **CONVERSATION_DOCUMENT,
+                },
                 {"epoch": 1, "user_id": 1},
             ).to_list(None)
             for conversation in claimed:
@@ -2258,7 +2265,11 @@ class ConversationStore:
                 if not threads:
                     continue
                 claimed = self._conversations.find(
-                    {"_id": {"$in": list(threads)}, "user_id": {"$nin": [user_id, None]}},
+                    {
+                        "_id": {"$in": list(threads)},
+                        "user_id": {"$nin": [user_id, None]},
+                        **CONVERSATION_DOCUMENT,
+                    },
                     {**LIFE_READ, "user_id": 1},
                 )
                 async for conversation in claimed:
@@ -2408,6 +2419,7 @@ class ConversationStore:
                     {
                         "_id": {"$in": written[start : start + CLAIM_CHUNK]},
                         "user_id": {"$nin": [from_user_id, None]},
+                        **CONVERSATION_DOCUMENT,
                     },
                     {"user_id": 1, **LIFE_READ},
                 )
@@ -2616,10 +2628,7 @@ class ConversationStore:
         in `agent_conversations` (one a copy left there for text that is not valid UTF-8, or
         one an old-service writer logged) is none: the id is answered from its legacy turns,
         else NotFound, and no write of the store reaches that turn."""
-        scope: dict[str, Any] = {
-            "_id": validate_identifier(conversation_id, "conversation_id"),
-            **CONVERSATION_DOCUMENT,
-        }
+        scope = conversation_by_id(validate_identifier(conversation_id, "conversation_id"))
         if user_id is not None:
             owner = validate_identifier(user_id, "user_id")
             scope["user_id"] = {"$in": [None, owner]} if or_unowned else owner

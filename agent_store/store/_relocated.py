@@ -66,6 +66,7 @@ from agent_store.store._reservation import (
     approvals_left_unstored,
     approvals_unstored,
     approvals_without,
+    conversation_by_id,
     literal,
     resolved_by_request,
 )
@@ -449,7 +450,9 @@ async def refold(
     the resolutions are only added to and no approval withdrawn: `Refold.resolved`)."""
     if conversation is None:
         with storage_errors("read the conversation"):
-            conversation = await conversations.find_one({"_id": conversation_id}, _FOLD_READ)
+            conversation = await conversations.find_one(
+                conversation_by_id(conversation_id), _FOLD_READ
+            )
         if conversation is None:
             return None
     count = int(conversation["message_count"])
@@ -515,7 +518,7 @@ def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     conversation = fold.conversation
     pops = int(conversation.get("pops") or 0)
     query: dict[str, Any] = {
-        "_id": conversation["_id"],
+        **conversation_by_id(conversation["_id"]),
         "message_count": Int64(int(conversation["message_count"])),
         "pops": pops if pops else {"$in": [None, 0]},
         "popping": None,
@@ -613,7 +616,9 @@ async def _owe(conversations: Any, conversation_id: str) -> bool:
     now), which `settle` could not write: the next turn folds it (one round trip, on the
     rare path of a fold given up). False: not folded."""
     with storage_errors("mark the conversation's pending state to be folded again"):
-        await conversations.update_one({"_id": conversation_id}, {"$set": {REFOLD_OWED: utc_now()}})
+        await conversations.update_one(
+            conversation_by_id(conversation_id), {"$set": {REFOLD_OWED: utc_now()}}
+        )
     return False
 
 

@@ -96,12 +96,35 @@ inbox opened. A write it stops is refused (`being_deleted`) once the mark is rea
 CONVERSATION_DOCUMENT: dict[str, Any] = {
     "$nor": [{"message_count": {"$exists": False}, "turn_count": {"$exists": False}}]
 }
-"""The filter part of a read or write of a user's conversation documents by their owner (an
-erasure, a claim), and of every read of many conversations (`_listed`: a list, an export, a
-search): a document of `agent_conversations` with neither counter the store writes
+"""The filter part of every lookup, update and delete of one conversation by its id
+(`conversation_by_id`), of a read or write of a user's conversation documents by their owner
+(an erasure, a claim), and of every read of many conversations (`_listed`: a list, an export,
+a search): a document of `agent_conversations` with neither counter the store writes
 on every one is a legacy turn an old-service writer logged there after the migration's move
 (or before it), the legacy source's to reach, never a conversation (MIGRATION.md step 1
 tells them apart so)."""
+LEGACY_TURN_DOCUMENT: dict[str, Any] = {
+    field: {"$exists": False} for field in ("message_count", "turn_count")
+}
+"""The complement of `CONVERSATION_DOCUMENT`: a legacy turn an old-service writer logged into
+`agent_conversations`, which `conversation_by_id` never matches. Looked for only where a
+conversation's creation collided with a document under its id (`DuplicateKeyError`)."""
+
+
+def conversation_by_id(conversation_id: Any) -> dict[str, Any]:
+    """The filter of the conversation document under `conversation_id`: every lookup, update
+    and delete of one conversation by its id starts from it. A legacy turn logged into
+    `agent_conversations` whose `_id` is that id (text the turn happens to carry, or the id
+    of a conversation it holds back: MIGRATION.md, `relocate.held_by_left`) is never taken
+    for the conversation (`CONVERSATION_DOCUMENT`): its reads fall back to the legacy
+    turns, or find none, and its writes never change the turn. A filter adding a `$nor` of
+    its own keeps this one's (`with_none_of`)."""
+    return {"_id": conversation_id, **CONVERSATION_DOCUMENT}
+
+
+def with_none_of(query: Mapping[str, Any], *filters: Mapping[str, Any]) -> dict[str, Any]:
+    """`query` matching none of `filters` too, its own `$nor` (`conversation_by_id`'s) kept."""
+    return {**query, "$nor": [*query.get("$nor", ()), *filters]}
 
 
 FORK_CHECK = "fork_check"
@@ -251,9 +274,15 @@ def same_conversation(
     `created_at`, so two conversations may share one). A conversation read before it had an
     epoch (created before epochs: the first turn since draws it one) is told by its
     `created_at`."""
+    return conversation_by_id(conversation_id) | life_told(epoch=epoch, created_at=created_at)
+
+
+def life_told(*, epoch: str | None, created_at: datetime | None) -> dict[str, Any]:
+    """What `same_conversation` tells a conversation's life by, apart from its id: its
+    `epoch`, else its `created_at` (as a deletion's record names it too)."""
     if epoch is not None:
-        return {"_id": conversation_id, "epoch": epoch}
-    return {"_id": conversation_id, "created_at": created_at}
+        return {"epoch": epoch}
+    return {"created_at": created_at}
 
 
 def same_as_read(conversation_id: str, read: Mapping[str, Any]) -> dict[str, Any]:
@@ -501,7 +530,7 @@ def reservation_filter(
     """
     keys = {"$ne": plan.key} if plan.key_before is None else {"$nin": [plan.key, plan.key_before]}
     query: dict[str, Any] = {
-        "_id": plan.conversation_id,
+        **conversation_by_id(plan.conversation_id),
         "turns.k": keys,
         **actor.owner_filter(),
         **STANDING,
@@ -1129,7 +1158,9 @@ def answers_stand(calls: Mapping[str, str]) -> dict[str, Any]:
         {"pending_calls": {"$elemMatch": {"tool_call_id": c, "message_id": m}}}
         for c, m in sorted(calls.items())
     ]
-    return {"$nor": listed}
+    # Under `$and`: a condition's filter joins the conversation's (`conversation_by_id`),
+    # whose `$nor` it would otherwise replace.
+    return {"$and": [{"$nor": listed}]}
 
 
 def answered_since(
@@ -2192,7 +2223,7 @@ def relocation(
     retry finding the conversation marked is refused (`being_deleted`)."""
     key, first = literal(Int64(plan.key)), literal(Int64(block.first_seq))
     query = {
-        "_id": plan.conversation_id,
+        **conversation_by_id(plan.conversation_id),
         "turns": {"$elemMatch": {"k": Int64(plan.key), "f": Int64(block.first_seq)}},
         **NOT_BEING_DELETED,
     }
@@ -2385,7 +2416,7 @@ def given_up(
     approvals = approvals_unstored(conversation, block_ids(plan, block.count))
     key, first = Int64(plan.key), Int64(block.first_seq)
     query = {
-        "_id": plan.conversation_id,
+        **conversation_by_id(plan.conversation_id),
         "turns": {"$elemMatch": {"k": key, "f": first, "g": {"$ne": True}}},
     }
     own = {"$and": [{"$eq": ["$$record.k", literal(key)]}, {"$eq": ["$$record.f", literal(first)]}]}
@@ -2568,15 +2599,11 @@ def _given_back(
     same: dict[str, Any],
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     key, moved, first = Int64(turn_key), Int64(moved_key(turn_key)), Int64(first_seq)
-    query = {
-        **same,
-        **NOT_BEING_DELETED,
-        "popped_seqs": {"$ne": first},
-        "$nor": [
-            {"turns": {"$elemMatch": {"k": moved, "f": first}}},
-            {"turns": {"$elemMatch": {"k": key, "f": first, "p": True}}},
-        ],
-    }
+    query = with_none_of(
+        {**same, **NOT_BEING_DELETED, "popped_seqs": {"$ne": first}},
+        {"turns": {"$elemMatch": {"k": moved, "f": first}}},
+        {"turns": {"$elemMatch": {"k": key, "f": first, "p": True}}},
+    )
     own = {"$and": [{"$eq": ["$$record.k", literal(key)]}, {"$eq": ["$$record.f", literal(first)]}]}
     starts, input_tokens, output_tokens = taken
     stage = {
