@@ -2828,11 +2828,11 @@ class AgentMessageLogger:
                 await self._give_back(plan, reserved, documents, refused=True)
             raise
         gathered = other is not None
-        elsewhere = found is not None and _elsewhere(found, first, plan.count)
-        if elsewhere and (fresh or gathered):
-            reserved = await self._given_back(plan, reserved, documents, found)
-        elif elsewhere:  # perhaps in the block a move of the turn left
-            reserved = await self._move_undone(plan, reserved, found)
+        elsewhere = found if found is not None and _elsewhere(found, first, plan.count) else None
+        if elsewhere is not None and (fresh or gathered):
+            reserved = await self._given_back(plan, reserved, documents, elsewhere)
+        elif elsewhere is not None:  # perhaps in the block a move of the turn left
+            reserved = await self._move_undone(plan, reserved, elsewhere)
         elif other is not None and other > first:  # what the other block held moved here
             shifted = [{**d, "seq": Int64(int(d["seq"]) - first + other)} for d in documents]
             await self._give_back(plan, replace(reserved, first_seq=other), shifted, refused=False)
