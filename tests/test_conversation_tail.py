@@ -1290,7 +1290,9 @@ async def test_a_move_whose_turn_its_stalled_first_attempt_stored_meanwhile_is_u
     gaps no more, 3-4 are, and x stays counted once. Both attempts answer 1-2; a follower is
     served the later turns at once (was: 1-2 listed as gaps, 3-4 never written nor a gap, and
     followers held at `pending_seq` 3 for a whole `abandon_after`)."""
-    rules = TurnRules(abandon_after=timedelta(seconds=0.3))
+    # 1 s, not 0.3: on a loaded machine a first attempt slower than its 0.27 s to its own
+    # check moves itself before its insert, and the twin then finds nothing to move.
+    rules = TurnRules(abandon_after=timedelta(seconds=1))
     fast = AgentMessageLogger(backend.db)  # never slower than its `abandon_after`, however loaded
     await fast.ensure_indexes()
     store = ConversationStore(backend.db, rules=rules)
@@ -1301,7 +1303,7 @@ async def test_a_move_whose_turn_its_stalled_first_attempt_stored_meanwhile_is_u
 
     writer = asyncio.create_task(stalled.logger.log_messages(CID, x, turn_id="x"))
     await stalled.reserved.wait()  # x holds 1-2, its check passed, its insert in flight
-    await asyncio.sleep(0.35)  # older than `abandon_after`
+    await asyncio.sleep(1.05)  # older than `abandon_after`
     retry = asyncio.create_task(twin.logger.log_messages(CID, x, turn_id="x"))
     await twin.reserved.wait()  # the twin moved x to 3-4, its insert in flight
     stalled.release.set()
