@@ -1276,3 +1276,57 @@ async def test_a_delivery_slower_than_abandon_after_is_stored_past_what_readers_
     assert [(m.seq, m.content) for m in await runtime.drain(CID, "t-running")] == [
         (stored[-1].seq, "in metric, please")
     ]
+
+
+@pytest.mark.parametrize("leaves_a_call", [False, True], ids=["plain", "open-call"])
+async def test_a_move_whose_turn_its_stalled_first_attempt_stored_meanwhile_is_undone(
+    backend: Backend, leaves_a_call: bool
+) -> None:
+    """DESIGN §3: a block a turn's reservation took and the turn does not fill, stored
+    elsewhere, is given back, its `seq`s gaps no turn holds; a stored message's `seq` is never
+    one. Turn x's first attempt reserves 1-2, passes its check and stalls inside its insert;
+    its twin, past `abandon_after` less a tenth, moves x to 3-4 and stalls inside its own; the
+    first insert lands in 1-2. The twin's insert meets x there and undoes its move: 1-2 are
+    gaps no more, 3-4 are, and x stays counted once. Both attempts answer 1-2; a follower is
+    served the later turns at once (was: 1-2 listed as gaps, 3-4 never written nor a gap, and
+    followers held at `pending_seq` 3 for a whole `abandon_after`)."""
+    # 1 s, not 0.3: on a loaded machine a first attempt slower than its 0.27 s to its own
+    # check moves itself before its insert, and the twin then finds nothing to move.
+    rules = TurnRules(abandon_after=timedelta(seconds=1))
+    fast = AgentMessageLogger(backend.db)  # never slower than its `abandon_after`, however loaded
+    await fast.ensure_indexes()
+    store = ConversationStore(backend.db, rules=rules)
+    first = await fast.log_messages(CID, [user("t0?")], turn_id="t0")  # seq 0
+    x = [user("x?"), calling("remote", "c1") if leaves_a_call else answer("x!", tokens=3)]
+    stalled = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    twin = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+
+    writer = asyncio.create_task(stalled.logger.log_messages(CID, x, turn_id="x"))
+    await stalled.reserved.wait()  # x holds 1-2, its check passed, its insert in flight
+    await asyncio.sleep(1.05)  # older than `abandon_after`
+    retry = asyncio.create_task(twin.logger.log_messages(CID, x, turn_id="x"))
+    await twin.reserved.wait()  # the twin moved x to 3-4, its insert in flight
+    stalled.release.set()
+    landed = await writer  # in 1-2
+    twin.release.set()
+    replayed = await retry
+
+    assert [m.seq for m in landed.messages] == [m.seq for m in replayed.messages] == [1, 2]
+    assert replayed.replayed
+    conversation = await check_conversation(backend.db, CID, gaps=True)
+    end = conversation["message_count"]  # 5; more when a loaded twin had to move twice
+    assert sorted(conversation["popped_seqs"]) == list(range(3, end))
+    if leaves_a_call:
+        assert [c.tool_call_id for c in await store.pending_calls(CID)] == ["c1"]
+        result = {"role": "tool", "tool_call_id": "c1", "content": "r"}
+        later = [result, answer("done")]
+        await fast.log_messages(CID, later, turn_id="r", answers_to={"c1": landed.messages[1].id})
+    else:
+        await fast.log_messages(CID, [user("t9?")], turn_id="t9")
+    page = await store.messages_page(CID, after=first.messages[0].id)
+    assert page.pending_seq is None
+    assert [m.seq for m in page.data] == [1, 2, *range(end, end + (2 if leaves_a_call else 1))]
+    again = await fast.log_messages(CID, x, turn_id="x")
+    assert again.replayed
+    assert [m.seq for m in again.messages] == [1, 2]
+    await check_conversation(backend.db, CID, gaps=True)

@@ -4,6 +4,7 @@ match, values that cannot jam a conversation, and tail reads that never skip."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import hashlib
 import json
@@ -648,8 +649,8 @@ async def test_a_stalled_first_insert_landing_after_a_retry_moved_the_turn_is_wh
     """DESIGN.md §3: a turn's messages have stable ids. A retry moved the stalled turn to
     3-4 and stalls too; the first insert then lands in 1-2. Wherever its messages are stored,
     the turn is stored there: the first attempt, the moved retry and every later retry
-    answer 1-2, and no retry moves it again (`message_count` keeps the one block the move
-    took, which readers pass as an abandoned one)."""
+    answer 1-2, and no retry moves it again. The moved retry undoes its move: `message_count`
+    keeps the block the move took, 3-4, now gaps no turn holds, and 1-2 are gaps no more."""
     rules = TurnRules(abandon_after=timedelta(0))
     logger, held, first = await _a_stalled_first_attempt(backend, rules)
     mover = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
@@ -670,9 +671,43 @@ async def test_a_stalled_first_insert_landing_after_a_retry_moved_the_turn_is_wh
     assert [(m["seq"], m["content"]) for m in stored] == [(0, "m0"), (1, "late?"), (2, "late!")]
     conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
     assert (conversation["message_count"], conversation["turn_count"]) == (5, 2)
-    assert len(conversation["turns"]) == 3  # t0, the block the move left, the moved turn
+    assert len(conversation["turns"]) == 3  # t0, the turn at 1-2, the block it gave back
+    assert sorted(conversation["popped_seqs"]) == [3, 4]
+    await check_conversation(backend.db, CID, gaps=True)
     page = await ConversationStore(backend.db, rules=rules).messages_page(CID, limit=10)
     assert [m.content for m in page.data] == ["m0", "late?", "late!"]
+
+
+@pytest.mark.parametrize("found_by", ["lookup", "insert"])
+async def test_a_retry_finding_the_turn_stored_in_the_block_a_dead_mover_left_undoes_the_move(
+    backend: Backend, found_by: str
+) -> None:
+    """The same, the retry that moved the turn to 3-4 dying before its insert: the first
+    insert lands in 1-2, and the next retry, finding the turn whole in the block the move
+    left, answers 1-2 and undoes the move: 3-4 given back as gaps no turn holds, 1-2 gaps no
+    more, the turn counted once (was: 1-2 listed as gaps, 3-4 neither stored nor a gap).
+    The retry finds it by the lookup of its recorded block, passed (`abandon_after` 0), or,
+    that block still young (the default 5 minutes), by its insert meeting the turn's ids."""
+    rules = TurnRules(abandon_after=timedelta(0))
+    _, held, first = await _a_stalled_first_attempt(backend, rules)
+    logger = AgentMessageLogger(backend.db, rules=rules if found_by == "lookup" else TurnRules())
+    mover = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    moved = asyncio.create_task(mover.logger.log_messages(CID, turn("late"), turn_id="late"))
+    await mover.reserved.wait()  # moved to 3-4, its insert held
+    moved.cancel()  # the mover dies before its insert
+    with contextlib.suppress(asyncio.CancelledError):
+        await moved
+    held.release.set()
+    landed = await first  # the first insert lands in 1-2
+
+    answers = [await logger.log_messages(CID, turn("late"), turn_id="late") for _ in range(2)]
+
+    assert [m.seq for m in landed.messages] == [1, 2]
+    assert [[m.seq for m in a.messages] for a in answers] == [[1, 2]] * 2
+    assert all(a.replayed for a in answers)
+    conversation = await check_conversation(backend.db, CID, gaps=True)
+    assert sorted(conversation["popped_seqs"]) == [3, 4]
+    assert (conversation["message_count"], conversation["turn_count"]) == (5, 2)
 
 
 async def test_a_stalled_first_insert_landing_after_its_retry_stored_the_turn_answers_it(

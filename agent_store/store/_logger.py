@@ -172,6 +172,7 @@ from agent_store.store._reservation import (
     life_named,
     lists_pending,
     literal,
+    move_undone,
     moved_key,
     new_life,
     of_epoch,
@@ -2539,7 +2540,8 @@ class AgentMessageLogger:
     ) -> _Reserved | None:
         """A retry's block once messages of the turn are found stored (`stored`, in its block or
         by their ids elsewhere): its block, or the one its messages are in, if the conversation
-        records that block for the turn (one it left by a move). A block the conversation as
+        records that block for the turn (one it left by a move: the turn whole there, that
+        move is undone, `_undo_move`, one update more). A block the conversation as
         read (`conversation`) does not record may be one another attempt moved the turn to
         since: the records are read again (one lookup, on that path only), and a block they
         record for the turn gives None, the reservation going round once more to answer the
@@ -2550,7 +2552,11 @@ class AgentMessageLogger:
         at = stored_at(plan, stored)
         if at is None or at == block.first_seq:
             return reserved
+        ids = {d["_id"] for d in plan.documents}
+        own = [d for d in stored if d["_id"] in ids and d.get("epoch") == reserved.epoch]
         if at in blocks_of(conversation, plan.key):
+            if len(own) == plan.count:  # whole in a block it left: its move is undone
+                await self._undo_move(plan, reserved, at, block.first_seq)
             return replace(reserved, first_seq=at, assigns=_assigned_at(conversation, at))
         with storage_errors("read the conversation"):
             records = await self._conversations.find_one(
@@ -2558,8 +2564,6 @@ class AgentMessageLogger:
             )
         if records is not None and at in blocks_of(records, plan.key):
             return None  # moved by another attempt since `conversation` was read
-        ids = {d["_id"] for d in plan.documents}
-        own = [d for d in stored if d["_id"] in ids and d.get("epoch") == reserved.epoch]
         if len(own) == plan.count:  # whole where another reservation of the turn put it
             return reserved
         raise _stored_apart(plan, block.first_seq, plan.documents[0]["_id"], at)
@@ -2867,7 +2871,11 @@ class AgentMessageLogger:
         (`_another_attempts`; `_given_back`, which makes this attempt a replay of that block).
         The other attempt's block, when it is the higher and what it held was moved into this
         one, is given back by this attempt too (its own attempt may have died part-way, its
-        record dropped since): once, whichever attempt gives it back first."""
+        record dropped since): once, whichever attempt gives it back first. A block a move of
+        the turn took (this attempt's move, or the block a retry found its record naming),
+        the turn found stored whole in the block that move left (an attempt stalled inside its
+        insert landed there), has the move undone (`_move_undone`): given back, the turn's
+        block the one it left again."""
         owner, epoch, first = reserved.owner, reserved.epoch, reserved.first_seq
         fresh = not reserved.replayed and reserved.moved is None
         gather = reserved.moved is None
@@ -2880,12 +2888,49 @@ class AgentMessageLogger:
                 await self._give_back(plan, reserved, documents, refused=True)
             raise
         gathered = other is not None
-        if (fresh or gathered) and found is not None and _elsewhere(found, first, plan.count):
-            reserved = await self._given_back(plan, reserved, documents, found)
+        elsewhere = found if found is not None and _elsewhere(found, first, plan.count) else None
+        if elsewhere is not None and (fresh or gathered):
+            reserved = await self._given_back(plan, reserved, documents, elsewhere)
+        elif elsewhere is not None:  # perhaps in the block a move of the turn left
+            reserved = await self._move_undone(plan, reserved, elsewhere)
         elif other is not None and other > first:  # what the other block held moved here
             shifted = [{**d, "seq": Int64(int(d["seq"]) - first + other)} for d in documents]
             await self._give_back(plan, replace(reserved, first_seq=other), shifted, refused=False)
         return found, inserted, reserved
+
+    async def _move_undone(
+        self, plan: TurnPlan, reserved: _Reserved, stored: list[AgentMessage]
+    ) -> _Reserved:
+        """The block the turn is stored in once this attempt's move of it is undone: an
+        attempt stalled inside its insert stored the turn whole (`stored`) in the block the
+        move left (`_undo_move`). This attempt is a replay of it, and the fold after a move
+        follows (`_relocated.settle`, from the conversation as the undo left it). The turn
+        found anywhere else, or the move undone already (by another attempt), leaves the
+        conversation and the block as they are, as before."""
+        seqs = [m.seq for m in stored]
+        at = seqs[0]
+        if at is None or seqs != list(range(at, at + plan.count)):
+            return reserved
+        undone = await self._undo_move(plan, reserved, at, reserved.first_seq)
+        if undone is None:
+            return reserved
+        return replace(reserved, first_seq=at, replayed=True, moved=undone)
+
+    async def _undo_move(
+        self, plan: TurnPlan, reserved: _Reserved, left_seq: int, moved_seq: int
+    ) -> dict[str, Any] | None:
+        """Undo the move of the turn from its block at `left_seq`, where it is found stored
+        whole, to the one at `moved_seq`, never written (`move_undone`: that block given back,
+        its `seq`s gaps no turn holds; the block left the turn's again, its `seq`s gaps no
+        more): the conversation as the update left it, None when it matched nothing (undone
+        already). One update, on that path only."""
+        same = _same_as_reserved(plan.conversation_id, reserved)
+        query, update = move_undone(plan, left_seq, moved_seq, same)
+        with storage_errors("give back the block the turn moved to"):
+            undone: dict[str, Any] | None = await self._conversations.find_one_and_update(
+                query, update, return_document=ReturnDocument.AFTER
+            )
+        return undone
 
     async def _wait_until(self, deadline: float) -> None:
         """Wait until `deadline` (`time.monotonic()`): an earlier attempt of the turn, faster

@@ -2254,6 +2254,43 @@ def relocation(
     return query, [{"$set": stage}, *calls_cut(plan), RECORDS_DROPPED, BLOCKS_MOOT_DROPPED]
 
 
+def move_undone(
+    plan: TurnPlan, left_seq: int, moved_seq: int, same: dict[str, Any]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The filter and update that undo the move of the turn from its block at `left_seq` to
+    the one at `moved_seq` (`relocation`) once the turn is found stored in the block it left
+    (an attempt stalled inside its insert landed there): the turn is where its messages are.
+    The block the move took, never written, is given back (its `seq`s gaps no turn holds, its
+    record naming the turn no more: `moved_key`, marked given up, as `given_back` leaves it),
+    and the block left is the turn's again (its record under the turn's key, its `seq`s gaps
+    no more: a stored message's `seq` is never one). What the turn counted stays: its first
+    reservation counted it, a move counts nothing. Matches only the conversation the turn
+    reserved on (`same`), once: while it records that move, and no delete has begun."""
+    key, moved = Int64(plan.key), Int64(moved_key(plan.key))
+    left, taken = Int64(left_seq), Int64(moved_seq)
+    query = {
+        **same,
+        **NOT_BEING_DELETED,
+        "$and": [
+            {"turns": {"$elemMatch": {"k": key, "f": taken}}},
+            {"turns": {"$elemMatch": {"k": moved, "f": left, "g": {"$ne": True}}}},
+        ],
+    }
+
+    def record(k: Int64, f: Int64) -> dict[str, Any]:
+        return {"$and": [{"$eq": ["$$record.k", literal(k)]}, {"$eq": ["$$record.f", literal(f)]}]}
+
+    outside = {"$or": [{"$lt": ["$$gap", left]}, {"$gte": ["$$gap", left_seq + plan.count]}]}
+    gaps = {"$filter": {"input": _kept("popped_seqs", []), "as": "gap", "cond": outside}}
+    given = {"k": literal(moved), "g": literal(True), "m": literal(True)}
+    own = {"k": literal(key), "m": literal(False)}
+    return query, [
+        {"$set": {"popped_seqs": _left_behind(moved_seq, plan.count, gaps)}},
+        {"$set": {"turns": records_changed(record(key, taken), given)}},
+        {"$set": {"turns": records_changed(record(moved, left), own)}},
+    ]
+
+
 def _moved_reach(plan: TurnPlan, first: int, asked: Mapping[str, int]) -> dict[str, Any]:
     """`answered_prompts`, `resolved_hitl` and `approved_calls` as a move of the turn from its
     block at `first` to the end sets them. An answer to one of the turn's request ids that
@@ -2640,12 +2677,13 @@ def usage_less(input_tokens: int, output_tokens: int) -> dict[str, Any]:
     }
 
 
-def _left_behind(first: int, count: int) -> dict[str, Any]:
-    """`popped_seqs` with the `count` `seq`s of the block from `first` a moved turn left: no
-    turn holds them any more, as none holds a `seq` a pop left behind a later turn's block
-    (the newest `POPPED_SEQS_KEPT` kept). A pop below them then gives them back with its own
-    (`_tail.nothing_reserved_past`), and readers pass them at once."""
-    gaps = _kept("popped_seqs", [])
+def _left_behind(first: int, count: int, gaps: Any = None) -> dict[str, Any]:
+    """`popped_seqs` (or `gaps`, an expression) with the `count` `seq`s of the block from
+    `first` a moved turn left: no turn holds them any more, as none holds a `seq` a pop left
+    behind a later turn's block (the newest `POPPED_SEQS_KEPT` kept). A pop below them then
+    gives them back with its own (`_tail.nothing_reserved_past`), and readers pass them at
+    once."""
+    gaps = _kept("popped_seqs", []) if gaps is None else gaps
     block = literal([Int64(seq) for seq in range(first, first + count)])
     # Each once: a turn given up may move later (its answer popped), leaving them again.
     # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
