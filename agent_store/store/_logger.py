@@ -2247,7 +2247,9 @@ class AgentMessageLogger:
         creation of it `collided` with a document under the id (an upsert that matched none
         raised `DuplicateKeyError`)."""
         with storage_errors("read the conversation"):
-            found = await self._conversations.find_one(conversation_by_id(plan.conversation_id))
+            found: dict[str, Any] | None = await self._conversations.find_one(
+                conversation_by_id(plan.conversation_id)
+            )
         if found is None and collided:
             await self._refuse_held_by_a_legacy_turn(
                 plan.conversation_id, actor, condition=condition
