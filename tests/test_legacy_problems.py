@@ -2383,8 +2383,43 @@ class UndecodableText:
     async def find_one(self, *args: Any, **kwargs: Any) -> Any:
         return self._decoded([await self._real.find_one(*args, **kwargs)])[0]
 
+    codec_options = bson.codec_options.CodecOptions(tz_aware=True)
+    """PyMongo's (mongomock's own refuses any handler but the strict one)."""
+
+    def with_options(self, *, codec_options: Any) -> Any:
+        """The collection read `surrogateescape` (`read_as_stored`): `bad`'s `texts` read
+        with each such byte a lone surrogate, as PyMongo decodes them so."""
+        assert codec_options.unicode_decode_error_handler == "surrogateescape"
+        return AsStored(self)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
+
+
+class AsStored:
+    """`UndecodableText` read `surrogateescape`: the texts of `bad` read with their bytes
+    that are not valid UTF-8 (`b"\\xc3\\x28"`) as `\\udcc3(`, nothing refused."""
+
+    def __init__(self, undecodable: UndecodableText) -> None:
+        self._of = undecodable
+
+    def _as_stored(self, document: Any) -> Any:
+        if not document or document.get("_id") != self._of._bad:
+            return document
+        texts = [field for field in self._of._texts if isinstance(document.get(field), str)]
+        return {**document, **{field: document[field] + "\udcc3(" for field in texts}}
+
+    def find(self, *args: Any, **kwargs: Any) -> Any:
+        cursor, as_stored = self._of._real.find(*args, **kwargs), self._as_stored
+
+        class Replies:
+            async def to_list(self, length: int | None = None) -> list[Any]:
+                return [as_stored(found) for found in await cursor.to_list(length)]
+
+        return Replies()
+
+    async def find_one(self, *args: Any, **kwargs: Any) -> Any:
+        return self._as_stored(await self._of._real.find_one(*args, **kwargs))
 
 
 async def _undecodable_legacy_of_alice(db: Any) -> None:
@@ -2607,6 +2642,109 @@ async def test_the_api_serves_a_legacy_conversation_beside_another_users_undecod
         ]
     )  # fmt: skip
     assert await answers(db, "t-bad", "mallory", reads + writes) == answered
+
+
+OWNERSHIP_FIELDS_READ = ("user_id", "conversation_id")
+"""The fields a legacy turn's or prompt's ownership is read from that `UndecodableText` makes
+hold bytes that are not valid UTF-8."""
+
+
+async def _alice_then_undecodable_turn(db: Any) -> None:
+    """Alice's legacy conversation `c-x`: her turn `t-1`, then `t-bad` naming Mallory (the
+    owner by the last-named rule, were it readable)."""
+    await db[LEGACY_TURNS].insert_many(
+        [
+            {"_id": "t-1", "conversation_id": "c-x", "user_id": "alice",
+             "created_at": MESSY_START, "user_message": "alice's question"},
+            {"_id": "t-bad", "conversation_id": "c-x", "user_id": "mallory",
+             "created_at": MESSY_START + timedelta(minutes=1),
+             "user_message": "mallory's question"},
+        ]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("field", OWNERSHIP_FIELDS_READ)
+async def test_a_legacy_turn_whose_owner_cannot_be_read_belongs_to_nobody(
+    backend: Backend, field: str
+) -> None:
+    """API.md, SECURITY.md: a legacy turn whose `user_id` or `conversation_id` holds bytes
+    the driver cannot decode names no owner anyone can be: the owner of the other turns of
+    the conversation is served them without it, another user gets NotFound as for a missing
+    id, a service a Conflict naming the turn and the field (was: StorageFailure to each, the
+    ownership read refusing the whole reply); her delete leaves it where it is."""
+    await _alice_then_undecodable_turn(backend.db)
+    legacy = LegacyTurns(backend.db)
+    legacy._turns = UndecodableText(legacy._turns, "t-bad", (field,))
+    store = ConversationStore(backend.db, legacy=legacy)
+
+    assert (await store.get_conversation("c-x", user_id="alice")).user_id == "alice"
+    transcript = await store.transcript("c-x", user_id="alice")
+    assert [m.content for m in transcript] == ["alice's question"]
+    for reader in ("mallory", "eve"):
+        with pytest.raises(NotFound) as refused:
+            await store.get_conversation("c-x", user_id=reader)
+        assert "UTF-8" not in str(refused.value)
+    with pytest.raises(Conflict, match=f"legacy turn 't-bad'.*{field}.*not valid UTF-8"):
+        await store.get_conversation("c-x")
+    with pytest.raises(Conflict, match="not migrated yet"):
+        await store.rename("c-x", "mine", user_id="alice")
+    with pytest.raises(NotFound):
+        await store.rename("c-x", "mine", user_id="mallory")
+    assert await store.delete("c-x", user_id="alice")
+    assert [t["_id"] for t in await backend.db[LEGACY_TURNS].find().to_list(None)] == ["t-bad"]
+
+
+@pytest.mark.parametrize("field", OWNERSHIP_FIELDS_READ)
+async def test_a_prompt_whose_owner_cannot_be_read_is_no_part_of_any_conversation(
+    backend: Backend, field: str
+) -> None:
+    """API.md: a `session_hitl` prompt whose `user_id` or `conversation_id` holds bytes the
+    driver cannot decode is taken by no conversation (its owner cannot be told; the prompt
+    here names Alice, read as stored): the owner's and a service's reads are served without
+    it, another user's are NotFound, her delete leaves it where it is (was: StorageFailure
+    to each, the prompt's ownership read refusing the whole reply)."""
+    await _legacy_with_undecodable_prompt(backend.db, owner="alice", prompter="alice")
+    legacy = LegacyTurns(backend.db)
+    legacy._prompts = UndecodableText(legacy._prompts, "p-bad", (field,))
+    store = ConversationStore(backend.db, legacy=legacy)
+
+    for reader in ("alice", None):
+        conversation = await store.get_conversation("c-x", user_id=reader)
+        assert (conversation.user_id, conversation.pending_hitl) == ("alice", None)
+        assert await store.pending_hitl("c-x", user_id=reader) is None
+    with pytest.raises(NotFound):
+        await store.get_conversation("c-x", user_id="mallory")
+    assert await store.delete("c-x", user_id="alice")
+    assert [p["_id"] for p in await backend.db[SESSION_HITL].find().to_list(None)] == ["p-bad"]
+
+
+async def test_the_api_answers_a_legacy_turn_whose_owner_cannot_be_read_without_a_500() -> None:
+    """API.md: a legacy turn whose `user_id` holds bytes the driver cannot decode: the owner
+    of the conversation's other turns reads them (200, without it), another user gets the
+    404 a missing id gets, byte for byte, a service the 409 `conflict` naming the turn and
+    the field (was: 500 `storage_failure` to each)."""
+    from tests.api_harness import auth_headers, mongomock_db, serve
+
+    db = mongomock_db()
+    await _alice_then_undecodable_turn(db)
+    async with serve(db, seeded=False) as served:
+        served.store.legacy._turns = UndecodableText(
+            served.store.legacy._turns, "t-bad", ("user_id",)
+        )
+        alice = await served.http.get(
+            "/v1/conversations/c-x/transcript", headers=auth_headers(user="alice")
+        )
+        assert alice.status_code == 200, alice.text
+        assert "mallory's question" not in alice.text
+        mallory = auth_headers(user="mallory")
+        theirs = await served.http.get("/v1/conversations/c-x", headers=mallory)
+        missing = await served.http.get("/v1/conversations/c-missing", headers=mallory)
+        assert theirs.status_code == 404
+        assert theirs.text.replace("c-x", "c-missing") == missing.text
+        service = await served.http.get("/v1/conversations/c-x", headers=auth_headers())
+        assert service.status_code == 409, service.text
+        assert "'t-bad'" in service.json()["error"]["message"]
+        assert "user_id" in service.json()["error"]["message"]
 
 
 def _stuck_turn(turn_id: str, user_id: str, conversation_id: str) -> dict[str, Any]:

@@ -8238,7 +8238,9 @@ def _turns_one_not_utf8(field: str) -> list[dict[str, Any]]:
     ]
 
 
-@pytest.mark.parametrize("field", ["user_message", "response_parts", "legacy_note", "key"])
+@pytest.mark.parametrize(
+    "field", ["user_message", "response_parts", "legacy_note", "key", "user_id"]
+)
 def test_a_turn_holding_text_that_is_not_valid_utf8_is_a_named_problem_and_the_others_migrate(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], field: str
 ) -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import bson
 
 from agent_store.core import (
     AgentMessage,
+    Conflict,
     Conversation,
     InvalidInput,
     StorageFailure,
@@ -36,6 +37,7 @@ from agent_store.legacy._documents import (
     named_filter,
     named_id,
     names_none,
+    not_utf8_at,
     owner_of,
     owns_legacy,
     parse_turns,
@@ -73,6 +75,7 @@ from agent_store.store import (
     bounded_read,
     conversation_by_id,
     fork_turn_id,
+    read_as_stored,
     refuse_unless_fallback_serves,
     same_conversation,
     storage_errors,
@@ -81,7 +84,7 @@ from agent_store.store import (
 _OWNERSHIP_FIELDS = {"conversation_id": 1, "user_id": 1, "created_at": 1, "dual_write": 1}
 """What tells a legacy conversation's owner (`owner_of`) and a user's part (`users_part`), a
 live conversation's copies (`live_copy`) apart."""
-_PROMPT_OWNERSHIP_FIELDS = {"user_id": 1, "dual_write": 1}
+_PROMPT_OWNERSHIP_FIELDS = {"conversation_id": 1, "session_id": 1, "user_id": 1, "dual_write": 1}
 """What tells the `session_hitl` prompts a conversation takes (`owners_prompt`) and a user's
 part (`prompt_part_of`) apart from the others."""
 
@@ -132,10 +135,15 @@ class LegacyTurns:
         driver cannot decode in another user's turn or prompt under the id is never read for
         her (another's conversation is as a missing one, hers is served without it); in her
         own part it is a StorageFailure, and to a service in any turn, as it reads them all.
+        A turn or prompt whose owner or conversation cannot be read so (`_ownership_read`) is
+        nobody's: left out of every user's part; to a service, which reads every turn, such a
+        turn is a Conflict naming it (`_refuse_unowned`, one lookup more).
         """
         query, unnamed = await self._turns_of(conversation_id)
         live, owns = None, True
-        if user_id is not None:
+        if user_id is None:
+            await self._refuse_unowned(conversation_id, query)
+        else:
             part = await self._users_part(conversation_id, query, unnamed, user_id)
             if part is None:
                 return None
@@ -174,8 +182,8 @@ class LegacyTurns:
         turn in it. What a turn's texts hold is never decoded here, nor later for another
         user's turn, whoever reads."""
         with storage_errors("read the legacy turns"):
-            read = await self._turns.find(query, _OWNERSHIP_FIELDS).to_list(None)
-            found = parse_turns(read, unnamed.names)
+            read = await _ownership_read(self._turns, query, _OWNERSHIP_FIELDS)
+            found = parse_turns(read.owned, unnamed.names)
         if not found:
             return None
         live = await self._live(conversation_id, found)
@@ -185,6 +193,20 @@ class LegacyTurns:
         if not ids:
             return None
         return {"$and": [query, {"_id": {"$in": ids}}]}, live, owns_legacy(found, user_id, live)
+
+    async def _refuse_unowned(self, conversation_id: str, query: dict[str, Any]) -> None:
+        """Conflict naming the legacy turns `query` selects whose owner or conversation
+        cannot be read (`_ownership_read`), for a service, which reads every turn of the id:
+        whose conversation it is cannot be told, and no byte of it is read whole."""
+        with storage_errors("read the legacy turns"):
+            read = await _ownership_read(self._turns, query, _OWNERSHIP_FIELDS)
+        if read.unowned:
+            raise Conflict(
+                f"could not read the legacy conversation {conversation_id!r}: "
+                + "; ".join(f"legacy turn {name}" for name in read.unowned)
+                + ", so whose turn it is cannot be told: an operator corrects it in the "
+                "database (MIGRATION.md)"
+            )
 
     async def _prompts_taken(
         self, conversation_id: str, taken: Callable[[Mapping[str, Any]], bool]
@@ -196,8 +218,8 @@ class LegacyTurns:
         decode too. A prompt changed between the two reads is judged again."""
         named = prompts_filter(conversation_id)
         with storage_errors("read the pending prompt"):
-            found = await self._prompts.find(named, _PROMPT_OWNERSHIP_FIELDS).to_list(None)
-            ids = [prompt["_id"] for prompt in found if taken(prompt)]
+            read = await _ownership_read(self._prompts, named, _PROMPT_OWNERSHIP_FIELDS)
+            ids = [prompt["_id"] for prompt in read.owned if taken(prompt)]
             if not ids:
                 return []
             kept = {"$and": [named, {"_id": {"$in": ids}}]}
@@ -289,7 +311,8 @@ class LegacyTurns:
         not the user's are none (`reached_by`: one lookup more, only when there is a copy)."""
         query, _ = await self._turns_of(conversation_id)
         with storage_errors("read the legacy turns"):
-            found = parse_turns(await self._turns.find(query, _OWNERSHIP_FIELDS).to_list(None))
+            read = await _ownership_read(self._turns, query, _OWNERSHIP_FIELDS)
+            found = parse_turns(read.owned)
         if found:
             found = [
                 found[i]
@@ -320,22 +343,21 @@ class LegacyTurns:
         names = [conversation_id, original or conversation_id]
         with storage_errors("delete the legacy turns"):
             standing = await self._late_turns(names)
-            found = await self._turns.find(turns, _OWNERSHIP_FIELDS).to_list(None)
+            found = (await _ownership_read(self._turns, turns, _OWNERSHIP_FIELDS)).owned
             parsed = parse_turns(found, unnamed.names)
             live = await self._live(conversation_id, parsed)
             owns = owns_legacy(parsed, owner, live)
             late = _parts_of(standing, owner, unnamed=owns)
             stranded = await self._conversations.delete_many(_late_of(late)) if late else None
             if late:  # a run may have moved some aside since the read: read them again
-                found = await self._turns.find(turns, _OWNERSHIP_FIELDS).to_list(None)
+                found = (await _ownership_read(self._turns, turns, _OWNERSHIP_FIELDS)).owned
                 parsed = parse_turns(found, unnamed.names)
             ids = [found[i]["_id"] for i in users_part(parsed, owner, live)]
             among = {"$and": [turns, *_among_ids(ids)]}
             deleted = await self._turns.delete_many(among) if ids else None
             prompts = _prompts_filter(conversation_id, original)
-            fields = {"user_id": 1, "dual_write": 1}
-            found = await self._prompts.find(prompts, fields).to_list(None)
-            theirs = [d["_id"] for d in found if prompt_part_of(d, owner, live, owns=owns)]
+            read = await _ownership_read(self._prompts, prompts, _PROMPT_OWNERSHIP_FIELDS)
+            theirs = [d["_id"] for d in read.owned if prompt_part_of(d, owner, live, owns=owns)]
             if theirs:
                 await self._prompts.delete_many({"$and": [prompts, *_among_ids(theirs)]})
         return _counted_once(deleted, stranded, late, ids)
@@ -443,9 +465,7 @@ class LegacyTurns:
         named = sorted(set(conversation_ids))
         held = {"$or": [named_filter("conversation_id", cid) for cid in named]}
         late = {"$and": [held, LATE_TURNS]}
-        cursor = self._conversations.find(late, {"user_id": 1})
-        found: list[dict[str, Any]] = await cursor.to_list(None)
-        return found
+        return (await _ownership_read(self._conversations, late, {"user_id": 1})).owned
 
     async def _users_parts(
         self, user_id: str, naming: list[dict[str, Any]]
@@ -463,7 +483,7 @@ class LegacyTurns:
         if not values:
             return {}, []
         query = {"$or": [named_filter("conversation_id", value) for value in values]}
-        found = await self._turns.find(query, _OWNERSHIP_FIELDS).to_list(None)
+        found = (await _ownership_read(self._turns, query, _OWNERSHIP_FIELDS)).owned
         by_name: dict[str, list[dict[str, Any]]] = {}
         for doc in found:
             if (name := named_id(doc.get("conversation_id"))) is not None:
@@ -744,7 +764,7 @@ async def _naming(
     query = _naming_query(user_id)
     if within is not None:
         query = {"$and": [query, within]}
-    found = await collection.find(query, {**fields, "user_id": 1}).to_list(None)
+    found = (await _ownership_read(collection, query, {**fields, "user_id": 1})).owned
     return [d for d in found if user_named(d.get("user_id")) == user_id]
 
 
@@ -766,15 +786,43 @@ async def _users_prompts(
     owns (`owned`, each as `prompt_conversation` names it, with its live conversation), told
     by `prompt_part_of` over every prompt of those conversations, as the delete tells them."""
     query = {"$or": [_naming_query(user_id), *(prompts_filter(name) for name in owned)]}
-    fields = {"user_id": 1, "conversation_id": 1, "session_id": 1, "dual_write": 1}
-    found = await prompts.find(query, fields).to_list(None)
     taken = []
-    for d in found:
+    for d in (await _ownership_read(prompts, query, _PROMPT_OWNERSHIP_FIELDS)).owned:
         name = prompt_conversation(d)
         live = owned.get(name) if name is not None else None
         if prompt_part_of(d, user_id, live, owns=name in owned):
             taken.append(d["_id"])
     return taken
+
+
+class OwnershipRead(NamedTuple):
+    """Documents read by their ownership fields (`_ownership_read`)."""
+
+    owned: list[dict[str, Any]]
+    """Those whose fields read hold text only: whose they are can be told."""
+    unowned: list[str]
+    """The others, each named by its `_id` and the field (`'t-1': user_id holds …`)."""
+
+
+async def _ownership_read(
+    collection: Any, query: dict[str, Any], fields: dict[str, Any]
+) -> OwnershipRead:
+    """The documents of `collection` `query` selects, their ownership `fields` read as
+    stored (`read_as_stored`): the one read every rule telling whose a legacy turn or prompt
+    is starts from. One whose fields read hold bytes that are not valid UTF-8 (`not_utf8_at`:
+    its `user_id`, its conversation's id, its `_id`) belongs to nobody who can ask for it: set
+    apart, never anyone's part or owner, never read whole, its `_id` sent in no query (was:
+    the strict client refused the whole reply, `InvalidBSON`, so every read, write and delete
+    of the id was a StorageFailure, whoever asked)."""
+    found = await read_as_stored(collection).find(query, fields).to_list(None)
+    owned, unowned = [], []
+    for document in found:
+        if (where := not_utf8_at(document)) is None:
+            owned.append(document)
+        else:
+            named = f"{document.get('_id')!r}: {where} holds bytes that are not valid UTF-8"
+            unowned.append(named)
+    return OwnershipRead(owned, unowned)
 
 
 def _among_ids(ids: list[Any]) -> list[dict[str, Any]]:

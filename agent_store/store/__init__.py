@@ -24,6 +24,7 @@ from agent_store.store._driver import (
     blocking_waits,
     database_name_refusal,
     only_duplicates,
+    read_as_stored,
     redact_uri,
     storage_errors,
 )
@@ -279,6 +280,7 @@ __all__ = [
     "pending_after",
     "plan_turn",
     "prompt_text",
+    "read_as_stored",
     "redact_uri",
     "refuse_blank_marker",
     "refuse_derived_user",

@@ -204,6 +204,22 @@ def store_error(action: str, exc: BaseException) -> StoreError | None:
     return None
 
 
+def read_as_stored(collection: Any) -> Any:
+    """`collection` reading a text that holds bytes that are not valid UTF-8 (MongoDB stores
+    what a writer gave unchecked) with each such byte a lone surrogate (`surrogateescape`),
+    where the strict client refuses the whole reply (`InvalidBSON`): for the reads that tell
+    whose a document is, which set such a document apart by what they read and serve, write
+    or send back no text so read. A collection of no real server (mongomock: it holds Python
+    values and decodes nothing) is as it is."""
+    try:
+        options = collection.codec_options.with_options(
+            unicode_decode_error_handler="surrogateescape"
+        )
+    except NotImplementedError:  # mongomock's codec options take the strict handler only
+        return collection
+    return collection.with_options(codec_options=options)
+
+
 def _caused_by_dns(exc: BaseException) -> bool:
     """Whether a failed DNS lookup is among the causes of `exc` (PyMongo resolves a
     `mongodb+srv://` host with dnspython, one of its own dependencies)."""
