@@ -799,6 +799,10 @@ class _MovedAsideAfterTheFirstLook:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.wrapped, name)
 
+    def with_options(self, **_: Any) -> Any:
+        """Itself, read as stored (`read_as_stored`): the turns it holds are valid text."""
+        return self
+
     def find(self, *args: Any, **kwargs: Any) -> Any:
         cursor, outer = self.wrapped.find(*args, **kwargs), self
 
