@@ -52,6 +52,7 @@ from agent_store.integrations.streams import (
     turn_from_sse,
 )
 from agent_store.store import PENDING_CALLS_KEPT
+from agent_store.store import _logger as _logger_module
 from agent_store.store._logger import Corrected, OtherContent
 from agent_store.store._reservation import DELETING, BeingDeleted
 from agent_store.store._turns import answered_in, message_id, pending_after
@@ -8361,6 +8362,166 @@ async def test_a_stalled_writer_landing_takes_the_calls_it_answered_off_the_list
         )
     answers = [m.content for m in await store.transcript(CID) if m.tool_call_id == "c1"]
     assert answers == ["found"]
+
+
+class _ReservedADayAgo:
+    """The clocks a writer reads as it reserves its block and checks it before its insert
+    (`time.monotonic()`, `utc_now()` in the logger), a day behind until `caught_up()`: its
+    block is recorded a day old (passed for every turn reserving later) and its insert lands
+    a day after its reservation, as a writer stalled that long, with no wait against a
+    timeout."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.behind = timedelta(days=1)
+        clock, now = _logger_module.time, _logger_module.utc_now
+        skewed = self
+
+        class _Clock:
+            @staticmethod
+            def monotonic() -> float:
+                return clock.monotonic() - skewed.behind.total_seconds()
+
+        monkeypatch.setattr(_logger_module, "time", _Clock)
+        monkeypatch.setattr(_logger_module, "utc_now", lambda: now() - skewed.behind)
+
+    def caught_up(self) -> None:
+        self.behind = timedelta(0)
+
+
+async def _answer_landing_after_its_block_was_passed(
+    backend: Backend,
+    monkeypatch: pytest.MonkeyPatch,
+    answer: dict[str, Any],
+    asked: list[dict[str, Any]],
+    before_landing: Callable[[AgentMessageLogger], Awaitable[Any]] | None = None,
+) -> tuple[AgentMessageLogger, ConversationStore, str]:
+    """t0 makes c1 (and c3) and asks r1 about them (`asked`); tA gives `answer` to c1 (named
+    by `answers_to`) and makes c2, reserving a day ago, its insert stalled since; tB finds
+    tA's block passed and empty and folds the pending state: c1 and r1 pending again.
+    tC reserves and loses its insert (still being written: the fold waits on it), then
+    `before_landing` runs, then tA's insert lands, later than its `abandon_after`. Every
+    logger has the default rules. Returns one, the store, and the id of the message making
+    c1."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    logged = await logger.log_messages(CID, [_user("Book it."), *asked], turn_id="t0")
+    made_by = logged.messages[1].id
+    writer = AgentMessageLogger(backend.db)
+    stall, clock = _StalledInsert(writer, monkeypatch), _ReservedADayAgo(monkeypatch)
+    late = await stall.start(
+        writer.log_messages(CID, [answer, _book("c2")], turn_id="tA", answers_to={"c1": made_by})
+    )
+    clock.caught_up()  # tA's insert is sent, and stalls
+    await logger.log_messages(CID, [_user("hello?")], turn_id="tB")
+    assert (await pending_state(store))[1] == "r1"
+    assert "c1" in [c.tool_call_id for c in await store.pending_calls(CID)]
+    await reserved_insert_lost(
+        logger, partial(logger.log_messages, CID, [_say("...")], turn_id="tC")
+    )
+    if before_landing is not None:
+        await before_landing(logger)
+
+    stall.release()
+    await late
+    monkeypatch.undo()
+    return logger, store, made_by
+
+
+@pytest.mark.parametrize(
+    "answer", [_answer("c1", "found"), _denial_of("c1")], ids=["result", "denial"]
+)
+async def test_a_stalled_writer_landing_clears_the_prompt_its_answers_clear(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, answer: dict[str, Any]
+) -> None:
+    """A writer answering (or denying) the call a prompt holds, stalled inside its insert past
+    `abandon_after`, looks dead to the turn that finds its block passed and empty: the call
+    and its prompt are pending again. When its insert lands while another turn is still
+    being written (the fold owed), its answer clears the prompt as it did when the turn was
+    logged (the same rule), before it is acknowledged: the prompt is not listed, no person
+    answers it again (Conflict, nothing approved) and no second answer is stored. The owed
+    fold, once the turn being written lands, lists what the stored messages say: the prompt
+    is not listed again."""
+    logger, store, made_by = await _answer_landing_after_its_block_was_passed(
+        backend, monkeypatch, answer, [_calls("c1"), _asks_about("r1", "c1")]
+    )
+
+    assert await pending_state(store) == ([], None)
+    with pytest.raises(Conflict):
+        await store.resolve_hitl(CID, "r1")
+    with contextlib.suppress(StoreError):  # refused, never stored
+        await logger.log_messages(
+            CID, [_answer("c1", "again")], turn_id="tR", answers_to={"c1": made_by}
+        )
+    answers = [m.content for m in await store.transcript(CID) if m.tool_call_id == "c1"]
+    assert answers == [answer["content"]]
+    assert await _approved_calls(backend) == []
+    await logger.log_messages(CID, [_say("...")], turn_id="tC")  # lands: nothing being written
+    await logger.log_messages(CID, [_user("still there?")], turn_id="tD")  # folds what is owed
+    assert await pending_state(store) == (["c2"], None)
+    assert await pending_state(store) == _folded(await store.transcript(CID))
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert doc.get("refold_owed") is None
+    with pytest.raises(Conflict):
+        await store.resolve_hitl(CID, "r1")
+    assert await _approved_calls(backend) == []
+
+
+_ASKED_LATER = {
+    "none": None,
+    "own-call": [_calls("c5"), _asks_about("r5", "c5")],
+    "naming-c1": [_asks_about("r5", "c1")],
+}
+"""What a later turn, logged before the stalled writer lands (stored past its block), asks."""
+
+
+@pytest.mark.parametrize("asked_later", list(_ASKED_LATER))
+async def test_a_stalled_writer_landing_lists_the_prompt_the_stored_messages_leave(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, asked_later: str
+) -> None:
+    """The landed writer's answer to c1 takes c1 off and clears r1, which held it (and c3,
+    which stays pending): as when the turn was logged, and as the fold of the stored
+    messages says. A later turn's prompt r5, raised before the writer landed (stored past
+    its block), holding its own call or naming c1, is not the answer's to clear: asked
+    after it, it stays pending. Only the writer's own call c2 is not listed yet (the owed
+    fold lists it)."""
+    later = _ASKED_LATER[asked_later]
+
+    async def asks_r5(logger: AgentMessageLogger) -> None:
+        await logger.log_messages(CID, later or [], turn_id="tE")
+
+    asked = [_calls("c1", "c3"), _asks_about("r1", "c1", "c3")]
+    _, store, _ = await _answer_landing_after_its_block_was_passed(
+        backend, monkeypatch, _answer("c1", "found"), asked, asks_r5 if later else None
+    )
+
+    held = [(c.tool_call_id, c.request_id) for c in await store.pending_calls(CID)]
+    folded_calls, folded_prompt = await folded_state(store)
+    assert held == [c for c in folded_calls if c[0] != "c2"]
+    assert (await pending_state(store))[1] == folded_prompt == (later and "r5")
+
+
+async def test_a_prompt_a_person_answered_before_the_stalled_writer_landed_stays_answered(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An HTTP resolution of r1, pending again once the stalled writer's block was passed,
+    racing the writer's landing (resolved before it lands): the landing takes c1 off and
+    lists no prompt; r1 stays resolved, and answering it again writes nothing new."""
+
+    async def resolves_r1(logger: AgentMessageLogger) -> None:
+        await ConversationStore(backend.db).resolve_hitl(CID, "r1")
+
+    _, store, _ = await _answer_landing_after_its_block_was_passed(
+        backend,
+        monkeypatch,
+        _answer("c1", "found"),
+        [_calls("c1"), _asks_about("r1", "c1")],
+        resolves_r1,
+    )
+
+    assert await pending_state(store) == ([], None)
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert doc["resolved_hitl"] == ["r1"]
+    await store.resolve_hitl(CID, "r1")  # its first answer is its answer: nothing written
+    assert await pending_state(store) == ([], None)
 
 
 async def _asked_and_approved(logger: AgentMessageLogger, store: ConversationStore) -> str:

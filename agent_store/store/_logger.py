@@ -2749,10 +2749,11 @@ class AgentMessageLogger:
         """The pending state folded from the stored messages after the turn's insert, when it
         is to be (`_to_fold`, `_settle`). A fold that could not be written (owed: a turn below
         the end still being written) after an insert landing past its block
-        (`_landed_past_its_block`) still takes the calls the turn answers off `pending_calls`
-        (`_relocated.take_answered_off`: two round trips more, on that path only), where a
-        fold that found its block passed and empty listed them again: the turn is
-        acknowledged with its answers standing, never with the calls they answer listed."""
+        (`_landed_past_its_block`) still takes the calls the turn answers off `pending_calls`,
+        and the prompt those answers clear off `pending_hitl` (`_relocated.take_answered_off`:
+        two or three round trips more, on that path only), where a fold that found its block
+        passed and empty listed them again: the turn is acknowledged with its answers
+        standing, never with the calls they answer, or the prompt they clear, listed."""
         if not await self._to_fold(plan, reserved, started):
             return
         if await self._settle(plan.conversation_id, reserved.moved):

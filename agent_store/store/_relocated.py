@@ -63,6 +63,7 @@ from agent_store.store._reservation import (
     RESERVED,
     RecordedBlock,
     absent_stays,
+    answers_clear,
     approvals_left_unstored,
     approvals_unstored,
     approvals_without,
@@ -672,40 +673,58 @@ async def take_answered_off(
     (`settle`, owed: a turn below the end still being written): the calls its messages,
     stored at the `seq`s of `block`, answer go off `pending_calls`, where a fold finding its
     block passed and empty listed them again (DESIGN.md: a call's first answer is its
-    answer). Nothing is put back: taking off is always safe, the answer being stored. Each
-    call is the one the stored messages pair with the answer (`calls_answered`: one find of
-    the messages of the conversation's life, `epoch`, making or answering a call of its
-    ids); the update matches the conversation the turn reserved on (`same`) while no pop
-    ran since its reservation (`pops`) nor runs."""
+    answer), and the prompt those answers clear (`answered_calls_off`) goes too. Nothing is
+    put back: taking off is always safe, the answer being stored. Each call is the one the
+    stored messages pair with the answer (`calls_answered`: one find of the messages of the
+    conversation's life, `epoch`, making or answering a call of its ids); the prompts asked
+    between the first of those calls and the block are read by a second find; the update
+    matches the conversation the turn reserved on (`same`) while no pop ran since its
+    reservation (`pops`) nor runs."""
     answered = sorted(set(plan.answered_calls))
     if not answered or pops is None:
         return
+    life = {} if epoch is None else {"epoch": {"$in": [epoch, None]}}
     query: dict[str, Any] = {
         "conversation_id": plan.conversation_id,
         "seq": {"$lt": block.stop},
         "$or": [{"tool_calls.id": {"$in": answered}}, {"tool_call_id": {"$in": answered}}],
+        **life,
     }
-    if epoch is not None:
-        query["epoch"] = {"$in": [epoch, None]}
     with storage_errors("read the calls the turn answers"):
         docs = await messages.find(query).sort("seq", 1).to_list(None)
     found = messages_adapter.validate_python(docs)
-    taken = sorted(
-        (call_id, str(docs[at]["_id"]))  # the message making the call
-        for index, (at, call_id) in calls_answered(found).items()
-        if found[index].seq in block
-    )
-    if taken:
-        with storage_errors("take the calls the turn answers off the pending calls"):
-            await conversations.update_one(*answered_calls_off(same, taken, pops))
+    pairs = [
+        (at, call_id) for i, (at, call_id) in calls_answered(found).items() if found[i].seq in block
+    ]
+    if not pairs:
+        return
+    asked = {
+        "conversation_id": plan.conversation_id,
+        "seq": {"$gte": min(int(docs[at]["seq"]) for at, _ in pairs), "$lt": block.start},
+        "hitl_action": {"$type": "object"},
+        **life,
+    }
+    with storage_errors("read the prompts the turn answers"):
+        prompts = await messages.find(asked, {"_id": 1}).to_list(None)
+    taken = sorted((call_id, str(docs[at]["_id"])) for at, call_id in pairs)  # call, its maker
+    off = answered_calls_off(same, taken, pops, sorted(str(d["_id"]) for d in prompts))
+    with storage_errors("take the calls the turn answers off the pending calls"):
+        await conversations.update_one(*off)
 
 
 def answered_calls_off(
-    same: Mapping[str, Any], taken: Sequence[tuple[str, str]], pops: int
+    same: Mapping[str, Any],
+    taken: Sequence[tuple[str, str]],
+    pops: int,
+    asked_before: Sequence[str] = (),
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update taking the calls `taken` (`(tool_call_id, message_id)`) off
     `pending_calls` of the conversation `same` names, while its pops are `pops` and none is
-    under way; matching only while one of them is listed."""
+    under way; matching only while one of them is listed. The pending prompt goes when
+    those answers clear it as they did when their turn reserved (`answers_clear`, the
+    reservation's rule), if it is one of `asked_before` (the ids of the messages asking
+    the prompts stored before the answers): a prompt asked after them, in stored order, is
+    not theirs to clear."""
     query: dict[str, Any] = {
         **same,
         "pops": pops if pops else {"$in": [None, 0]},
@@ -716,11 +735,16 @@ def answered_calls_off(
         {"$and": [{"$eq": ["$$call.tool_call_id", c]}, {"$eq": ["$$call.message_id", m]}]}
         for c, m in taken
     ]
-    kept = {
-        "$filter": {
-            "input": "$pending_calls",
-            "as": "call",
-            "cond": {"$eq": [{"$or": each}, False]},
-        }
-    }
-    return query, [{"$set": {"pending_calls": kept}}]
+    calls = {"$ifNull": ["$pending_calls", literal([])]}
+
+    def answered(wanted: bool) -> dict[str, Any]:
+        # `$eq` to a boolean rather than `$not`, which some servers lack.
+        cond = {"$eq": [{"$or": each}, wanted]}
+        return {"$filter": {"input": calls, "as": "call", "cond": cond}}
+
+    stage: dict[str, Any] = {"pending_calls": answered(False)}
+    if asked_before:
+        asked = {"$in": [{"$ifNull": ["$pending_hitl.message_id", None]}, literal(asked_before)]}
+        clears = {"$and": [asked, answers_clear(calls, answered(True), answered(False))]}
+        stage["pending_hitl"] = {"$cond": [clears, None, "$pending_hitl"]}
+    return query, [{"$set": stage}]

@@ -1887,7 +1887,7 @@ def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
         return {"$filter": {"input": calls, "as": "call", "cond": cond}}
 
     if isinstance(plan.pending_hitl, KeepPendingHitl) and plan.answered_calls:
-        clears = _answering(plan, _answers_clear(calls, answered(True), answered(False)))
+        clears = _answering(plan, answers_clear(calls, answered(True), answered(False)))
         hitl = {"$cond": [bound(clears), None, hitl]}
     elif _clears_its_prompt(plan):
         was_held = {
@@ -2084,9 +2084,10 @@ def _answering(plan: TurnPlan, expression: dict[str, Any]) -> dict[str, Any]:
     return {"$let": {"vars": {"answered": answered}, "in": expression}}
 
 
-def _answers_clear(calls: Any, taken: Any, left: Any) -> dict[str, Any]:
+def answers_clear(calls: Any, taken: Any, left: Any) -> dict[str, Any]:
     """Whether the turn's answers (`taken` from `calls`, `left` after) clear the pending
-    prompt (`_turns.answers_clear`, as an expression)."""
+    prompt (`_turns.answers_clear`, as an expression): in its reservation, and where a turn
+    stalled past its block lands (`_relocated.answered_calls_off`)."""
     pending = {"$ifNull": ["$pending_hitl.request_id", None]}
 
     def holders(of: Any) -> dict[str, Any]:
