@@ -846,7 +846,7 @@ def test_a_killed_copy_refuses_a_turn_it_confirmed_that_holds_text_not_valid_utf
 
 @pytest.mark.parametrize(
     ("standing", "refusal"),
-    [(EDITED_NOT_UTF8, "a rollback that copied the turns back"),
+    [(EDITED_NOT_UTF8, f"{LEGACY_TURNS} holds turn documents {CONVERSATIONS} holds too, the same"),
      ("other \udcc3( words", "with other content")],
     ids=["the same bytes", "other bytes"],
 )  # fmt: skip
@@ -857,8 +857,9 @@ def test_a_turn_not_valid_utf8_in_both_collections_is_compared_unencoded(
     holding text that is not valid UTF-8 (a rename moved such a turn, a rollback copied it
     back, or the old service logged another under its `_id`): the check for a leftover
     collection compares them without encoding either and refuses as for clean text, the same
-    turn as a rollback's leftover, another as other content (was: a UnicodeEncodeError
-    traceback out of the check)."""
+    turn as one a rollback copied back or the old service saved again (no conversation document
+    stands to tell which), another as other content (was: a UnicodeEncodeError traceback out
+    of the check)."""
     db: Any = mongomock.MongoClient()["legacy"]
     db[LEGACY_TURNS].insert_many([latency_turn(n, 7) for n in range(2)])
     db[CONVERSATIONS].insert_one(latency_turn(1, 7))
