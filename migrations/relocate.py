@@ -145,6 +145,13 @@ NEITHER_FILTER: dict[str, Any] = {
 }
 """Documents of `agent_conversations` holding a conversation document's counters and a field
 only a legacy turn holds: neither, so nothing moves or converts them."""
+DOCUMENT_FILTER: dict[str, Any] = {
+    **CONVERSATION_FILTER,
+    **{f: {"$exists": False} for f in TURN_ONLY_FIELDS},
+}
+"""Conversation documents proper: the store's counters and no field only a legacy turn holds
+(`NEITHER_FILTER` is the rest of `CONVERSATION_FILTER`; a rollback copies such a document back
+from the legacy collection, where it stood among the turns)."""
 UNREAD: tuple[tuple[str, dict[str, Any]], ...] = (
     (LEGACY_TURNS, CONVERSATION_FILTER),
     (CONVERSATIONS, NEITHER_FILTER),
@@ -376,12 +383,12 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
 
 
 def _rollback_shown(db: Database[dict[str, Any]]) -> bool | None:
-    """Whether the data shows a rollback since the move: none when a conversation document
-    stands in `agent_conversations` (false: a rollback moves every one away, a run's and the
-    service's alike); else whether a run wrote one since the move made the legacy collection
-    (`DOCUMENTS_WRITTEN`: true, one was moved away), or none, nothing telling (None). One
-    read of `agent_conversations`, and then one of the state."""
-    if db[CONVERSATIONS].find_one(CONVERSATION_FILTER, {"_id": 1}) is not None:
+    """Whether the data shows a rollback since the move. False while a conversation document
+    stands in `agent_conversations` (`DOCUMENT_FILTER`): a rollback moves every one away, a
+    run's and the service's alike. Else true when a run wrote one since the move made the
+    legacy collection (`DOCUMENTS_WRITTEN`: it was moved away), and None when none did:
+    nothing tells. One read of `agent_conversations`, and then one of the state."""
+    if db[CONVERSATIONS].find_one(DOCUMENT_FILTER, {"_id": 1}) is not None:
         return False
     state = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, {DOCUMENTS_WRITTEN: 1})
     return True if state and DOCUMENTS_WRITTEN in state else None

@@ -635,6 +635,25 @@ def test_a_killed_copy_rolled_back_by_copying_with_its_collection_left_standing_
     assert database[LEGACY_TURNS].count_documents({}) == 5
 
 
+def test_a_rollback_copying_back_a_turn_holding_a_counter_is_still_told_a_rollback() -> None:
+    """A rollback by copying puts back, with the turns, a document of the legacy collection
+    that holds a conversation document's counter and a turn's field (neither: no run reads
+    it). It is no conversation document standing, so it does not hide the rollback: a run
+    wrote documents since the move and none stands, and the move is refused as a rollback's
+    leftover, nothing moved."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[CONVERSATIONS].insert_many([latency_turn(n, 7) for n in range(3)])
+    assert relocate.relocate(db, allow_rename=False).how == "copied"
+    db[lease.STATE].update_one({"_id": lease.STATE_ID}, relocate.wrote_documents(), upsert=True)
+    neither = latency_turn(9, 7) | {"turn_count": None}
+    db[LEGACY_TURNS].insert_one(neither)
+    db[CONVERSATIONS].insert_many(list(db[LEGACY_TURNS].find()))  # the rollback
+
+    with pytest.raises(MigrationError, match="a rollback that copied the turns back left"):
+        relocate.relocate(db, allow_rename=False)
+    assert db[CONVERSATIONS].count_documents({}) == 4
+
+
 def test_a_rename_leaves_no_record_of_a_killed_copy_for_a_later_copy_to_act_on() -> None:
     """A copy killed part-way, rolled back, then moved by a rename: the rename moves every
     turn, so nothing of the killed copy's record stands after it (was: the record stayed,
