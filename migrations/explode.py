@@ -91,6 +91,7 @@ from migrations.relocate import (
     held_back,
     late_fits,
     turns_at,
+    wrote_documents,
 )
 from migrations.settings import SERVICE_DEFAULTS, as_recorded, settings_differing
 from migrations.writes import ALREADY_LIVE, Converted
@@ -914,6 +915,8 @@ class Explosion:
         self.counts = Counts()
         self.declared = False
         """Whether the run's record counts conversations yet (`_declare`)."""
+        self.wrote_documents = False
+        """Whether the state records this run's documents yet (`_record_documents`)."""
         self.counted_twice: set[str] = set()
         """The conversations counted that two batches can both convert: those named more than
         one way (`Converted.spellings`: `42` and `"42"`, a legacy id and its derived id), and
@@ -960,6 +963,18 @@ class Explosion:
         if not self.declared and self.counts.conversations:
             self._record("running")
             self.declared = True
+
+    def _record_documents(self) -> None:
+        """Before the run writes its first conversation document: the state records that a run
+        wrote one since the move (`relocate.DOCUMENTS_WRITTEN`), so a rollback, which moves it
+        away, is told from moved turns the old service saved again (`refuse_leftover`)."""
+        if self.wrote_documents:
+            return
+        if self.lease is None:
+            self.db[STATE].update_one({"_id": STATE_ID}, wrote_documents(), upsert=True)
+        else:
+            self.lease.write_state(wrote_documents())  # only while the lock names this run
+        self.wrote_documents = True
 
     def resume_point(self) -> Ranges | None:
         """Where an unfinished earlier run stopped: its ranges and the last id done in each,
@@ -1111,6 +1126,8 @@ class Explosion:
         )
         if not self.options.dry_run:
             self._declare()
+            if planned.conversations:
+                self._record_documents()
             applied = writes.apply(
                 self.db, planned, self.options.bounds, fence=self.fence, source=self.source
             )

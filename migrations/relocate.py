@@ -92,6 +92,20 @@ def _copies_recorded(turns: list[dict[str, Any]]) -> dict[str, Any]:
     return {"$addToSet": {COPIED_AS: {"$each": [copied_as(turn) for turn in turns]}}}
 
 
+DOCUMENTS_WRITTEN = "documents_written_at"
+"""The field of the migration's state a run sets before it writes its first conversation
+document since the move made the legacy collection (`wrote_documents`), and that move removes
+(`relocate`: a rename, or a copy into no collection): a rollback moves every conversation
+document away, so while it is set and none stands in `agent_conversations`, one was moved
+away (`refuse_leftover`)."""
+
+
+def wrote_documents() -> dict[str, Any]:
+    """The state's update a run writes before it writes conversation documents
+    (`DOCUMENTS_WRITTEN`): the first time since the move, only."""
+    return {"$min": {DOCUMENTS_WRITTEN: utc_now()}}
+
+
 _COPY_RECORDS = (COPYING, IN_FLIGHT, CONFIRMED, COPIED_AS)
 """The migration state's fields recording a copy under way."""
 EDIT_ROUNDS = 5
@@ -131,6 +145,13 @@ NEITHER_FILTER: dict[str, Any] = {
 }
 """Documents of `agent_conversations` holding a conversation document's counters and a field
 only a legacy turn holds: neither, so nothing moves or converts them."""
+DOCUMENT_FILTER: dict[str, Any] = {
+    **CONVERSATION_FILTER,
+    **{f: {"$exists": False} for f in TURN_ONLY_FIELDS},
+}
+"""Conversation documents proper: the store's counters and no field only a legacy turn holds
+(`NEITHER_FILTER` is the rest of `CONVERSATION_FILTER`; a rollback copies such a document back
+from the legacy collection, where it stood among the turns)."""
 UNREAD: tuple[tuple[str, dict[str, Any]], ...] = (
     (LEGACY_TURNS, CONVERSATION_FILTER),
     (CONVERSATIONS, NEITHER_FILTER),
@@ -317,23 +338,30 @@ def _recorded(db: Database[dict[str, Any]], record: str) -> set[str]:
 
 def refuse_leftover(db: Database[dict[str, Any]]) -> None:
     """WorkLeft (exit 1) when `agent_conversations` holds a turn whose `_id` the deprecated
-    collection holds too, but for the batch a copy recorded as under way was writing when it
-    stopped (`IN_FLIGHT`, the only turns a killed copy leaves in both): that collection
-    is no interrupted copy but one a rollback that copied the turns back left standing (a
-    copy killed before the rollback keeps its record: its earlier batches give it away). Its
-    turns are those of before the rollback, conversations the old service deleted since
-    among them: merged back, they would be migrated again. Turns the old service logged
-    after a move (new `_id`s) and a collection standing empty or holding dual-written turns
-    only are no leftover: a run copies the turns into it; nor is a moved turn the old
-    service saved again unchanged, its conversation's document standing (`_rolled_back`):
-    the copy takes it as moved; a turn logged after the move under
-    a moved turn's `_id` with other content is refused as such (`_other_content`), nothing
-    moved, whatever type of number either `_id` is (`5.0` is the turn `5` to the server's
-    `$in`: both are paired by `matched_key`). A turn holding text that is not valid UTF-8 is
-    taken as the rest of the move takes it (`_copyable`): never encoded, its content compared
-    by `_same_content`; one whose `_id` holds such text is sent in no query, so paired with no
-    moved turn: the copy leaves it in place and names it (`_copy_all`). One read of the
-    state, then the turns' `_id`s a thousand at a time, up to the first found in both."""
+    collection holds too, the same (`_same_content`), but for the batch a copy recorded as
+    under way was writing when it stopped (`IN_FLIGHT`, the only turns a killed copy leaves in
+    both), and no conversation document stands in `agent_conversations` (`_rollback_shown`):
+    a rollback moves every one away before it copies the turns back (MIGRATION.md,
+    "Rollback"). A run wrote one since the move (`DOCUMENTS_WRITTEN`): the collection is one
+    a rollback that copied the turns back left standing (a copy killed before the rollback
+    keeps its record: its earlier batches give it away), whose turns are those of before the
+    rollback, conversations the old service deleted since among them: merged back, they would
+    be migrated again. None written since: nothing tells such a collection from moved turns
+    the old service saved again unchanged (an upsert by `_id`), and the refusal says the way
+    out of each (`_saved_again_or_rolled_back`). A conversation document standing, a run's or
+    the service's: no rollback happened since it was written, and the copy takes such a turn
+    as moved (`_accept_identical_copies`), whether or not its own conversation's document
+    stands yet (`run --limit`, a run stopped part-way, a conversation held back). Turns the
+    old service logged after a move (new `_id`s) and a collection standing empty or holding
+    dual-written turns only are no leftover: a run copies the turns into it; a turn logged
+    after the move under a moved turn's `_id` with other content is refused as such
+    (`_other_content`), nothing moved, whatever type of number either `_id` is (`5.0` is the
+    turn `5` to the server's `$in`: both are paired by `matched_key`). A turn holding text
+    that is not valid UTF-8 is taken as the rest of the move takes it (`_copyable`): never
+    encoded, its content compared by `_same_content`; one whose `_id` holds such text is sent
+    in no query, so paired with no moved turn: the copy leaves it in place and names it
+    (`_copy_all`). One read of the state, then the turns' `_id`s a thousand at a time, up to
+    the first found in both, and for a thousand holding the same turns, `_rollback_shown`."""
     if not holds_turns(db, LEGACY_TURNS):
         return
     resumed = _recorded(db, IN_FLIGHT)
@@ -347,37 +375,58 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
         turns = {matched_key(t["_id"]): t for t in db[CONVERSATIONS].find({"_id": {"$in": chunk}})}
         paired = [(c, turns.get(matched_key(c["_id"]), {})) for c in copies]
         same = [turn for copy, turn in paired if _same_content(copy, turn)]
-        if _rolled_back(db, same):
-            raise WorkLeft(
-                f"{LEGACY_TURNS} holds turn documents {CONVERSATIONS} holds too, and no copy "
-                "of a run is under way, nor does the conversation document of each stand in "
-                f"{CONVERSATIONS}: it is a collection a rollback that copied the turns "
-                "back left standing, whose turns the old service may have deleted since. "
-                f"Moving nothing: drop {LEGACY_TURNS} or rename it away (once "
-                f"{CONVERSATIONS} holds every turn to keep), then `run` again"
-            )
+        if same and (shown := _rollback_shown(db)) is not False:
+            raise _saved_again_or_rolled_back(same, rolled_back=bool(shown))
         for copy, turn in paired:  # turns logged after the move under a moved turn's `_id`
             if not _same_content(copy, turn):
                 raise _other_content(copy, turn)
 
 
-def _rolled_back(db: Database[dict[str, Any]], same: list[dict[str, Any]]) -> bool:
-    """Whether turns of `agent_conversations` the deprecated collection holds as they are
-    (`same`) are a rollback's, which moves the conversation documents away before it copies
-    the turns back (MIGRATION.md, "Rollback"): one whose conversation's document is not
-    standing in `agent_conversations`. A moved turn the old service saved again unchanged
-    after the move (an upsert by `_id`), its conversation's document standing (the run
-    wrote it, no rollback moved it), is the moved turn: no leftover, the copy takes it as
-    moved (`_accept_identical_copies`). A turn filed under no conversation a document can
-    stand for is taken for a rollback's. One read, of those documents, only then."""
-    if not same:
+def _rollback_shown(db: Database[dict[str, Any]]) -> bool | None:
+    """Whether the data shows a rollback since the move. False while a conversation document
+    stands in `agent_conversations` (`DOCUMENT_FILTER`): a rollback moves every one away, a
+    run's and the service's alike. Else true when a run wrote one since the move made the
+    legacy collection (`DOCUMENTS_WRITTEN`: it was moved away), and None when none did:
+    nothing tells. One read of `agent_conversations`, and then one of the state."""
+    if db[CONVERSATIONS].find_one(DOCUMENT_FILTER, {"_id": 1}) is not None:
         return False
-    filed = [_filed_under(turn) for turn in same]
-    if not all(filed):
-        return True
-    named = set().union(*filed)
-    found = db[CONVERSATIONS].find({"_id": {"$in": list(named)}, **CONVERSATION_FILTER}, {"_id": 1})
-    return bool(named - {d["_id"] for d in found})
+    state = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, {DOCUMENTS_WRITTEN: 1})
+    return True if state and DOCUMENTS_WRITTEN in state else None
+
+
+_NAMED_AT_MOST = 5
+"""How many turns a refusal names by `_id`."""
+
+
+def _saved_again_or_rolled_back(same: list[dict[str, Any]], *, rolled_back: bool) -> WorkLeft:
+    """The refusal of turns of `agent_conversations` the deprecated collection holds the same
+    (`same`), no conversation document standing (`refuse_leftover`): a collection a rollback
+    left standing, when the data shows one (`rolled_back`: drop it or rename it away); else
+    the two causes nothing tells apart, each with its way out, the one for moved turns saved
+    again first (delete them where they were saved again: each has its moved copy, so
+    nothing is lost, and a drop of the collection would take every moved turn with it)."""
+    if rolled_back:
+        return WorkLeft(
+            f"{LEGACY_TURNS} holds turn documents {CONVERSATIONS} holds too, and no copy of a "
+            f"run is under way, nor does any conversation document stand in {CONVERSATIONS} "
+            "though a run wrote some since the move: it is a collection a rollback that copied "
+            "the turns back left standing, whose turns the old service may have deleted "
+            f"since. Moving nothing: drop {LEGACY_TURNS} or rename it away (once "
+            f"{CONVERSATIONS} holds every turn to keep), then `run` again"
+        )
+    named = ", ".join(repr(turn["_id"]) for turn in same[:_NAMED_AT_MOST])
+    more = f" and {len(same) - _NAMED_AT_MOST} more" if len(same) > _NAMED_AT_MOST else ""
+    return WorkLeft(
+        f"{LEGACY_TURNS} holds turn documents {CONVERSATIONS} holds too, the same ({named}"
+        f"{more}), and no copy of a run is under way; no conversation document stands in "
+        f"{CONVERSATIONS} and no run wrote one since the move, so nothing tells whether the "
+        "old service saved moved turns again unchanged (an upsert by _id) or a rollback "
+        "copied the turns back (it moves the conversation documents away). Moving nothing. "
+        f"If no rollback happened, delete from {CONVERSATIONS} each turn document "
+        f"{LEGACY_TURNS} holds the same under its _id (its moved copy keeps it); if a "
+        f"rollback copied the turns back, drop {LEGACY_TURNS} or rename it away (once "
+        f"{CONVERSATIONS} holds every turn to keep); then `run` again"
+    )
 
 
 def _same_content(copy: Mapping[str, Any], turn: Mapping[str, Any]) -> bool:
@@ -425,8 +474,10 @@ def relocate(
     the run's lease and raises once another run or `finish` took the lock, or the legacy
     turns were dropped (a run paused past its lease copies no batch it read before).
     `write_state` updates the migration's state (the run's, fenced by its lease): a copy is
-    recorded there (`COPYING`) before its first batch and cleared once every turn moved;
-    with the deprecated collection a rollback left standing, nothing moves
+    recorded there (`COPYING`) before its first batch and cleared once every turn moved; a
+    move that makes the deprecated collection (a rename, or a copy into none) removes the
+    record of documents a run wrote since the last (`DOCUMENTS_WRITTEN`); with the deprecated
+    collection a rollback left standing, nothing moves
     (`refuse_leftover`). `late`: an earlier run's ranges stand unfinished; the conversations
     of the turns moved are recorded for the run resuming them (`LATE`), or, past what the
     state holds or when this run cuts new ranges anyway (`start_over`: `--restart`), that the
@@ -455,7 +506,8 @@ def relocate(
             if _copying(db)
             else f"{LEGACY_TURNS} already exists; copying into it"
         )
-    state({"$set": {COPYING: utc_now()}})
+    made = {} if target_exists else {"$unset": {DOCUMENTS_WRITTEN: ""}}
+    state(_merged({"$set": {COPYING: utc_now()}}, made))
     recorded = _late(db, start_over=start_over) if late else None
     kept = _Left()
     copy = functools.partial(
@@ -542,11 +594,12 @@ def _renamed(
 ) -> Relocation:
     """Every turn moved at once, by renaming `agent_conversations`: the record of a copy
     under way goes first (no copy stands once every turn moved: a later copy must not act on
-    it), and, `late`, the ranges are cut again (`LATE_OVERFLOW`). OperationFailure when the
-    server refuses the rename."""
+    it), so does that of documents written since the move (`DOCUMENTS_WRITTEN`: this move
+    makes the legacy collection), and, `late`, the ranges are cut again (`LATE_OVERFLOW`).
+    OperationFailure when the server refuses the rename."""
     count = source.count_documents({})
     fence()
-    cleared: dict[str, Any] = {"$unset": dict.fromkeys(_COPY_RECORDS, "")}
+    cleared: dict[str, Any] = {"$unset": dict.fromkeys((*_COPY_RECORDS, DOCUMENTS_WRITTEN), "")}
     if late:
         cleared["$set"] = {LATE_OVERFLOW: True}
     state(cleared)

@@ -635,6 +635,25 @@ def test_a_killed_copy_rolled_back_by_copying_with_its_collection_left_standing_
     assert database[LEGACY_TURNS].count_documents({}) == 5
 
 
+def test_a_rollback_copying_back_a_turn_holding_a_counter_is_still_told_a_rollback() -> None:
+    """A rollback by copying puts back, with the turns, a document of the legacy collection
+    that holds a conversation document's counter and a turn's field (neither: no run reads
+    it). It is no conversation document standing, so it does not hide the rollback: a run
+    wrote documents since the move and none stands, and the move is refused as a rollback's
+    leftover, nothing moved."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[CONVERSATIONS].insert_many([latency_turn(n, 7) for n in range(3)])
+    assert relocate.relocate(db, allow_rename=False).how == "copied"
+    db[lease.STATE].update_one({"_id": lease.STATE_ID}, relocate.wrote_documents(), upsert=True)
+    neither = latency_turn(9, 7) | {"turn_count": None}
+    db[LEGACY_TURNS].insert_one(neither)
+    db[CONVERSATIONS].insert_many(list(db[LEGACY_TURNS].find()))  # the rollback
+
+    with pytest.raises(MigrationError, match="a rollback that copied the turns back left"):
+        relocate.relocate(db, allow_rename=False)
+    assert db[CONVERSATIONS].count_documents({}) == 4
+
+
 def test_a_rename_leaves_no_record_of_a_killed_copy_for_a_later_copy_to_act_on() -> None:
     """A copy killed part-way, rolled back, then moved by a rename: the rename moves every
     turn, so nothing of the killed copy's record stands after it (was: the record stayed,
@@ -846,7 +865,7 @@ def test_a_killed_copy_refuses_a_turn_it_confirmed_that_holds_text_not_valid_utf
 
 @pytest.mark.parametrize(
     ("standing", "refusal"),
-    [(EDITED_NOT_UTF8, "a rollback that copied the turns back"),
+    [(EDITED_NOT_UTF8, f"{LEGACY_TURNS} holds turn documents {CONVERSATIONS} holds too, the same"),
      ("other \udcc3( words", "with other content")],
     ids=["the same bytes", "other bytes"],
 )  # fmt: skip
@@ -857,8 +876,9 @@ def test_a_turn_not_valid_utf8_in_both_collections_is_compared_unencoded(
     holding text that is not valid UTF-8 (a rename moved such a turn, a rollback copied it
     back, or the old service logged another under its `_id`): the check for a leftover
     collection compares them without encoding either and refuses as for clean text, the same
-    turn as a rollback's leftover, another as other content (was: a UnicodeEncodeError
-    traceback out of the check)."""
+    turn as one a rollback copied back or the old service saved again (no conversation document
+    stands to tell which), another as other content (was: a UnicodeEncodeError traceback out
+    of the check)."""
     db: Any = mongomock.MongoClient()["legacy"]
     db[LEGACY_TURNS].insert_many([latency_turn(n, 7) for n in range(2)])
     db[CONVERSATIONS].insert_one(latency_turn(1, 7))

@@ -6633,6 +6633,167 @@ def test_a_moved_turn_the_old_service_saved_again_unchanged_is_taken_as_moved_no
     assert _served_questions(wire_uri, database, "c-2") == ["THREE question"]
 
 
+def _stopped_after_its_first_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's batches stopped (SIGTERM) once its first one is written."""
+    batch = explode.Explosion.batch
+    written = iter(range(2))
+
+    def first_then_stopped(run: explode.Explosion, ids: list[Any]) -> None:
+        if next(written, 1) == 1:
+            raise cli_module.Stopped
+        batch(run, ids)
+
+    monkeypatch.setattr(explode.Explosion, "batch", first_then_stopped)
+
+
+def _save_a_moved_turn_again(database: Database[dict[str, Any]], cid: str) -> str:
+    """The old service saves a moved turn of `cid` again as it was (an upsert by `_id`): its
+    `_id`."""
+    moved = database[LEGACY_TURNS].find_one({"conversation_id": cid})
+    assert moved is not None
+    database[CONVERSATIONS].replace_one({"_id": moved["_id"]}, moved, upsert=True)
+    return str(moved["_id"])
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("stopped_by", ["--limit 1", "a stop part-way"])
+def test_a_moved_turn_saved_again_unchanged_before_its_conversation_is_migrated_is_taken_as_moved(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    stopped_by: str,
+) -> None:
+    """The run moved every turn aside and migrated `c-1` only (`run --limit 1`, or a run
+    stopped after its first batch); the old service then saves a moved turn of `c-2` again as
+    it was. No rollback happened: `c-1`'s document stands, which a rollback moves away with
+    every other. `run` takes the turn as moved (exit 0), never calls the collection a
+    rollback's leftover, and every conversation is served whole, `verify` and `finish` 0 (was:
+    exit 1, "drop agent_conversations_deprecated or rename it away"; followed, the next run
+    removed `c-1`, `c-3` was in no collection the store reads, `verify` and `finish` 0)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in (1, 2, 3)]
+    )
+    if stopped_by == "--limit 1":
+        assert cli(wire_uri, database, "run", "--limit", "1", "--batch-size", "1") == 0
+    else:
+        _stopped_after_its_first_batch(monkeypatch)
+        assert cli(wire_uri, database, "run", "--batch-size", "1") == 128 + 15
+        monkeypatch.undo()
+    standing = {d["_id"] for d in database[CONVERSATIONS].find({"turn_count": {"$exists": True}})}
+    assert standing == {"c-1"}
+    _save_a_moved_turn_again(database, "c-2")
+    capsys.readouterr()
+
+    for dry_run in (("--dry-run",), ()):
+        assert cli(wire_uri, database, "run", *dry_run) == 0
+        said = "".join(capsys.readouterr())
+        assert "rollback" not in said
+    assert database[CONVERSATIONS].find_one({"_id": "t-2"}) is None
+    assert database[LEGACY_TURNS].count_documents({}) == 3
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    for n in (1, 2, 3):
+        assert _served_questions(wire_uri, database, f"c-{n}") == [f"T{n} question"]
+
+
+@pytest.mark.wire
+def test_a_moved_turn_saved_again_unchanged_of_a_conversation_held_back_is_taken_as_moved(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`c-2` is held back, no document of it written, by a document no run reads naming it
+    (a turn holding a `turn_count`); `c-1` migrates. The old service saves `c-2`'s moved turn
+    again unchanged: `c-1`'s document stands, so no rollback happened, and `run` takes the
+    turn as moved, naming only the document holding `c-2` back, never a rollback's leftover;
+    once that document is moved away, `c-2` migrates whole, `verify` and `finish` 0 (was:
+    called a rollback's leftover collection to drop, which held `c-2`'s only turn)."""
+    neither = legacy_turn("t-x", "c-2", 5, "X") | {"turn_count": None}
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-1", 0, "T1"), legacy_turn("t-2", "c-2", 1, "T2"), neither]
+    )
+    assert cli(wire_uri, database, "run") == 1
+    assert database[CONVERSATIONS].find_one({"_id": "c-2"}) is None
+    _save_a_moved_turn_again(database, "c-2")
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 1
+    said = "".join(capsys.readouterr())
+    assert "rollback" not in said
+    assert "'t-x'" in said
+    assert database[CONVERSATIONS].find_one({"_id": "t-2"}) is None
+    database[CONVERSATIONS].delete_one({"_id": "t-x"})  # the operator moves it away
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    assert _served_questions(wire_uri, database, "c-1") == ["T1 question"]
+    assert _served_questions(wire_uri, database, "c-2") == ["T2 question"]
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("attempt", ["first", "second, after a rollback by renaming"])
+def test_a_moved_turn_saved_again_before_any_document_is_written_is_refused_naming_either_cause(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    attempt: str,
+) -> None:
+    """The run's move stands, and no run wrote a conversation document since it made the
+    collection moved aside (stopped right after the move; on a second attempt, the first
+    attempt's documents were written before the rollback, so they tell nothing): a moved turn
+    the old service saved again unchanged cannot be told from a rollback's copy. `run` refuses
+    (exit 1) without calling it a rollback, names the turn and the way out of each cause; the
+    one for no rollback, followed word for word, loses nothing: `run`, `verify` and `finish`
+    0, every conversation served (was: called a rollback's leftover to drop, which took every
+    moved turn with it, `finish` 0)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in (1, 2)]
+    )
+    if attempt != "first":
+        assert cli(wire_uri, database, "run") == 0
+        roll_back(database, clear_messages=False)
+    relocate.relocate(database, allow_rename=False)  # the run's move, stopped right after it
+    turn_id = _save_a_moved_turn_again(database, "c-1")
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 1
+    said = "".join(capsys.readouterr())
+    assert "a rollback that copied the turns back left standing" not in said
+    assert repr(turn_id) in said
+    assert "saved moved turns again unchanged" in said
+    assert f"drop {LEGACY_TURNS} or rename it away" in said  # for a rollback
+    assert f"If no rollback happened, delete from {CONVERSATIONS}" in said
+    database[CONVERSATIONS].delete_one({"_id": turn_id})  # no rollback happened: as advised
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    for n in (1, 2):
+        assert _served_questions(wire_uri, database, f"c-{n}") == [f"T{n} question"]
+
+
+@pytest.mark.wire
+def test_a_rollback_by_copying_after_a_limited_run_is_refused_as_a_rollback(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rollback by copying, its moved-aside collection left standing, after a run that
+    migrated `c-0` only (`--limit 1`): the run wrote a document since the move and none
+    stands (the rollback moved it away), so the data shows a rollback: refused as one (exit
+    1), nothing moved, though most of the turns copied back are of conversations no document
+    stood for."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
+    )
+    assert cli(wire_uri, database, "run", "--limit", "1", "--batch-size", "1") == 0
+    database[CONVERSATIONS].drop()  # the rollback: documents away, the turns copied back
+    database[CONVERSATIONS].insert_many(list(database[LEGACY_TURNS].find()))
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 1
+    said = capsys.readouterr().err
+    assert "a rollback that copied the turns back left standing" in said
+    assert f"drop {LEGACY_TURNS} or rename it away" in said
+    assert database[CONVERSATIONS].count_documents({}) == 3
+
+
 @pytest.mark.wire
 def test_a_moved_turn_edited_after_the_move_is_refused_with_advice_that_never_duplicates(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
