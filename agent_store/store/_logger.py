@@ -2277,11 +2277,8 @@ class AgentMessageLogger:
             turn = await self._conversations.find_one(
                 {"_id": conversation_id, **LEGACY_TURN_DOCUMENT}, {"user_id": 1}
             )
-        if turn is None:
-            return
-        if actor.strict and turn.get("user_id") != actor.user_id:
-            raise NotFound(f"conversation {conversation_id!r} was not found")
-        raise _held(not_migrated_yet(conversation_id, what), condition)
+        if turn is not None:
+            raise _not_migrated(conversation_id, actor, turn.get("user_id"), what, condition)
 
     async def _replayed_by(
         self,
@@ -2587,11 +2584,8 @@ class AgentMessageLogger:
         if self._legacy is None:
             return
         holder = await self._legacy.holder(conversation_id, user_id=actor.caller)
-        if holder is None:
-            return
-        if actor.strict and holder.user_id != actor.user_id:
-            raise NotFound(f"conversation {conversation_id!r} was not found")
-        raise _held(not_migrated_yet(conversation_id, what), condition)
+        if holder is not None:
+            raise _not_migrated(conversation_id, actor, holder.user_id, what, condition)
 
     async def _block_of_an_old_turn(
         self, plan: TurnPlan, other: Callable[[Collection[str]], StoreError] | None = None
@@ -4518,6 +4512,19 @@ def _held(
     if another_owners:
         return _OwnedElsewhere(condition.refusal.message)
     return condition.refusal
+
+
+def _not_migrated(
+    conversation_id: str, actor: Actor, owner: object, what: str, condition: Condition | None
+) -> StoreError:
+    """What a write to an id held by legacy turns not migrated yet (`owner`: the user they
+    name) raises: NotFound to a user token they do not name, as for a missing id; else refused
+    as not migrated yet (`not_migrated_yet`, `_held`: a fork's reservation as for any id that
+    is taken). The one refusal of `_refuse_unmigrated` (turns in the legacy collection) and
+    `_refuse_held_by_a_legacy_turn` (a turn under the id in `agent_conversations`)."""
+    if actor.strict and owner != actor.user_id:
+        return NotFound(f"conversation {conversation_id!r} was not found")
+    return _held(not_migrated_yet(conversation_id, what), condition)
 
 
 def _as_judged(conversation_id: str, found: Mapping[str, Any], actor: Actor) -> dict[str, Any]:
