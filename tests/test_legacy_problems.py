@@ -15,7 +15,7 @@ import bson
 import pytest
 from bson import Code, DatetimeMS, Decimal128, Int64, ObjectId
 
-from agent_store import ConversationStore, LegacyTurns
+from agent_store import AgentMessageLogger, ConversationStore, LegacyTurns
 from agent_store.core import Conflict, NotFound, StorageFailure
 from agent_store.legacy import (
     LEGACY_TURNS,
@@ -2691,6 +2691,38 @@ async def test_a_legacy_turn_whose_owner_cannot_be_read_belongs_to_nobody(
     with pytest.raises(NotFound):
         await store.rename("c-x", "mine", user_id="mallory")
     assert await store.delete("c-x", user_id="alice")
+    assert [t["_id"] for t in await backend.db[LEGACY_TURNS].find().to_list(None)] == ["t-bad"]
+
+
+@pytest.mark.parametrize("field", OWNERSHIP_FIELDS_READ)
+async def test_an_id_held_only_by_a_legacy_turn_whose_owner_cannot_be_read_stays_held(
+    backend: Backend, field: str
+) -> None:
+    """API.md: a write or a fork into an id that exists as legacy turns not migrated yet is
+    409 (to a user token the turns do not name, 404), nothing written; a turn whose owner
+    cannot be read names nobody, so it is 404 to every user token and 409 to a service, and
+    the id stays the legacy conversation's once Alice deleted her part of it (was: the turn
+    set apart as nobody's left the id free: any user's turn or fork created a conversation
+    over the unmigrated turn, and the service's 409 became that user's conversation)."""
+    await _alice_then_undecodable_turn(backend.db)
+    legacy = LegacyTurns(backend.db)
+    legacy._turns = UndecodableText(legacy._turns, "t-bad", (field,))
+    logger = AgentMessageLogger(backend.db, legacy=legacy)
+    store = ConversationStore(backend.db, legacy=legacy)
+    await logger.log_messages("c-src", [{"role": "user", "content": "hi"}], turn_id="s-1")
+    assert await store.delete("c-x", user_id="alice")
+
+    for user in ("alice", "mallory"):
+        with pytest.raises(NotFound):
+            await logger.log_messages(
+                "c-x", [{"role": "user", "content": "mine now"}], user_id=user, strict_owner=True
+            )
+    with pytest.raises(Conflict, match="not migrated yet"):
+        await logger.log_messages("c-x", [{"role": "user", "content": "mine now"}])
+    with pytest.raises(Conflict, match="exists"):
+        await logger.fork("c-src", 0, "c-x")
+    assert await backend.db[CONVERSATIONS].count_documents({"_id": "c-x"}) == 0
+    assert await backend.db[MESSAGES].count_documents({"conversation_id": "c-x"}) == 0
     assert [t["_id"] for t in await backend.db[LEGACY_TURNS].find().to_list(None)] == ["t-bad"]
 
 

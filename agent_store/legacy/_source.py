@@ -308,7 +308,10 @@ class LegacyTurns:
     ) -> LegacyHolder | None:
         """Whether the id exists as legacy turns to `user_id` (None: a service), and their
         owner; None if it does not. The copies of a live conversation under the id that is
-        not the user's are none (`reached_by`: one lookup more, only when there is a copy)."""
+        not the user's are none (`reached_by`: one lookup more, only when there is a copy).
+        Turns whose owner cannot be read (`_ownership_read`) hold the id too, for nobody: with
+        no other turn to name an owner, the holder names none (was: set apart, they left the
+        id free for anyone to create a conversation over them)."""
         query, _ = await self._turns_of(conversation_id)
         with storage_errors("read the legacy turns"):
             read = await _ownership_read(self._turns, query, _OWNERSHIP_FIELDS)
@@ -318,7 +321,9 @@ class LegacyTurns:
                 found[i]
                 for i in reached_by(found, user_id, await self._live(conversation_id, found))
             ]
-        return LegacyHolder(owner_of(found)) if found else None
+        if found:
+            return LegacyHolder(owner_of(found))
+        return LegacyHolder(None) if read.unowned else None
 
     async def delete(self, conversation_id: str, *, owner: str | None) -> int:
         """Delete `owner`'s part of the conversation's legacy turns and prompts; how many
