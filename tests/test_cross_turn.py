@@ -8524,6 +8524,194 @@ async def test_a_prompt_a_person_answered_before_the_stalled_writer_landed_stays
     assert await pending_state(store) == ([], None)
 
 
+async def _fails_with(error: BaseException, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """The logger module's `name` (a storage step of the landing) raises `error` once, as a
+    dropped connection (StorageUnavailable: send again) or a writer dying there
+    (CancelledError: its process gone, its caller's timeout)."""
+    step = getattr(_logger_module, name)
+    calls = iter(range(1))
+
+    async def once(*args: Any, **kwargs: Any) -> Any:
+        if next(calls, None) is not None:
+            raise error
+        return await step(*args, **kwargs)
+
+    monkeypatch.setattr(_logger_module, name, once)
+
+
+_LANDING_CUT = {
+    "take-off-dropped": (StorageUnavailable("the database is unreachable"), "take_answered_off"),
+    "died-before-take-off": (asyncio.CancelledError(), "take_answered_off"),
+    "died-before-fold": (asyncio.CancelledError(), "settle"),
+}
+"""Where a stalled writer's landing is cut, after its insert: its take-off of the calls it
+answered (its command dropped, or the writer dying there), or its fold (dying there)."""
+
+
+@pytest.mark.parametrize("cut", list(_LANDING_CUT))
+async def test_a_stalled_writer_landing_is_acknowledged_only_with_its_answers_taken_off(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, cut: str
+) -> None:
+    """RELIABILITY.md: the calls a landed stalled writer's stored messages answer, listed again
+    by the fold that passed its block, go off `pending_calls` before it is acknowledged;
+    every acknowledgement, a replay's too. tA answers c1 and makes c2; its block is passed
+    and c1 listed again (tB), tC is still being written (the fold waits), then tA lands and
+    its writer is cut before its answers are taken off (`_LANDING_CUT`). Sent again, tA is
+    a replay, acknowledged with c1 off the list: a second answer to c1 is refused, never
+    stored. Once tC lands, the owed fold lists what the stored messages say."""
+    error, step = _LANDING_CUT[cut]
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    made = await logger.log_messages(CID, [_user("Search."), _book("c1", "search")], turn_id="t0")
+    made_by = made.messages[1].id
+    tA = partial(
+        AgentMessageLogger(backend.db).log_messages,
+        CID,
+        [_answer("c1", "found"), _book("c2")],
+        turn_id="tA",
+        answers_to={"c1": made_by},
+    )
+    writer = AgentMessageLogger(backend.db)
+    stall, clock = _StalledInsert(writer, monkeypatch), _ReservedADayAgo(monkeypatch)
+    late = await stall.start(
+        writer.log_messages(
+            CID, [_answer("c1", "found"), _book("c2")], turn_id="tA", answers_to={"c1": made_by}
+        )
+    )
+    clock.caught_up()  # tA's insert is sent, and stalls
+    await logger.log_messages(CID, [_user("hello?")], turn_id="tB")
+    assert "c1" in [c.tool_call_id for c in await store.pending_calls(CID)]
+    await reserved_insert_lost(
+        logger, partial(logger.log_messages, CID, [_say("...")], turn_id="tC")
+    )
+    await _fails_with(error, monkeypatch, step)
+
+    stall.release()
+    with pytest.raises(type(error)):
+        await late
+    monkeypatch.undo()
+    again = await tA()
+
+    assert again.replayed
+    assert "c1" not in [c.tool_call_id for c in await store.pending_calls(CID)]
+    with contextlib.suppress(StoreError):  # refused, never stored
+        await logger.log_messages(
+            CID, [_answer("c1", "again")], turn_id="tR", answers_to={"c1": made_by}
+        )
+    answers = [m.content for m in await store.transcript(CID) if m.tool_call_id == "c1"]
+    assert answers == ["found"]
+    await logger.log_messages(CID, [_say("...")], turn_id="tC")  # lands: nothing being written
+    await logger.log_messages(CID, [_user("still there?")], turn_id="tD")  # folds what is owed
+    assert await pending_state(store) == (["c2"], None)
+    assert await pending_state(store) == _folded(await store.transcript(CID))
+
+
+_ASKED_AGAIN = {
+    "alone": [_asks_about("r1", "c1")],
+    "with-its-own-call": [_asks_about("r1", "c1"), _calls("c9"), _asks_about("r9", "c9")],
+}
+"""What the stalled writer's turn asks: r1 again about c1, approved before, and maybe more."""
+
+
+async def _asked_and_approved_then(
+    backend: Backend, cid: str, log_ta: Callable[[], Awaitable[Any]]
+) -> str:
+    """In `cid`: c1 made and asked about (r1) and approved; tA logged (`log_ta`), then a
+    user turn (tB). The id of the message making c1."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    made = await logger.log_messages(cid, [_calls("c1"), _asks_about("r1", "c1")], turn_id="t0")
+    await store.resolve_hitl(cid, "r1")
+    await log_ta()
+    await logger.log_messages(cid, [_user("hello?")], turn_id="tB")
+    return made.messages[0].id
+
+
+@pytest.mark.parametrize("asked", list(_ASKED_AGAIN))
+async def test_a_stalled_writer_landing_holds_again_the_approved_call_its_prompt_asks_about(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, asked: str
+) -> None:
+    """DESIGN.md `approved_calls` (a later prompt naming the call holds it again) and
+    `answered_prompts` (no answer reaches a question asked after it): c1 is approved (r1);
+    tA asks r1 again about c1, its writer stalled inside its insert past `abandon_after`;
+    tB finds its block passed and empty, and the approval is in force again. When tA's
+    insert lands, its question holds c1 again, as when the same turns are logged with no
+    stall (the control conversation): c1 is served held by r1, and a denial of it is
+    stored, once (no second answer)."""
+    turn, control = _ASKED_AGAIN[asked], f"{CID}-control"
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _asked_and_approved_then(
+        backend, control, partial(logger.log_messages, control, turn, turn_id="tA")
+    )
+    writer = AgentMessageLogger(backend.db)
+    stall, late = _StalledInsert(writer, monkeypatch), list[asyncio.Task[LoggedTurn]]()
+
+    async def stalled() -> None:
+        clock = _ReservedADayAgo(monkeypatch)
+        late.append(await stall.start(writer.log_messages(CID, turn, turn_id="tA")))
+        clock.caught_up()  # tA's insert is sent, and stalls
+
+    made_by = await _asked_and_approved_then(backend, CID, stalled)
+    assert ("c1", None) in (await held_state(store))[0]  # tB passed tA's block: approved
+
+    stall.release()
+    await late[0]
+    monkeypatch.undo()
+
+    assert await held_state(store) == await held_state(store, control)
+    assert ("c1", "r1") in (await held_state(store))[0]
+    await logger.log_messages(CID, [_denial_of("c1")], turn_id="tR", answers_to={"c1": made_by})
+    with contextlib.suppress(StoreError):  # refused, never stored
+        await logger.log_messages(
+            CID, [_answer("c1", "ran")], turn_id="tR2", answers_to={"c1": made_by}
+        )
+    answers = [m.content for m in await store.transcript(CID) if m.tool_call_id == "c1"]
+    assert answers == [DENIED_RESULT]
+
+
+async def test_a_stalled_denial_landing_after_a_person_approved_the_call_is_the_first_answer_stored(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RELIABILITY.md (a stalled write that lands is kept, not judged again) and DESIGN.md
+    (`answered_prompts`: an answer reaches what is stored below its `s`): tA denies c1
+    (held by r1) and asks r9 about c9, its writer stalled inside its insert past
+    `abandon_after`; tB finds its block passed and empty (c1 pending again, held by r1);
+    she approves r1; tA's denial then lands below her answer's reach. The stored order
+    decides, the same way in the conversation and in a fork of all of it: the denial is
+    c1's answer, her approval released nothing there and is withdrawn (`approved_calls`
+    empty, r1 stays resolved), and no further answer to c1 is stored."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    made = await logger.log_messages(CID, [_calls("c1"), _asks_about("r1", "c1")], turn_id="t0")
+    made_by = made.messages[0].id
+    writer = AgentMessageLogger(backend.db)
+    stall, clock = _StalledInsert(writer, monkeypatch), _ReservedADayAgo(monkeypatch)
+    turn = [_denial_of("c1"), _calls("c9"), _asks_about("r9", "c9")]
+    late = await stall.start(
+        writer.log_messages(CID, turn, turn_id="tA", answers_to={"c1": made_by})
+    )
+    clock.caught_up()  # tA's insert is sent, and stalls
+    await logger.log_messages(CID, [_user("hello?")], turn_id="tB")
+    assert await held_state(store) == ([("c1", "r1")], "r1")
+    await store.resolve_hitl(CID, "r1")
+    assert await _approved_calls(backend) == ["c1"]
+
+    stall.release()
+    await late
+    monkeypatch.undo()
+
+    assert await held_state(store) == ([("c9", "r9")], "r9")
+    assert await _approved_calls(backend) == []
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert doc["resolved_hitl"] == ["r1"]
+    await logger.fork(CID, (await store.transcript(CID))[-1].seq, f"{CID}-fork")
+    assert await held_state(store, f"{CID}-fork") == await held_state(store)
+    assert await _approved_calls(backend, f"{CID}-fork") == []
+    with contextlib.suppress(StoreError):  # refused, never stored
+        await logger.log_messages(
+            CID, [_answer("c1", "ran")], turn_id="tR", answers_to={"c1": made_by}
+        )
+    answers = [m.content for m in await store.transcript(CID) if m.tool_call_id == "c1"]
+    assert answers == [DENIED_RESULT]
+
+
 async def _asked_and_approved(logger: AgentMessageLogger, store: ConversationStore) -> str:
     """c1 asked under r1 and approved; the id of the message that made c1."""
     logged = await logger.log_messages(CID, [_calls("c1"), _asks_about("r1", "c1")], turn_id="asks")

@@ -125,6 +125,7 @@ from agent_store.store._relocated import (
     Unlanded,
     Unmovable,
     Unwritten,
+    hold_asked_again,
     looked_up,
     lookup,
     refold,
@@ -358,6 +359,12 @@ class _Reserved:
     (`PENDING_BLOCKS`, older than `abandon_after`): a turn that stored nothing there leaves
     calls or a prompt no stored message makes, and the pending state is folded again after
     the insert (`AgentMessageLogger._left_unstored`)."""
+    relisted: bool = False
+    """A replay's: the conversation as it read it lists a call the turn answers
+    (`_answers_listed`), as a fold that passed the block of its first attempt, stalled past
+    `abandon_after`, left it; that attempt's insert landed, but its writer did not take the
+    call off (its command dropped, its process gone). The replay folds and takes the calls
+    its stored messages answer off before it is acknowledged (`_fold_after_insert`)."""
 
 
 @dataclass(frozen=True)
@@ -2747,17 +2754,24 @@ class AgentMessageLogger:
         and the prompt those answers clear off `pending_hitl` (`_relocated.take_answered_off`:
         two or three round trips more, on that path only), where a fold that found its block
         passed and empty listed them again: the turn is acknowledged with its answers
-        standing, never with the calls they answer, or the prompt they clear, listed."""
+        standing, never with the calls they answer, or the prompt they clear, listed. A
+        replay finding a call the turn answers listed (`_Reserved.relisted`: its first
+        attempt's writer cut after its insert) does the same before its acknowledgement:
+        taking off is idempotent, the update matching only while a call is listed."""
         if not await self._to_fold(plan, reserved, started):
             return
+        landed = reserved.relisted or self._landed_past_its_block(plan, started)
+        same = _same_as_reserved(plan.conversation_id, reserved)
+        if landed:
+            await hold_asked_again(self._conversations, same, plan, reserved.pops)
         if await self._settle(plan.conversation_id, reserved.moved):
             return
-        if self._landed_past_its_block(plan, started):
+        if landed:
             first = reserved.first_seq
             await take_answered_off(
                 self._conversations,
                 self._messages,
-                _same_as_reserved(plan.conversation_id, reserved),
+                same,
                 plan,
                 range(first, first + len(plan.documents)),
                 epoch=reserved.epoch,
@@ -2766,13 +2780,15 @@ class AgentMessageLogger:
 
     async def _to_fold(self, plan: TurnPlan, reserved: _Reserved, started: float) -> bool:
         """Whether the pending state is folded from the stored messages after the turn's
-        insert: after a move, a fold owed (`_Reserved.owed`), an insert landing past its
+        insert: after a move, a fold owed (`_Reserved.owed`), a replay finding a call the
+        turn answers listed (`_Reserved.relisted`), an insert landing past its
         block's `abandon_after` (`_landed_past_its_block`), or a block listing pending state
         found passed and empty (`_left_unstored`: one `find`, only when one was found
         passed)."""
         return (
             reserved.moved is not None
             or reserved.owed
+            or reserved.relisted
             or self._landed_past_its_block(plan, started)
             or await self._left_unstored(reserved, plan)
         )
@@ -4056,7 +4072,15 @@ def _replay(
         conversation=summary,
         assigns=_assigned_at(conversation, block.first_seq),
         pops=int(conversation.get("pops") or 0),
+        relisted=_answers_listed(plan, conversation),
     )
+
+
+def _answers_listed(plan: TurnPlan, conversation: Mapping[str, Any]) -> bool:
+    """Whether `conversation` (as read) lists in `pending_calls` a call the turn answers."""
+    answered = set(plan.answered_calls)
+    listed = conversation.get("pending_calls") or ()
+    return any(isinstance(c, Mapping) and c.get("tool_call_id") in answered for c in listed)
 
 
 def _retry_refusal(

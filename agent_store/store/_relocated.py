@@ -67,6 +67,7 @@ from agent_store.store._reservation import (
     approvals_left_unstored,
     approvals_unstored,
     approvals_without,
+    asked_again_where_free,
     conversation_by_id,
     literal,
     resolved_by_request,
@@ -710,6 +711,26 @@ async def take_answered_off(
     off = answered_calls_off(same, taken, pops, sorted(str(d["_id"]) for d in prompts))
     with storage_errors("take the calls the turn answers off the pending calls"):
         await conversations.update_one(*off)
+
+
+async def hold_asked_again(
+    conversations: Any, same: Mapping[str, Any], plan: TurnPlan, pops: int | None
+) -> None:
+    """After the insert of a turn landing past its block (`_logger._landed_past_its_block`):
+    the approved calls its stored prompts ask about again are held by them, as its
+    reservation held them (`_reservation.asked_again_where_free`, the same expression),
+    where a fold that found its block passed and empty put the approvals in force again
+    (DESIGN.md `approved_calls`: a later prompt naming the call holds it again; no answer
+    reaches a question asked after it). Nothing is released: an entry another prompt
+    holds, or whose call is off `pending_calls`, stays as it is. One guarded update,
+    matching the conversation the turn reserved on (`same`) while no pop ran since its
+    reservation (`pops`) nor runs; none for a turn asking about no approved call."""
+    held = asked_again_where_free(plan)
+    if not held or pops is None:
+        return
+    query = {**same, "pops": pops if pops else {"$in": [None, 0]}, "popping": None}
+    with storage_errors("hold again the approved calls the turn asks about"):
+        await conversations.update_one(query, [{"$set": held}])
 
 
 def answered_calls_off(

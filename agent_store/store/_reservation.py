@@ -1698,6 +1698,23 @@ def _asked_again(plan: TurnPlan) -> dict[str, Any]:
     return approvals_held_by(held_by, held_before, bound=bound)
 
 
+def asked_again_where_free(plan: TurnPlan) -> dict[str, Any]:
+    """`_asked_again` (what the turn's reservation did to the approvals of the calls its
+    prompts ask about again) for the entries no prompt holds whose call is pending: where a
+    turn stalled past its block lands (`_relocated.hold_asked_again`), after a fold that
+    found the block passed and empty took its holds back (`approvals_unstored`: its prompts
+    were not stored then). An entry another prompt holds since, or whose call is answered
+    since (off `pending_calls`), is left as it is: no call is held again past its answer.
+    Applied twice, it changes nothing more."""
+    if not plan.asked_again:
+        return {}
+    held_by, held_before, bound = _asked_again_parts(plan)
+    pending = {"$map": {"input": _kept("pending_calls", []), "as": "c", "in": _call_key("c")}}
+    free = {"$and": [{"$eq": [held_by_a_prompt("a"), False]}, {"$in": [_call_key("a"), pending]}]}
+    held_before = {"$cond": [free, held_before, held_before_of("a")]}
+    return approvals_held_by({"$cond": [free, held_by, held_by_of("a")]}, held_before, bound=bound)
+
+
 def _asked_again_parts(
     plan: TurnPlan, answered: Callable[[Any], Any] | None = None
 ) -> tuple[Any, Any, dict[str, Any]]:
