@@ -346,12 +346,15 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
     a rollback that copied the turns back left standing (a copy killed before the rollback
     keeps its record: its earlier batches give it away), whose turns are those of before the
     rollback, conversations the old service deleted since among them: merged back, they would
-    be migrated again. None written since: nothing tells such a collection from moved turns
-    the old service saved again unchanged (an upsert by `_id`), and the refusal says the way
-    out of each (`_saved_again_or_rolled_back`). A conversation document standing, a run's or
-    the service's: no rollback happened since it was written, and the copy takes such a turn
-    as moved (`_accept_identical_copies`), whether or not its own conversation's document
-    stands yet (`run --limit`, a run stopped part-way, a conversation held back). Turns the
+    be migrated again, unless every such turn stands where its own conversation's document
+    stands (`_SameTurns`: the old service saved it again over that document, and a rollback
+    puts back every moved turn): taken as moved. None written since: nothing tells such a
+    collection from moved turns the old service saved again unchanged (an upsert by `_id`),
+    and the refusal says the way out of each (`_saved_again_or_rolled_back`). A conversation
+    document standing, a run's or the service's: no rollback happened since it was written,
+    and the copy takes such a turn as moved (`_accept_identical_copies`), whether or not its
+    own conversation's document stands yet (`run --limit`, a run stopped part-way, a
+    conversation held back). Turns the
     old service logged after a move (new `_id`s) and a collection standing empty or holding
     dual-written turns only are no leftover: a run copies the turns into it; a turn logged
     after the move under a moved turn's `_id` with other content is refused as such
@@ -365,6 +368,7 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
     if not holds_turns(db, LEGACY_TURNS):
         return
     resumed = _recorded(db, IN_FLIGHT)
+    judged = _SameTurns(db)
     found_ids = (d["_id"] for d in db[CONVERSATIONS].find(TURN_FILTER, {"_id": 1}))
     ids = (i for i in found_ids if not_utf8_at(i) is None)
     while chunk := [i for _, i in zip(range(_OVERLAP_CHUNK), ids, strict=False)]:
@@ -375,11 +379,50 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
         turns = {matched_key(t["_id"]): t for t in db[CONVERSATIONS].find({"_id": {"$in": chunk}})}
         paired = [(c, turns.get(matched_key(c["_id"]), {})) for c in copies]
         same = [turn for copy, turn in paired if _same_content(copy, turn)]
-        if same and (shown := _rollback_shown(db)) is not False:
-            raise _saved_again_or_rolled_back(same, rolled_back=bool(shown))
+        judged.judge(same)
         for copy, turn in paired:  # turns logged after the move under a moved turn's `_id`
             if not _same_content(copy, turn):
                 raise _other_content(copy, turn)
+
+
+@dataclass
+class _SameTurns:
+    """The turns of `agent_conversations` the deprecated collection holds the same, judged
+    chunk by chunk (`refuse_leftover`): taken as moved while the data shows no rollback
+    (`_rollback_shown`), else refused (`_saved_again_or_rolled_back`), but for moved turns
+    the old service saved again where their conversation's document stood (`_in_its_place`:
+    a turn whose `_id` is its conversation's id, an upsert by `_id` replacing the document):
+    a run wrote documents and none stands, yet those turns are why, and a rollback puts back
+    every moved turn, never only those. While every such turn is one, they are taken as
+    moved (the run writes each document again); beside others, nothing tells."""
+
+    db: Database[dict[str, Any]]
+    shown: bool | None = False
+    read: bool = False
+    in_place: list[dict[str, Any]] = field(default_factory=list)
+
+    def judge(self, same: list[dict[str, Any]]) -> None:
+        """WorkLeft for the same turns of one chunk (`same`) that show a rollback, or may."""
+        if not same:
+            return
+        if not self.read:
+            self.shown, self.read = _rollback_shown(self.db), True
+        if self.shown is False:
+            return
+        if self.shown is None:
+            raise _saved_again_or_rolled_back(same, rolled_back=False)
+        self.in_place += [turn for turn in same if _in_its_place(turn)]
+        if self.in_place and all(map(_in_its_place, same)):
+            return
+        raise _saved_again_or_rolled_back(
+            same, rolled_back=not self.in_place, in_place=self.in_place
+        )
+
+
+def _in_its_place(turn: Mapping[str, Any]) -> bool:
+    """Whether a turn of `agent_conversations` stands where its own conversation's document
+    stands: its `_id` is the id it is filed under (`held_by_left`)."""
+    return bool(_standing_under(turn) & _filed_under(turn))
 
 
 def _rollback_shown(db: Database[dict[str, Any]]) -> bool | None:
@@ -398,13 +441,17 @@ _NAMED_AT_MOST = 5
 """How many turns a refusal names by `_id`."""
 
 
-def _saved_again_or_rolled_back(same: list[dict[str, Any]], *, rolled_back: bool) -> WorkLeft:
+def _saved_again_or_rolled_back(
+    same: list[dict[str, Any]], *, rolled_back: bool, in_place: list[dict[str, Any]] | None = None
+) -> WorkLeft:
     """The refusal of turns of `agent_conversations` the deprecated collection holds the same
     (`same`), no conversation document standing (`refuse_leftover`): a collection a rollback
     left standing, when the data shows one (`rolled_back`: drop it or rename it away); else
     the two causes nothing tells apart, each with its way out, the one for moved turns saved
     again first (delete them where they were saved again: each has its moved copy, so
-    nothing is lost, and a drop of the collection would take every moved turn with it)."""
+    nothing is lost, the run writes again a document one replaced, and a drop of the
+    collection would take every moved turn with it). Documents a run wrote since the move,
+    their places held by such turns (`in_place`, `_SameTurns`), are named as the cause."""
     if rolled_back:
         return WorkLeft(
             f"{LEGACY_TURNS} holds turn documents {CONVERSATIONS} holds too, and no copy of a "
@@ -416,10 +463,16 @@ def _saved_again_or_rolled_back(same: list[dict[str, Any]], *, rolled_back: bool
         )
     named = ", ".join(repr(turn["_id"]) for turn in same[:_NAMED_AT_MOST])
     more = f" and {len(same) - _NAMED_AT_MOST} more" if len(same) > _NAMED_AT_MOST else ""
+    written = (
+        f"a run wrote some since the move, and {_first_few_in_place(in_place)} where its "
+        "conversation's document stands (an upsert by _id of its turn replaces that document)"
+        if in_place
+        else "no run wrote one since the move"
+    )
     return WorkLeft(
         f"{LEGACY_TURNS} holds turn documents {CONVERSATIONS} holds too, the same ({named}"
         f"{more}), and no copy of a run is under way; no conversation document stands in "
-        f"{CONVERSATIONS} and no run wrote one since the move, so nothing tells whether the "
+        f"{CONVERSATIONS} and {written}, so nothing tells whether the "
         "old service saved moved turns again unchanged (an upsert by _id) or a rollback "
         "copied the turns back (it moves the conversation documents away). Moving nothing. "
         f"If no rollback happened, delete from {CONVERSATIONS} each turn document "
@@ -427,6 +480,14 @@ def _saved_again_or_rolled_back(same: list[dict[str, Any]], *, rolled_back: bool
         f"rollback copied the turns back, drop {LEGACY_TURNS} or rename it away (once "
         f"{CONVERSATIONS} holds every turn to keep); then `run` again"
     )
+
+
+def _first_few_in_place(turns: list[dict[str, Any]]) -> str:
+    """What a refusal says of turns standing where their conversation's document stands
+    (`_in_its_place`): the first few by `_id`, and how many more."""
+    named = ", ".join(repr(turn["_id"]) for turn in turns[:_NAMED_AT_MOST])
+    more = f" and {len(turns) - _NAMED_AT_MOST} more" if len(turns) > _NAMED_AT_MOST else ""
+    return f"{named}{more} {'stands' if len(turns) == 1 else 'each stand'}"
 
 
 def _same_content(copy: Mapping[str, Any], turn: Mapping[str, Any]) -> bool:
@@ -1011,11 +1072,19 @@ def _other_content(copy: Mapping[str, Any], turn: Mapping[str, Any]) -> WorkLeft
     moved turn after the move (an upsert by `_id` completing it), or logged another turn
     under its `_id`: the refusal says whose each is (conversation, user, time) and the way
     out of each, the edited turn first, since another `_id` given to it would migrate the
-    turn twice, its stale copy beside it."""
+    turn twice, its stale copy beside it. One whose `_id` is its conversation's id stands where
+    that conversation's document stands (`_in_its_place`: an upsert by `_id` replaced it):
+    the refusal says so, and that the run writes the document again once the turn moves."""
+    in_place = (
+        f"; {turn['_id']!r} stands where its conversation's document stands (an upsert by _id "
+        "of its turn replaces that document; `run` writes it again once the turn is moved)"
+        if _in_its_place(turn)
+        else ""
+    )
     return WorkLeft(
         f"turn document {copy['_id']!r} exists in {LEGACY_TURNS} with other content "
-        f"({_whose(copy)}) than the turn under that _id in {CONVERSATIONS} ({_whose(turn)}); "
-        "refusing to overwrite or delete either: if the turn in "
+        f"({_whose(copy)}) than the turn under that _id in {CONVERSATIONS} ({_whose(turn)})"
+        f"{in_place}; refusing to overwrite or delete either: if the turn in "
         f"{CONVERSATIONS} is the moved turn edited since (the same conversation, user and "
         f"time), delete its copy from {LEGACY_TURNS} (another _id would migrate the turn "
         "twice); only if it is another turn, give the turn in "
