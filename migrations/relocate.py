@@ -145,6 +145,12 @@ NEITHER_FILTER: dict[str, Any] = {
 }
 """Documents of `agent_conversations` holding a conversation document's counters and a field
 only a legacy turn holds: neither, so nothing moves or converts them."""
+MIGRATED = "migrated"
+"""The field a conversation document a run created holds (`Conversation.migrated`): its
+`epoch` was drawn by the migration."""
+MIGRATIONS_EPOCH: dict[str, Any] = {"$or": [{"epoch": None}, {MIGRATED: True}]}
+"""A conversation document whose `epoch` is the migration's (`written_by_migration`), as a
+filter: none, or one a run drew."""
 DOCUMENT_FILTER: dict[str, Any] = {
     **CONVERSATION_FILTER,
     **{f: {"$exists": False} for f in TURN_ONLY_FIELDS},
@@ -340,21 +346,18 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
     """WorkLeft (exit 1) when `agent_conversations` holds a turn whose `_id` the deprecated
     collection holds too, the same (`_same_content`), but for the batch a copy recorded as
     under way was writing when it stopped (`IN_FLIGHT`, the only turns a killed copy leaves in
-    both), and no conversation document stands in `agent_conversations` (`_rollback_shown`):
-    a rollback moves every one away before it copies the turns back (MIGRATION.md,
-    "Rollback"). A run wrote one since the move (`DOCUMENTS_WRITTEN`): the collection is one
-    a rollback that copied the turns back left standing (a copy killed before the rollback
-    keeps its record: its earlier batches give it away), whose turns are those of before the
-    rollback, conversations the old service deleted since among them: merged back, they would
-    be migrated again, unless every such turn stands where its own conversation's document
-    stands (`_SameTurns`: the old service saved it again over that document, and a rollback
-    puts back every moved turn): taken as moved. None written since: nothing tells such a
-    collection from moved turns the old service saved again unchanged (an upsert by `_id`),
-    and the refusal says the way out of each (`_saved_again_or_rolled_back`). A conversation
-    document standing, a run's or the service's: no rollback happened since it was written,
-    and the copy takes such a turn as moved (`_accept_identical_copies`), whether or not its
-    own conversation's document stands yet (`run --limit`, a run stopped part-way, a
-    conversation held back). Turns the
+    both), and no conversation document a run wrote stands in `agent_conversations`
+    (`_run_document_stands`): a rollback moves every one away before it copies the turns back
+    (MIGRATION.md, "Rollback"), and its collection left standing holds the turns of before
+    it, conversations the old service deleted since among them, which merged back would be
+    migrated again. Moved turns the old service saved again unchanged (an upsert by `_id`)
+    look the same when no such document stands (a run stopped before its first, every
+    migrated conversation deleted since), so the refusal says what it saw and the way out of
+    each (`_saved_again_or_rolled_back`). A document a run wrote standing: no rollback
+    happened since, and the copy takes such a turn as moved (`_accept_identical_copies`),
+    whether or not its own conversation's document stands yet (`run --limit`, a run stopped
+    part-way, a conversation held back, a turn saved again over its conversation's document,
+    which the run writes again). Turns the
     old service logged after a move (new `_id`s) and a collection standing empty or holding
     dual-written turns only are no leftover: a run copies the turns into it; a turn logged
     after the move under a moved turn's `_id` with other content is refused as such
@@ -364,7 +367,7 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
     encoded, its content compared by `_same_content`; one whose `_id` holds such text is sent
     in no query, so paired with no moved turn: the copy leaves it in place and names it
     (`_copy_all`). One read of the state, then the turns' `_id`s a thousand at a time, up to
-    the first found in both, and for a thousand holding the same turns, `_rollback_shown`."""
+    the first found in both, and for a thousand holding the same turns, `_run_document_stands`."""
     if not holds_turns(db, LEGACY_TURNS):
         return
     resumed = _recorded(db, IN_FLIGHT)
@@ -388,35 +391,25 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
 @dataclass
 class _SameTurns:
     """The turns of `agent_conversations` the deprecated collection holds the same, judged
-    chunk by chunk (`refuse_leftover`): taken as moved while the data shows no rollback
-    (`_rollback_shown`), else refused (`_saved_again_or_rolled_back`), but for moved turns
-    the old service saved again where their conversation's document stood (`_in_its_place`:
-    a turn whose `_id` is its conversation's id, an upsert by `_id` replacing the document):
-    a run wrote documents and none stands, yet those turns are why, and a rollback puts back
-    every moved turn, never only those. While every such turn is one, they are taken as
-    moved (the run writes each document again); beside others, nothing tells."""
+    chunk by chunk (`refuse_leftover`): taken as moved while a conversation document a run
+    wrote stands (`_run_document_stands`), else refused naming both causes
+    (`_saved_again_or_rolled_back`), with those standing where their own conversation's
+    document stood (`_in_its_place`: an upsert by `_id` of the turn replaced it)."""
 
     db: Database[dict[str, Any]]
-    shown: bool | None = False
-    read: bool = False
+    standing: bool | None = None
     in_place: list[dict[str, Any]] = field(default_factory=list)
 
     def judge(self, same: list[dict[str, Any]]) -> None:
-        """WorkLeft for the same turns of one chunk (`same`) that show a rollback, or may."""
+        """WorkLeft for the same turns of one chunk (`same`), unless no rollback can be."""
         if not same:
             return
-        if not self.read:
-            self.shown, self.read = _rollback_shown(self.db), True
-        if self.shown is False:
+        if self.standing is None:
+            self.standing = _run_document_stands(self.db)
+        if self.standing:
             return
-        if self.shown is None:
-            raise _saved_again_or_rolled_back(same, rolled_back=False)
         self.in_place += [turn for turn in same if _in_its_place(turn)]
-        if self.in_place and all(map(_in_its_place, same)):
-            return
-        raise _saved_again_or_rolled_back(
-            same, rolled_back=not self.in_place, in_place=self.in_place
-        )
+        raise _saved_again_or_rolled_back(self.db, same, self.in_place)
 
 
 def _in_its_place(turn: Mapping[str, Any]) -> bool:
@@ -425,16 +418,13 @@ def _in_its_place(turn: Mapping[str, Any]) -> bool:
     return bool(_standing_under(turn) & _filed_under(turn))
 
 
-def _rollback_shown(db: Database[dict[str, Any]]) -> bool | None:
-    """Whether the data shows a rollback since the move. False while a conversation document
-    stands in `agent_conversations` (`DOCUMENT_FILTER`): a rollback moves every one away, a
-    run's and the service's alike. Else true when a run wrote one since the move made the
-    legacy collection (`DOCUMENTS_WRITTEN`: it was moved away), and None when none did:
-    nothing tells. One read of `agent_conversations`, and then one of the state."""
-    if db[CONVERSATIONS].find_one(DOCUMENT_FILTER, {"_id": 1}) is not None:
-        return False
-    state = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, {DOCUMENTS_WRITTEN: 1})
-    return True if state and DOCUMENTS_WRITTEN in state else None
+def _run_document_stands(db: Database[dict[str, Any]]) -> bool:
+    """Whether a conversation document a run wrote (`MIGRATIONS_EPOCH`) stands in
+    `agent_conversations`: a rollback moves every one away before it copies the turns back,
+    so while one stands, none happened since it was written. A document the service created
+    tells nothing: a service left running after a rollback creates them. One read."""
+    written_by_a_run = {"$and": [DOCUMENT_FILTER, MIGRATIONS_EPOCH]}
+    return db[CONVERSATIONS].find_one(written_by_a_run, {"_id": 1}) is not None
 
 
 _NAMED_AT_MOST = 5
@@ -442,43 +432,43 @@ _NAMED_AT_MOST = 5
 
 
 def _saved_again_or_rolled_back(
-    same: list[dict[str, Any]], *, rolled_back: bool, in_place: list[dict[str, Any]] | None = None
+    db: Database[dict[str, Any]], same: list[dict[str, Any]], in_place: list[dict[str, Any]]
 ) -> WorkLeft:
     """The refusal of turns of `agent_conversations` the deprecated collection holds the same
-    (`same`), no conversation document standing (`refuse_leftover`): a collection a rollback
-    left standing, when the data shows one (`rolled_back`: drop it or rename it away); else
-    the two causes nothing tells apart, each with its way out, the one for moved turns saved
-    again first (delete them where they were saved again: each has its moved copy, so
-    nothing is lost, the run writes again a document one replaced, and a drop of the
-    collection would take every moved turn with it). Documents a run wrote since the move,
-    their places held by such turns (`in_place`, `_SameTurns`), are named as the cause."""
-    if rolled_back:
-        return WorkLeft(
-            f"{LEGACY_TURNS} holds turn documents {CONVERSATIONS} holds too, and no copy of a "
-            f"run is under way, nor does any conversation document stand in {CONVERSATIONS} "
-            "though a run wrote some since the move: it is a collection a rollback that copied "
-            "the turns back left standing, whose turns the old service may have deleted "
-            f"since. Moving nothing: drop {LEGACY_TURNS} or rename it away (once "
-            f"{CONVERSATIONS} holds every turn to keep), then `run` again"
-        )
+    (`same`), no document a run wrote standing (`refuse_leftover`): moved turns the old
+    service saved again unchanged, or a rollback that copied the turns back and left the
+    collection standing. The data cannot always tell (a run stopped before its first
+    document, every migrated conversation deleted since, a stale record), and only the
+    operator knows whether they rolled back, so it says what it saw (when a run last started
+    writing documents, `DOCUMENTS_WRITTEN`; turns standing where their conversation's
+    document stood, `in_place`) and the way out of each, the one for moved turns saved again
+    first: delete them where they were saved again (each has its moved copy, so nothing is
+    lost, the run writes again a document one replaced; a drop of the collection would take
+    every moved turn with it)."""
     named = ", ".join(repr(turn["_id"]) for turn in same[:_NAMED_AT_MOST])
     more = f" and {len(same) - _NAMED_AT_MOST} more" if len(same) > _NAMED_AT_MOST else ""
-    written = (
-        f"a run wrote some since the move, and {_first_few_in_place(in_place)} where its "
-        "conversation's document stands (an upsert by _id of its turn replaces that document)"
-        if in_place
+    state = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, {DOCUMENTS_WRITTEN: 1})
+    written = (state or {}).get(DOCUMENTS_WRITTEN)
+    seen = (
+        f"a run started writing conversation documents at {written} since the move"
+        if written
         else "no run wrote one since the move"
     )
+    if in_place:
+        seen += (
+            f", and {_first_few_in_place(in_place)} where its conversation's document stands "
+            "(an upsert by _id of its turn replaces that document)"
+        )
     return WorkLeft(
         f"{LEGACY_TURNS} holds turn documents {CONVERSATIONS} holds too, the same ({named}"
-        f"{more}), and no copy of a run is under way; no conversation document stands in "
-        f"{CONVERSATIONS} and {written}, so nothing tells whether the "
-        "old service saved moved turns again unchanged (an upsert by _id) or a rollback "
-        "copied the turns back (it moves the conversation documents away). Moving nothing. "
-        f"If no rollback happened, delete from {CONVERSATIONS} each turn document "
-        f"{LEGACY_TURNS} holds the same under its _id (its moved copy keeps it); if a "
-        f"rollback copied the turns back, drop {LEGACY_TURNS} or rename it away (once "
-        f"{CONVERSATIONS} holds every turn to keep); then `run` again"
+        f"{more}), and no copy of a run is under way; no conversation document a run wrote "
+        f"stands in {CONVERSATIONS} ({seen}), so nothing here tells whether the old service "
+        "saved moved turns again unchanged (an upsert by _id) or a rollback copied the turns "
+        "back (it moves the conversation documents away). Moving nothing. If no rollback "
+        f"happened, delete from {CONVERSATIONS} each turn document {LEGACY_TURNS} holds the "
+        f"same under its _id (its moved copy keeps it); if a rollback copied the turns back, "
+        f"drop {LEGACY_TURNS} or rename it away (once {CONVERSATIONS} holds every turn to "
+        "keep); then `run` again"
     )
 
 
