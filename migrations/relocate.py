@@ -145,6 +145,12 @@ NEITHER_FILTER: dict[str, Any] = {
 }
 """Documents of `agent_conversations` holding a conversation document's counters and a field
 only a legacy turn holds: neither, so nothing moves or converts them."""
+MIGRATED = "migrated"
+"""The field a conversation document a run created holds (`Conversation.migrated`): its
+`epoch` was drawn by the migration."""
+MIGRATIONS_EPOCH: dict[str, Any] = {"$or": [{"epoch": None}, {MIGRATED: True}]}
+"""A conversation document whose `epoch` is the migration's (`written_by_migration`), as a
+filter: none, or one a run drew."""
 DOCUMENT_FILTER: dict[str, Any] = {
     **CONVERSATION_FILTER,
     **{f: {"$exists": False} for f in TURN_ONLY_FIELDS},
@@ -340,18 +346,18 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
     """WorkLeft (exit 1) when `agent_conversations` holds a turn whose `_id` the deprecated
     collection holds too, the same (`_same_content`), but for the batch a copy recorded as
     under way was writing when it stopped (`IN_FLIGHT`, the only turns a killed copy leaves in
-    both), and no conversation document stands in `agent_conversations` (`_rollback_shown`):
-    a rollback moves every one away before it copies the turns back (MIGRATION.md,
-    "Rollback"). A run wrote one since the move (`DOCUMENTS_WRITTEN`): the collection is one
-    a rollback that copied the turns back left standing (a copy killed before the rollback
-    keeps its record: its earlier batches give it away), whose turns are those of before the
-    rollback, conversations the old service deleted since among them: merged back, they would
-    be migrated again. None written since: nothing tells such a collection from moved turns
-    the old service saved again unchanged (an upsert by `_id`), and the refusal says the way
-    out of each (`_saved_again_or_rolled_back`). A conversation document standing, a run's or
-    the service's: no rollback happened since it was written, and the copy takes such a turn
-    as moved (`_accept_identical_copies`), whether or not its own conversation's document
-    stands yet (`run --limit`, a run stopped part-way, a conversation held back). Turns the
+    both), and no conversation document a run wrote stands in `agent_conversations`
+    (`_run_document_stands`): a rollback moves every one away before it copies the turns back
+    (MIGRATION.md, "Rollback"), and its collection left standing holds the turns of before
+    it, conversations the old service deleted since among them, which merged back would be
+    migrated again. Moved turns the old service saved again unchanged (an upsert by `_id`)
+    look the same when no such document stands (a run stopped before its first, every
+    migrated conversation deleted since), so the refusal says what it saw and the way out of
+    each (`_saved_again_or_rolled_back`). A document a run wrote standing: no rollback
+    happened since, and the copy takes such a turn as moved (`_accept_identical_copies`),
+    whether or not its own conversation's document stands yet (`run --limit`, a run stopped
+    part-way, a conversation held back, a turn saved again over its conversation's document,
+    which the run writes again). Turns the
     old service logged after a move (new `_id`s) and a collection standing empty or holding
     dual-written turns only are no leftover: a run copies the turns into it; a turn logged
     after the move under a moved turn's `_id` with other content is refused as such
@@ -361,10 +367,11 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
     encoded, its content compared by `_same_content`; one whose `_id` holds such text is sent
     in no query, so paired with no moved turn: the copy leaves it in place and names it
     (`_copy_all`). One read of the state, then the turns' `_id`s a thousand at a time, up to
-    the first found in both, and for a thousand holding the same turns, `_rollback_shown`."""
+    the first found in both, and for a thousand holding the same turns, `_run_document_stands`."""
     if not holds_turns(db, LEGACY_TURNS):
         return
     resumed = _recorded(db, IN_FLIGHT)
+    judged = _SameTurns(db)
     found_ids = (d["_id"] for d in db[CONVERSATIONS].find(TURN_FILTER, {"_id": 1}))
     ids = (i for i in found_ids if not_utf8_at(i) is None)
     while chunk := [i for _, i in zip(range(_OVERLAP_CHUNK), ids, strict=False)]:
@@ -375,58 +382,102 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
         turns = {matched_key(t["_id"]): t for t in db[CONVERSATIONS].find({"_id": {"$in": chunk}})}
         paired = [(c, turns.get(matched_key(c["_id"]), {})) for c in copies]
         same = [turn for copy, turn in paired if _same_content(copy, turn)]
-        if same and (shown := _rollback_shown(db)) is not False:
-            raise _saved_again_or_rolled_back(same, rolled_back=bool(shown))
+        judged.judge(same)
         for copy, turn in paired:  # turns logged after the move under a moved turn's `_id`
             if not _same_content(copy, turn):
                 raise _other_content(copy, turn)
 
 
-def _rollback_shown(db: Database[dict[str, Any]]) -> bool | None:
-    """Whether the data shows a rollback since the move. False while a conversation document
-    stands in `agent_conversations` (`DOCUMENT_FILTER`): a rollback moves every one away, a
-    run's and the service's alike. Else true when a run wrote one since the move made the
-    legacy collection (`DOCUMENTS_WRITTEN`: it was moved away), and None when none did:
-    nothing tells. One read of `agent_conversations`, and then one of the state."""
-    if db[CONVERSATIONS].find_one(DOCUMENT_FILTER, {"_id": 1}) is not None:
-        return False
-    state = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, {DOCUMENTS_WRITTEN: 1})
-    return True if state and DOCUMENTS_WRITTEN in state else None
+@dataclass
+class _SameTurns:
+    """The turns of `agent_conversations` the deprecated collection holds the same, judged
+    chunk by chunk (`refuse_leftover`): taken as moved while a conversation document a run
+    wrote stands (`_run_document_stands`), else refused naming both causes
+    (`_saved_again_or_rolled_back`), with those standing where their own conversation's
+    document stood (`_in_its_place`: an upsert by `_id` of the turn replaced it)."""
+
+    db: Database[dict[str, Any]]
+    standing: bool | None = None
+    in_place: list[dict[str, Any]] = field(default_factory=list)
+
+    def judge(self, same: list[dict[str, Any]]) -> None:
+        """WorkLeft for the same turns of one chunk (`same`), unless no rollback can be."""
+        if not same:
+            return
+        if self.standing is None:
+            self.standing = _run_document_stands(self.db)
+        if self.standing:
+            return
+        self.in_place += [turn for turn in same if _in_its_place(turn)]
+        raise _saved_again_or_rolled_back(self.db, same, self.in_place)
+
+
+def _in_its_place(turn: Mapping[str, Any]) -> bool:
+    """Whether a turn of `agent_conversations` stands where its own conversation's document
+    stands: its `_id` is the id it is filed under (`held_by_left`)."""
+    return bool(_standing_under(turn) & _filed_under(turn))
+
+
+def _run_document_stands(db: Database[dict[str, Any]]) -> bool:
+    """Whether a conversation document a run wrote (`MIGRATIONS_EPOCH`) stands in
+    `agent_conversations`: a rollback moves every one away before it copies the turns back,
+    so while one stands, none happened since it was written. A document the service created
+    tells nothing: a service left running after a rollback creates them. One read."""
+    written_by_a_run = {"$and": [DOCUMENT_FILTER, MIGRATIONS_EPOCH]}
+    return db[CONVERSATIONS].find_one(written_by_a_run, {"_id": 1}) is not None
 
 
 _NAMED_AT_MOST = 5
 """How many turns a refusal names by `_id`."""
 
 
-def _saved_again_or_rolled_back(same: list[dict[str, Any]], *, rolled_back: bool) -> WorkLeft:
+def _saved_again_or_rolled_back(
+    db: Database[dict[str, Any]], same: list[dict[str, Any]], in_place: list[dict[str, Any]]
+) -> WorkLeft:
     """The refusal of turns of `agent_conversations` the deprecated collection holds the same
-    (`same`), no conversation document standing (`refuse_leftover`): a collection a rollback
-    left standing, when the data shows one (`rolled_back`: drop it or rename it away); else
-    the two causes nothing tells apart, each with its way out, the one for moved turns saved
-    again first (delete them where they were saved again: each has its moved copy, so
-    nothing is lost, and a drop of the collection would take every moved turn with it)."""
-    if rolled_back:
-        return WorkLeft(
-            f"{LEGACY_TURNS} holds turn documents {CONVERSATIONS} holds too, and no copy of a "
-            f"run is under way, nor does any conversation document stand in {CONVERSATIONS} "
-            "though a run wrote some since the move: it is a collection a rollback that copied "
-            "the turns back left standing, whose turns the old service may have deleted "
-            f"since. Moving nothing: drop {LEGACY_TURNS} or rename it away (once "
-            f"{CONVERSATIONS} holds every turn to keep), then `run` again"
-        )
+    (`same`), no document a run wrote standing (`refuse_leftover`): moved turns the old
+    service saved again unchanged, or a rollback that copied the turns back and left the
+    collection standing. The data cannot always tell (a run stopped before its first
+    document, every migrated conversation deleted since, a stale record), and only the
+    operator knows whether they rolled back, so it says what it saw (when a run last started
+    writing documents, `DOCUMENTS_WRITTEN`; turns standing where their conversation's
+    document stood, `in_place`) and the way out of each, the one for moved turns saved again
+    first: delete them where they were saved again (each has its moved copy, so nothing is
+    lost, the run writes again a document one replaced; a drop of the collection would take
+    every moved turn with it)."""
     named = ", ".join(repr(turn["_id"]) for turn in same[:_NAMED_AT_MOST])
     more = f" and {len(same) - _NAMED_AT_MOST} more" if len(same) > _NAMED_AT_MOST else ""
+    state = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, {DOCUMENTS_WRITTEN: 1})
+    written = (state or {}).get(DOCUMENTS_WRITTEN)
+    seen = (
+        f"a run started writing conversation documents at {written} since the move"
+        if written
+        else "no run wrote one since the move"
+    )
+    if in_place:
+        seen += (
+            f", and {_first_few_in_place(in_place)} where its conversation's document stands "
+            "(an upsert by _id of its turn replaces that document)"
+        )
     return WorkLeft(
         f"{LEGACY_TURNS} holds turn documents {CONVERSATIONS} holds too, the same ({named}"
-        f"{more}), and no copy of a run is under way; no conversation document stands in "
-        f"{CONVERSATIONS} and no run wrote one since the move, so nothing tells whether the "
-        "old service saved moved turns again unchanged (an upsert by _id) or a rollback "
-        "copied the turns back (it moves the conversation documents away). Moving nothing. "
-        f"If no rollback happened, delete from {CONVERSATIONS} each turn document "
-        f"{LEGACY_TURNS} holds the same under its _id (its moved copy keeps it); if a "
-        f"rollback copied the turns back, drop {LEGACY_TURNS} or rename it away (once "
-        f"{CONVERSATIONS} holds every turn to keep); then `run` again"
+        f"{more}), and no copy of a run is under way; no conversation document a run wrote "
+        f"stands in {CONVERSATIONS} ({seen}), so nothing here tells whether the old service "
+        "saved moved turns again unchanged (an upsert by _id) or a rollback copied the turns "
+        "back (it moves the conversation documents away). Moving nothing. If no rollback "
+        f"happened, delete from {CONVERSATIONS} each turn document {LEGACY_TURNS} holds the "
+        f"same under its _id (its moved copy keeps it); if a rollback copied the turns back, "
+        f"drop {LEGACY_TURNS} or rename it away (once {CONVERSATIONS} holds every turn to "
+        "keep); then `run` again"
     )
+
+
+def _first_few_in_place(turns: list[dict[str, Any]]) -> str:
+    """What a refusal says of turns standing where their conversation's document stands
+    (`_in_its_place`): the first few by `_id`, and how many more."""
+    named = ", ".join(repr(turn["_id"]) for turn in turns[:_NAMED_AT_MOST])
+    more = f" and {len(turns) - _NAMED_AT_MOST} more" if len(turns) > _NAMED_AT_MOST else ""
+    return f"{named}{more} {'stands' if len(turns) == 1 else 'each stand'}"
 
 
 def _same_content(copy: Mapping[str, Any], turn: Mapping[str, Any]) -> bool:
@@ -1011,11 +1062,19 @@ def _other_content(copy: Mapping[str, Any], turn: Mapping[str, Any]) -> WorkLeft
     moved turn after the move (an upsert by `_id` completing it), or logged another turn
     under its `_id`: the refusal says whose each is (conversation, user, time) and the way
     out of each, the edited turn first, since another `_id` given to it would migrate the
-    turn twice, its stale copy beside it."""
+    turn twice, its stale copy beside it. One whose `_id` is its conversation's id stands where
+    that conversation's document stands (`_in_its_place`: an upsert by `_id` replaced it):
+    the refusal says so, and that the run writes the document again once the turn moves."""
+    in_place = (
+        f"; {turn['_id']!r} stands where its conversation's document stands (an upsert by _id "
+        "of its turn replaces that document; `run` writes it again once the turn is moved)"
+        if _in_its_place(turn)
+        else ""
+    )
     return WorkLeft(
         f"turn document {copy['_id']!r} exists in {LEGACY_TURNS} with other content "
-        f"({_whose(copy)}) than the turn under that _id in {CONVERSATIONS} ({_whose(turn)}); "
-        "refusing to overwrite or delete either: if the turn in "
+        f"({_whose(copy)}) than the turn under that _id in {CONVERSATIONS} ({_whose(turn)})"
+        f"{in_place}; refusing to overwrite or delete either: if the turn in "
         f"{CONVERSATIONS} is the moved turn edited since (the same conversation, user and "
         f"time), delete its copy from {LEGACY_TURNS} (another _id would migrate the turn "
         "twice); only if it is another turn, give the turn in "

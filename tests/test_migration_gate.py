@@ -6775,10 +6775,10 @@ def test_a_rollback_by_copying_after_a_limited_run_is_refused_as_a_rollback(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A rollback by copying, its moved-aside collection left standing, after a run that
-    migrated `c-0` only (`--limit 1`): the run wrote a document since the move and none
-    stands (the rollback moved it away), so the data shows a rollback: refused as one (exit
-    1), nothing moved, though most of the turns copied back are of conversations no document
-    stood for."""
+    migrated `c-0` only (`--limit 1`): no document the run wrote stands (the rollback moved
+    it away), so refused (exit 1), nothing moved, though most of the turns copied back are of
+    conversations no document stood for; the refusal says when a run started writing
+    documents and gives the way out of a rollback."""
     database[CONVERSATIONS].insert_many(
         [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
     )
@@ -6789,9 +6789,220 @@ def test_a_rollback_by_copying_after_a_limited_run_is_refused_as_a_rollback(
 
     assert cli(wire_uri, database, "run") == 1
     said = capsys.readouterr().err
-    assert "a rollback that copied the turns back left standing" in said
+    assert "a run started writing conversation documents at" in said
+    assert f"if a rollback copied the turns back, drop {LEGACY_TURNS} or rename it away" in said
+    assert database[CONVERSATIONS].count_documents({}) == 3
+
+
+def _first_turn_ids(database: Database[dict[str, Any]], *, bob: bool) -> None:
+    """A legacy design whose conversation's id is its first turn's `_id`: `c-1` of two turns
+    (`c-1`, `c-1-2`), and, `bob`, `c-2` of one (`c-2`)."""
+    turns = [legacy_turn("c-1", "c-1", 0, "ADA-1"), legacy_turn("c-1-2", "c-1", 1, "ADA-2")]
+    if bob:
+        turns.append(legacy_turn("c-2", "c-2", 2, "BOB-1"))
+    database[CONVERSATIONS].insert_many(turns)
+
+
+@pytest.mark.wire
+def test_a_moved_turn_saved_again_where_its_conversations_document_stood_is_taken_as_moved(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The old service saves `c-1`'s first turn, whose `_id` is its conversation's id, again
+    unchanged after the run (an upsert by `_id`): in `agent_conversations` that `_id` is
+    `c-1`'s document's, which the turn replaces. A rollback would have put every moved turn
+    back, and `c-2`'s document, which the run wrote, stands: no rollback happened. `run
+    --dry-run` and `run` take the turn as moved (exit 0, no rollback said), the run writes
+    `c-1`'s document again, `verify` and `finish` 0, both served whole (was: exit 1, "a
+    rollback ... left standing, drop it"; followed, `c-2` removed and `ADA-2` lost, `verify`
+    and `finish` 0). With no document of a run standing, it is refused naming both causes
+    (`test_moved_turns_saved_again_in_and_beside_a_documents_place_are_refused_...`)."""
+    _first_turn_ids(database, bob=True)
+    assert cli(wire_uri, database, "run") == 0
+    _save_a_moved_turn_again(database, "c-1")
+    assert database[CONVERSATIONS].find_one({"_id": "c-1", "turn_count": {"$exists": True}}) is None
+    capsys.readouterr()
+
+    for dry_run in (("--dry-run",), ()):
+        assert cli(wire_uri, database, "run", *dry_run) == 0
+        said = "".join(capsys.readouterr())
+        assert "rollback" not in said
+        assert "no legacy turn makes now" not in said
+    assert database[CONVERSATIONS].find_one({"_id": "c-1", "turn_count": 2}) is not None
+    assert database[LEGACY_TURNS].count_documents({}) == 3
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    assert _served_questions(wire_uri, database, "c-1") == ["ADA-1 question", "ADA-2 question"]
+    assert _served_questions(wire_uri, database, "c-2") == ["BOB-1 question"]
+
+
+@pytest.mark.wire
+def test_moved_turns_saved_again_in_and_beside_a_documents_place_are_refused_naming_either_cause(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The old service saves both of `c-1`'s moved turns again unchanged, the first over
+    `c-1`'s document, the only one the run wrote: no document stands, and the turns are all
+    `c-1`'s, as a rollback of this database would leave them. Nothing tells the two apart,
+    so `run` refuses (exit 1) without calling it a rollback, says that `c-1` stands where its
+    conversation's document stands, and gives the way out of each cause; the one for no
+    rollback, followed word for word, loses nothing: the run writes `c-1`'s document again,
+    `verify` and `finish` 0 (was: called a rollback's leftover to drop, which took `ADA-2`
+    with it, `finish` 0)."""
+    _first_turn_ids(database, bob=False)
+    assert cli(wire_uri, database, "run") == 0
+    saved = {_save_a_moved_turn_again(database, "c-1")}
+    moved = database[LEGACY_TURNS].find_one({"_id": "c-1-2"})
+    database[CONVERSATIONS].replace_one({"_id": "c-1-2"}, moved, upsert=True)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 1
+    said = "".join(capsys.readouterr())
+    assert "a rollback that copied the turns back left standing" not in said
+    assert "'c-1', 'c-1-2'" in said or "'c-1-2', 'c-1'" in said
+    assert "'c-1' stands where its conversation's document stands" in said
+    assert f"drop {LEGACY_TURNS} or rename it away" in said  # for a rollback
+    assert f"If no rollback happened, delete from {CONVERSATIONS}" in said
+    database[CONVERSATIONS].delete_many({"_id": {"$in": [*saved, "c-1-2"]}})  # as advised
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    assert _served_questions(wire_uri, database, "c-1") == ["ADA-1 question", "ADA-2 question"]
+
+
+@pytest.mark.wire
+def test_a_moved_turn_edited_where_its_conversations_document_stood_is_refused_saying_so(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The old service completes `c-1`'s first moved turn after the run, an upsert by `_id`
+    over `c-1`'s document: other content than its moved copy. `run` refuses (exit 1), names
+    the turn and says it stands where its conversation's document stands (the conversation
+    has none until the turn is moved); the advice for the moved turn edited, followed, loses
+    nothing: `run` moves the edited turn and writes `c-1`'s document again, `verify` and
+    `finish` 0, the completed answer served (was: the refusal said nothing of the document
+    the turn replaced)."""
+    _first_turn_ids(database, bob=True)
+    assert cli(wire_uri, database, "run") == 0
+    edited = database[LEGACY_TURNS].find_one({"_id": "c-1"})
+    assert edited is not None
+    edited["response_parts"] = [{"type": "text", "content": "ADA-1 answer, now complete"}]
+    database[CONVERSATIONS].replace_one({"_id": "c-1"}, edited, upsert=True)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 1
+    said = "".join(capsys.readouterr())
+    assert "with other content" in said
+    assert "'c-1' stands where its conversation's document stands" in said
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+    database[LEGACY_TURNS].delete_one({"_id": "c-1"})  # the moved turn edited: as advised
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    assert _served_questions(wire_uri, database, "c-1") == ["ADA-1 question", "ADA-2 question"]
+    assert _served_questions(wire_uri, database, "c-2") == ["BOB-1 question"]
+    assert database[MESSAGES].find_one({"content": "ADA-1 answer, now complete"}) is not None
+
+
+@pytest.mark.wire
+def test_a_rollback_by_copying_of_turns_under_their_conversations_ids_is_not_taken_as_moved(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rollback by copying, its moved-aside collection left standing, of a database whose
+    conversations' ids are their first turns' `_id`s: every turn is back, `c-1-2` too, which
+    stands where no conversation's document stands. It is not taken for turns the old
+    service saved again over their conversations' documents: refused (exit 1), nothing
+    moved, the way out of a rollback given."""
+    _first_turn_ids(database, bob=True)
+    assert cli(wire_uri, database, "run") == 0
+    database[CONVERSATIONS].drop()  # the rollback: documents away, the turns copied back
+    database[CONVERSATIONS].insert_many(list(database[LEGACY_TURNS].find()))
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 1
+    said = capsys.readouterr().err
     assert f"drop {LEGACY_TURNS} or rename it away" in said
     assert database[CONVERSATIONS].count_documents({}) == 3
+    assert database[CONVERSATIONS].find_one({"turn_count": {"$exists": True}}) is None
+
+
+@pytest.mark.wire
+def test_a_rollback_is_refused_though_a_service_left_running_created_a_conversation_since(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md, "Rollback": a collection a rollback by copying left standing holds the
+    turns of before it, and the second attempt's `run` refuses it. A new service left
+    running after the rollback (against the runbook) creates `d-9`: a document the service
+    created tells nothing of a rollback, only one a run wrote does, so `run`, `verify` and
+    `finish` exit 1 and `t-2`, which the old service deleted after the rollback, is never
+    served (was: any conversation document standing was taken to show no rollback: the
+    leftover merged back, `t-2` served again, `verify` and `finish` 0)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "d-1", 0, "ONE"), legacy_turn("t-2", "d-1", 1, "SECRET")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    database[CONVERSATIONS].drop()  # the rollback: documents away, the turns copied back
+    database[CONVERSATIONS].insert_many(list(database[LEGACY_TURNS].find()))
+    database[CONVERSATIONS].delete_one({"_id": "t-2"})  # the old service, after the rollback
+
+    async def a_new_conversation(db: Any) -> None:
+        new = [{"role": "user", "content": "new"}]
+        await AgentMessageLogger(db).log_messages("d-9", new, user_id="u-9")
+
+    _on_its_database(wire_uri, database, a_new_conversation)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 1
+    assert f"if a rollback copied the turns back, drop {LEGACY_TURNS}" in capsys.readouterr().err
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+    assert "SECRET question" not in (_served_questions(wire_uri, database, "d-1") or [])
+
+
+def _stopped_before_its_first_document(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run stopped (SIGTERM) once the state records that it writes documents, before its
+    first batch writes one (`documents_written_at` set, no document a run wrote standing)."""
+
+    def recorded_then_stopped(run: explode.Explosion, ids: list[Any]) -> None:
+        run._record_documents()
+        raise cli_module.Stopped
+
+    monkeypatch.setattr(explode.Explosion, "batch", recorded_then_stopped)
+
+
+@pytest.mark.wire
+def test_a_turn_saved_again_after_a_run_stopped_before_its_first_document_is_never_a_rollback(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run stopped after the state recorded that it writes documents, before its first;
+    the old service saves `d-2`'s moved turn again unchanged. No document a run wrote
+    stands, so `run` refuses (exit 1), but never says a rollback left the collection: it
+    says when a run started writing documents and the way out of each cause, and the one
+    for no rollback, followed word for word, loses nothing (was: "a run wrote some since the
+    move: a collection a rollback left standing, drop it"; followed, `d-1` and `d-3` were
+    lost, `verify` and `finish` 0)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"d-{n}", n, f"T{n}") for n in range(1, 4)]
+    )
+    with monkeypatch.context() as stopped:
+        _stopped_before_its_first_document(stopped)
+        assert cli(wire_uri, database, "run") != 0
+    assert database[CONVERSATIONS].count_documents({}) == 0
+    saved = _save_a_moved_turn_again(database, "d-2")
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 1
+    said = capsys.readouterr().err
+    assert "left standing" not in said
+    assert "a run started writing conversation documents at" in said
+    assert f"If no rollback happened, delete from {CONVERSATIONS}" in said
+    database[CONVERSATIONS].delete_one({"_id": saved})  # as advised: no rollback happened
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    for n in range(1, 4):
+        assert _served_questions(wire_uri, database, f"d-{n}") == [f"T{n} question"]
 
 
 @pytest.mark.wire
