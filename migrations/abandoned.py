@@ -60,8 +60,10 @@ from migrations import full_texts
 from migrations import problems as problem_report
 from migrations.errors import MigrationError
 from migrations.explode import LEGACY_FILTER, Explosion, batches, dropped_at, turns_made_of
-from migrations.relocate import CONVERSATION_FILTER, MIGRATED, MIGRATIONS_EPOCH, held_back
+from migrations.relocate import CONVERSATION_FILTER, held_back
 from migrations.writes import (
+    MIGRATED,
+    MIGRATIONS_EPOCH,
     NO_TURN_FIELD,
     holds_turn_fields,
     is_migrated,

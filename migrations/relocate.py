@@ -145,12 +145,6 @@ NEITHER_FILTER: dict[str, Any] = {
 }
 """Documents of `agent_conversations` holding a conversation document's counters and a field
 only a legacy turn holds: neither, so nothing moves or converts them."""
-MIGRATED = "migrated"
-"""The field a conversation document a run created holds (`Conversation.migrated`): its
-`epoch` was drawn by the migration."""
-MIGRATIONS_EPOCH: dict[str, Any] = {"$or": [{"epoch": None}, {MIGRATED: True}]}
-"""A conversation document whose `epoch` is the migration's (`written_by_migration`), as a
-filter: none, or one a run drew."""
 DOCUMENT_FILTER: dict[str, Any] = {
     **CONVERSATION_FILTER,
     **{f: {"$exists": False} for f in TURN_ONLY_FIELDS},
@@ -346,18 +340,17 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
     """WorkLeft (exit 1) when `agent_conversations` holds a turn whose `_id` the deprecated
     collection holds too, the same (`_same_content`), but for the batch a copy recorded as
     under way was writing when it stopped (`IN_FLIGHT`, the only turns a killed copy leaves in
-    both), and no conversation document a run wrote stands in `agent_conversations`
-    (`_run_document_stands`): a rollback moves every one away before it copies the turns back
-    (MIGRATION.md, "Rollback"), and its collection left standing holds the turns of before
-    it, conversations the old service deleted since among them, which merged back would be
-    migrated again. Moved turns the old service saved again unchanged (an upsert by `_id`)
-    look the same when no such document stands (a run stopped before its first, every
-    migrated conversation deleted since), so the refusal says what it saw and the way out of
-    each (`_saved_again_or_rolled_back`). A document a run wrote standing: no rollback
-    happened since, and the copy takes such a turn as moved (`_accept_identical_copies`),
-    whether or not its own conversation's document stands yet (`run --limit`, a run stopped
-    part-way, a conversation held back, a turn saved again over its conversation's document,
-    which the run writes again). Turns the
+    both), and whose own conversation's document does not stand in `agent_conversations`
+    (`_without_their_documents`): a rollback moves every document away before it copies the
+    turns back (MIGRATION.md, "Rollback"), and its collection left standing holds the turns of
+    before it, conversations the old service deleted since among them, which merged back
+    would be migrated again. Moved turns the old service saved again unchanged (an upsert by
+    `_id`) of a conversation not migrated yet (`run --limit`, a run stopped part-way, one held
+    back) or whose document the turn replaced (its `_id` the conversation's id) look the
+    same, so the refusal says what it saw and the way out of each
+    (`_saved_again_or_rolled_back`). Its conversation's document standing, such a turn is the
+    moved one, saved again since the move: the copy takes it as moved
+    (`_accept_identical_copies`). Turns the
     old service logged after a move (new `_id`s) and a collection standing empty or holding
     dual-written turns only are no leftover: a run copies the turns into it; a turn logged
     after the move under a moved turn's `_id` with other content is refused as such
@@ -367,11 +360,11 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
     encoded, its content compared by `_same_content`; one whose `_id` holds such text is sent
     in no query, so paired with no moved turn: the copy leaves it in place and names it
     (`_copy_all`). One read of the state, then the turns' `_id`s a thousand at a time, up to
-    the first found in both, and for a thousand holding the same turns, `_run_document_stands`."""
+    the first found in both, and for a thousand holding the same turns, one read of their
+    conversations' documents."""
     if not holds_turns(db, LEGACY_TURNS):
         return
     resumed = _recorded(db, IN_FLIGHT)
-    judged = _SameTurns(db)
     found_ids = (d["_id"] for d in db[CONVERSATIONS].find(TURN_FILTER, {"_id": 1}))
     ids = (i for i in found_ids if not_utf8_at(i) is None)
     while chunk := [i for _, i in zip(range(_OVERLAP_CHUNK), ids, strict=False)]:
@@ -382,34 +375,21 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
         turns = {matched_key(t["_id"]): t for t in db[CONVERSATIONS].find({"_id": {"$in": chunk}})}
         paired = [(c, turns.get(matched_key(c["_id"]), {})) for c in copies]
         same = [turn for copy, turn in paired if _same_content(copy, turn)]
-        judged.judge(same)
+        _refuse_unexplained(db, same)
         for copy, turn in paired:  # turns logged after the move under a moved turn's `_id`
             if not _same_content(copy, turn):
                 raise _other_content(copy, turn)
 
 
-@dataclass
-class _SameTurns:
-    """The turns of `agent_conversations` the deprecated collection holds the same, judged
-    chunk by chunk (`refuse_leftover`): taken as moved while a conversation document a run
-    wrote stands (`_run_document_stands`), else refused naming both causes
-    (`_saved_again_or_rolled_back`), with those standing where their own conversation's
+def _refuse_unexplained(db: Database[dict[str, Any]], same: list[dict[str, Any]]) -> None:
+    """WorkLeft for the turns of one chunk the deprecated collection holds the same (`same`)
+    whose own conversation's document does not stand (`_without_their_documents`), naming
+    both causes (`_saved_again_or_rolled_back`) and those standing where their conversation's
     document stood (`_in_its_place`: an upsert by `_id` of the turn replaced it)."""
-
-    db: Database[dict[str, Any]]
-    standing: bool | None = None
-    in_place: list[dict[str, Any]] = field(default_factory=list)
-
-    def judge(self, same: list[dict[str, Any]]) -> None:
-        """WorkLeft for the same turns of one chunk (`same`), unless no rollback can be."""
-        if not same:
-            return
-        if self.standing is None:
-            self.standing = _run_document_stands(self.db)
-        if self.standing:
-            return
-        self.in_place += [turn for turn in same if _in_its_place(turn)]
-        raise _saved_again_or_rolled_back(self.db, same, self.in_place)
+    unexplained = _without_their_documents(db, same)
+    if unexplained:
+        in_place = [turn for turn in unexplained if _in_its_place(turn)]
+        raise _saved_again_or_rolled_back(db, unexplained, in_place)
 
 
 def _in_its_place(turn: Mapping[str, Any]) -> bool:
@@ -418,13 +398,22 @@ def _in_its_place(turn: Mapping[str, Any]) -> bool:
     return bool(_standing_under(turn) & _filed_under(turn))
 
 
-def _run_document_stands(db: Database[dict[str, Any]]) -> bool:
-    """Whether a conversation document a run wrote (`MIGRATIONS_EPOCH`) stands in
-    `agent_conversations`: a rollback moves every one away before it copies the turns back,
-    so while one stands, none happened since it was written. A document the service created
-    tells nothing: a service left running after a rollback creates them. One read."""
-    written_by_a_run = {"$and": [DOCUMENT_FILTER, MIGRATIONS_EPOCH]}
-    return db[CONVERSATIONS].find_one(written_by_a_run, {"_id": 1}) is not None
+def _without_their_documents(
+    db: Database[dict[str, Any]], same: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The turns among `same` whose own conversation's document does not stand in
+    `agent_conversations` (`DOCUMENT_FILTER`), or that are filed under no conversation a
+    document can stand for. A rollback moves every document away before it copies the turns
+    back, so a turn whose conversation's document stands was saved again by the old service
+    since the move, not put back by a rollback; another conversation's document tells nothing
+    of it (a run still writing during a rollback, an earlier release's document left in
+    place, one a service left running created since). One read, only for turns found."""
+    if not same:
+        return []
+    named = set().union(*(_filed_under(turn) for turn in same))
+    query = {"_id": {"$in": sorted(named)}, **DOCUMENT_FILTER}
+    standing = {d["_id"] for d in db[CONVERSATIONS].find(query, {"_id": 1})} if named else set()
+    return [turn for turn in same if not _filed_under(turn) & standing]
 
 
 _NAMED_AT_MOST = 5
@@ -435,12 +424,12 @@ def _saved_again_or_rolled_back(
     db: Database[dict[str, Any]], same: list[dict[str, Any]], in_place: list[dict[str, Any]]
 ) -> WorkLeft:
     """The refusal of turns of `agent_conversations` the deprecated collection holds the same
-    (`same`), no document a run wrote standing (`refuse_leftover`): moved turns the old
-    service saved again unchanged, or a rollback that copied the turns back and left the
-    collection standing. The data cannot always tell (a run stopped before its first
-    document, every migrated conversation deleted since, a stale record), and only the
-    operator knows whether they rolled back, so it says what it saw (when a run last started
-    writing documents, `DOCUMENTS_WRITTEN`; turns standing where their conversation's
+    (`same`) whose conversation's document does not stand (`refuse_leftover`): moved turns the
+    old service saved again unchanged (a run stopped before it wrote their conversations, a
+    `--limit` run, a conversation held back, one deleted since), or a rollback that copied
+    the turns back and left the collection standing. The data cannot tell them apart, and only
+    the operator knows whether they rolled back, so it says what it saw (when a run last
+    started writing documents, `DOCUMENTS_WRITTEN`; turns standing where their conversation's
     document stood, `in_place`) and the way out of each, the one for moved turns saved again
     first: delete them where they were saved again (each has its moved copy, so nothing is
     lost, the run writes again a document one replaced; a drop of the collection would take
@@ -456,13 +445,13 @@ def _saved_again_or_rolled_back(
     )
     if in_place:
         seen += (
-            f", and {_first_few_in_place(in_place)} where its conversation's document stands "
+            f"; {_first_few_in_place(in_place)} where its conversation's document stands "
             "(an upsert by _id of its turn replaces that document)"
         )
     return WorkLeft(
         f"{LEGACY_TURNS} holds turn documents {CONVERSATIONS} holds too, the same ({named}"
-        f"{more}), and no copy of a run is under way; no conversation document a run wrote "
-        f"stands in {CONVERSATIONS} ({seen}), so nothing here tells whether the old service "
+        f"{more}), and no copy of a run is under way; their conversations' documents do not "
+        f"stand in {CONVERSATIONS} ({seen}), so nothing here tells whether the old service "
         "saved moved turns again unchanged (an upsert by _id) or a rollback copied the turns "
         "back (it moves the conversation documents away). Moving nothing. If no rollback "
         f"happened, delete from {CONVERSATIONS} each turn document {LEGACY_TURNS} holds the "

@@ -76,7 +76,7 @@ from migrations import full_texts, lives
 from migrations.bounds import Bounds, bounded
 from migrations.keys import id_key, identity
 from migrations.lease import STATE, STATE_ID
-from migrations.relocate import CONVERSATION_FILTER, MIGRATED
+from migrations.relocate import CONVERSATION_FILTER
 from migrations.settings import SERVICE_DEFAULTS
 from migrations.transcript import not_held
 
@@ -330,6 +330,14 @@ def written_by_migration(document: Mapping[str, Any]) -> bool:
         and not document.get("recent_turns")
         and (document.get("epoch") is None or document.get(MIGRATED) is True)
     )
+
+
+MIGRATED = "migrated"
+"""The field a conversation document a run created holds (`Conversation.migrated`): its
+`epoch` was drawn by the migration."""
+MIGRATIONS_EPOCH: dict[str, Any] = {"$or": [{"epoch": None}, {MIGRATED: True}]}
+"""A conversation document whose `epoch` is the migration's (`written_by_migration`), as a
+filter: none, or one a run drew."""
 
 
 def written_since(existing: Mapping[str, Any] | None) -> bool:

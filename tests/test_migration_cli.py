@@ -638,9 +638,9 @@ def test_a_killed_copy_rolled_back_by_copying_with_its_collection_left_standing_
 def test_a_rollback_copying_back_a_turn_holding_a_counter_is_still_told_a_rollback() -> None:
     """A rollback by copying puts back, with the turns, a document of the legacy collection
     that holds a conversation document's counter and a turn's field (neither: no run reads
-    it). It is no conversation document standing, so it does not hide the rollback: a run
-    wrote documents since the move and none stands, and the move is refused as a rollback's
-    leftover, nothing moved."""
+    it). It is no conversation document standing, so it does not hide the rollback: the
+    turns' conversations' documents do not stand, and the move is refused with the way out
+    of a rollback, nothing moved."""
     db: Any = mongomock.MongoClient()["legacy"]
     db[CONVERSATIONS].insert_many([latency_turn(n, 7) for n in range(3)])
     assert relocate.relocate(db, allow_rename=False).how == "copied"
@@ -649,7 +649,8 @@ def test_a_rollback_copying_back_a_turn_holding_a_counter_is_still_told_a_rollba
     db[LEGACY_TURNS].insert_one(neither)
     db[CONVERSATIONS].insert_many(list(db[LEGACY_TURNS].find()))  # the rollback
 
-    with pytest.raises(MigrationError, match="a rollback that copied the turns back left"):
+    way_out = f"if a rollback copied the turns back, drop {LEGACY_TURNS}"
+    with pytest.raises(MigrationError, match=way_out):
         relocate.relocate(db, allow_rename=False)
     assert db[CONVERSATIONS].count_documents({}) == 4
 

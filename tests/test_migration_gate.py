@@ -6657,7 +6657,7 @@ def _save_a_moved_turn_again(database: Database[dict[str, Any]], cid: str) -> st
 
 @pytest.mark.wire
 @pytest.mark.parametrize("stopped_by", ["--limit 1", "a stop part-way"])
-def test_a_moved_turn_saved_again_unchanged_before_its_conversation_is_migrated_is_taken_as_moved(
+def test_a_moved_turn_saved_again_before_its_conversation_is_migrated_is_refused_losing_nothing(
     wire_uri: str,
     database: Database[dict[str, Any]],
     capsys: pytest.CaptureFixture[str],
@@ -6666,11 +6666,13 @@ def test_a_moved_turn_saved_again_unchanged_before_its_conversation_is_migrated_
 ) -> None:
     """The run moved every turn aside and migrated `c-1` only (`run --limit 1`, or a run
     stopped after its first batch); the old service then saves a moved turn of `c-2` again as
-    it was. No rollback happened: `c-1`'s document stands, which a rollback moves away with
-    every other. `run` takes the turn as moved (exit 0), never calls the collection a
-    rollback's leftover, and every conversation is served whole, `verify` and `finish` 0 (was:
-    exit 1, "drop agent_conversations_deprecated or rename it away"; followed, the next run
-    removed `c-1`, `c-3` was in no collection the store reads, `verify` and `finish` 0)."""
+    it was. `c-2`'s document does not stand, as after a rollback (another conversation's
+    document tells nothing: a run still writing during a rollback writes one), so `run`
+    refuses (exit 1), never saying a rollback left the collection, and gives the way out of
+    each cause; the one for no rollback, followed word for word, loses nothing: every
+    conversation served whole, `verify` and `finish` 0 (was: "a collection a rollback left
+    standing: drop it or rename it away"; followed, the next run removed `c-1`, `c-3` was in
+    no collection the store reads, `verify` and `finish` 0)."""
     database[CONVERSATIONS].insert_many(
         [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in (1, 2, 3)]
     )
@@ -6682,14 +6684,16 @@ def test_a_moved_turn_saved_again_unchanged_before_its_conversation_is_migrated_
         monkeypatch.undo()
     standing = {d["_id"] for d in database[CONVERSATIONS].find({"turn_count": {"$exists": True}})}
     assert standing == {"c-1"}
-    _save_a_moved_turn_again(database, "c-2")
+    saved = _save_a_moved_turn_again(database, "c-2")
     capsys.readouterr()
 
     for dry_run in (("--dry-run",), ()):
-        assert cli(wire_uri, database, "run", *dry_run) == 0
+        assert cli(wire_uri, database, "run", *dry_run) == 1
         said = "".join(capsys.readouterr())
-        assert "rollback" not in said
-    assert database[CONVERSATIONS].find_one({"_id": "t-2"}) is None
+        assert "left standing" not in said
+        assert f"If no rollback happened, delete from {CONVERSATIONS}" in said
+    database[CONVERSATIONS].delete_one({"_id": saved})  # as advised: no rollback happened
+    assert cli(wire_uri, database, "run") == 0
     assert database[LEGACY_TURNS].count_documents({}) == 3
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
@@ -6698,29 +6702,30 @@ def test_a_moved_turn_saved_again_unchanged_before_its_conversation_is_migrated_
 
 
 @pytest.mark.wire
-def test_a_moved_turn_saved_again_unchanged_of_a_conversation_held_back_is_taken_as_moved(
+def test_a_moved_turn_saved_again_of_a_conversation_held_back_is_refused_losing_nothing(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`c-2` is held back, no document of it written, by a document no run reads naming it
     (a turn holding a `turn_count`); `c-1` migrates. The old service saves `c-2`'s moved turn
-    again unchanged: `c-1`'s document stands, so no rollback happened, and `run` takes the
-    turn as moved, naming only the document holding `c-2` back, never a rollback's leftover;
-    once that document is moved away, `c-2` migrates whole, `verify` and `finish` 0 (was:
-    called a rollback's leftover collection to drop, which held `c-2`'s only turn)."""
+    again unchanged: `c-2`'s document does not stand, so `run` refuses it with the way out
+    of each cause, never saying a rollback left the collection; the way for no rollback
+    followed, and the document holding `c-2` back moved away, `c-2` migrates whole, `verify`
+    and `finish` 0 (was: called a rollback's leftover collection to drop, which held `c-2`'s
+    only turn)."""
     neither = legacy_turn("t-x", "c-2", 5, "X") | {"turn_count": None}
     database[CONVERSATIONS].insert_many(
         [legacy_turn("t-1", "c-1", 0, "T1"), legacy_turn("t-2", "c-2", 1, "T2"), neither]
     )
     assert cli(wire_uri, database, "run") == 1
     assert database[CONVERSATIONS].find_one({"_id": "c-2"}) is None
-    _save_a_moved_turn_again(database, "c-2")
+    saved = _save_a_moved_turn_again(database, "c-2")
     capsys.readouterr()
 
     assert cli(wire_uri, database, "run") == 1
     said = "".join(capsys.readouterr())
-    assert "rollback" not in said
-    assert "'t-x'" in said
-    assert database[CONVERSATIONS].find_one({"_id": "t-2"}) is None
+    assert "left standing" not in said
+    assert f"If no rollback happened, delete from {CONVERSATIONS}" in said
+    database[CONVERSATIONS].delete_one({"_id": saved})  # as advised: no rollback happened
     database[CONVERSATIONS].delete_one({"_id": "t-x"})  # the operator moves it away
     assert cli(wire_uri, database, "run") == 0
     assert cli(wire_uri, database, "verify") == 0
@@ -6804,29 +6809,30 @@ def _first_turn_ids(database: Database[dict[str, Any]], *, bob: bool) -> None:
 
 
 @pytest.mark.wire
-def test_a_moved_turn_saved_again_where_its_conversations_document_stood_is_taken_as_moved(
+def test_a_moved_turn_saved_again_where_its_conversations_document_stood_is_refused_saying_so(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The old service saves `c-1`'s first turn, whose `_id` is its conversation's id, again
     unchanged after the run (an upsert by `_id`): in `agent_conversations` that `_id` is
-    `c-1`'s document's, which the turn replaces. A rollback would have put every moved turn
-    back, and `c-2`'s document, which the run wrote, stands: no rollback happened. `run
-    --dry-run` and `run` take the turn as moved (exit 0, no rollback said), the run writes
-    `c-1`'s document again, `verify` and `finish` 0, both served whole (was: exit 1, "a
-    rollback ... left standing, drop it"; followed, `c-2` removed and `ADA-2` lost, `verify`
-    and `finish` 0). With no document of a run standing, it is refused naming both causes
-    (`test_moved_turns_saved_again_in_and_beside_a_documents_place_are_refused_...`)."""
+    `c-1`'s document's, which the turn replaces. `c-1`'s document does not stand, as after a
+    rollback, so `run --dry-run` and `run` refuse (exit 1) saying the turn stands where its
+    conversation's document stood, never that a rollback left the collection; the way for
+    no rollback followed, the run writes `c-1`'s document again, `verify` and `finish` 0,
+    both served whole (was: "a rollback ... left standing, drop it"; followed, `c-2` removed
+    and `ADA-2` lost, `verify` and `finish` 0)."""
     _first_turn_ids(database, bob=True)
     assert cli(wire_uri, database, "run") == 0
-    _save_a_moved_turn_again(database, "c-1")
+    saved = _save_a_moved_turn_again(database, "c-1")
     assert database[CONVERSATIONS].find_one({"_id": "c-1", "turn_count": {"$exists": True}}) is None
     capsys.readouterr()
 
     for dry_run in (("--dry-run",), ()):
-        assert cli(wire_uri, database, "run", *dry_run) == 0
+        assert cli(wire_uri, database, "run", *dry_run) == 1
         said = "".join(capsys.readouterr())
-        assert "rollback" not in said
-        assert "no legacy turn makes now" not in said
+        assert "left standing" not in said
+        assert "'c-1' stands where its conversation's document stands" in said
+    database[CONVERSATIONS].delete_one({"_id": saved})  # as advised: no rollback happened
+    assert cli(wire_uri, database, "run") == 0
     assert database[CONVERSATIONS].find_one({"_id": "c-1", "turn_count": 2}) is not None
     assert database[LEGACY_TURNS].count_documents({}) == 3
     assert cli(wire_uri, database, "verify") == 0
@@ -6925,29 +6931,45 @@ def test_a_rollback_by_copying_of_turns_under_their_conversations_ids_is_not_tak
 
 
 @pytest.mark.wire
-def test_a_rollback_is_refused_though_a_service_left_running_created_a_conversation_since(
-    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    "standing", ["created by a service left running", "a run still writing", "an earlier release's"]
+)
+def test_a_rollback_is_refused_whatever_other_conversations_document_stands(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    standing: str,
 ) -> None:
     """MIGRATION.md, "Rollback": a collection a rollback by copying left standing holds the
-    turns of before it, and the second attempt's `run` refuses it. A new service left
-    running after the rollback (against the runbook) creates `d-9`: a document the service
-    created tells nothing of a rollback, only one a run wrote does, so `run`, `verify` and
-    `finish` exit 1 and `t-2`, which the old service deleted after the rollback, is never
-    served (was: any conversation document standing was taken to show no rollback: the
+    turns of before it, and the second attempt's `run` refuses it. Another conversation's
+    document standing after the rollback tells nothing of `d-1`'s turns: one a new service
+    left running created (`d-9`), one a run still writing during the rollback wrote (`d-2`),
+    an earlier release's left in place (no epoch). `run`, `verify` and `finish` exit 1 and
+    `t-2`, which the old service deleted after the rollback, is never served (was: any
+    conversation document standing, or one a run wrote, was taken to show no rollback: the
     leftover merged back, `t-2` served again, `verify` and `finish` 0)."""
     database[CONVERSATIONS].insert_many(
-        [legacy_turn("t-1", "d-1", 0, "ONE"), legacy_turn("t-2", "d-1", 1, "SECRET")]
-    )
+        [legacy_turn("t-1", "d-1", 0, "ONE"), legacy_turn("t-2", "d-1", 1, "SECRET"),
+         legacy_turn("t-3", "d-2", 2, "OTHER")]
+    )  # fmt: skip
     assert cli(wire_uri, database, "run") == 0
+    written = database[CONVERSATIONS].find_one({"_id": "d-2"})
     database[CONVERSATIONS].drop()  # the rollback: documents away, the turns copied back
     database[CONVERSATIONS].insert_many(list(database[LEGACY_TURNS].find()))
     database[CONVERSATIONS].delete_one({"_id": "t-2"})  # the old service, after the rollback
+    if standing == "a run still writing":
+        database[CONVERSATIONS].insert_one(written)
+    elif standing == "an earlier release's":
+        database[CONVERSATIONS].insert_one(
+            {"_id": "e-1", "user_id": "u-1", "turn_count": 1, "message_count": 2}
+        )
+    else:
 
-    async def a_new_conversation(db: Any) -> None:
-        new = [{"role": "user", "content": "new"}]
-        await AgentMessageLogger(db).log_messages("d-9", new, user_id="u-9")
+        async def a_new_conversation(db: Any) -> None:
+            new = [{"role": "user", "content": "new"}]
+            await AgentMessageLogger(db).log_messages("d-9", new, user_id="u-9")
 
-    _on_its_database(wire_uri, database, a_new_conversation)
+        _on_its_database(wire_uri, database, a_new_conversation)
     capsys.readouterr()
 
     assert cli(wire_uri, database, "run") == 1
