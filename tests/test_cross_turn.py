@@ -51,7 +51,7 @@ from agent_store.integrations.streams import (
     turn_from_metadata,
     turn_from_sse,
 )
-from agent_store.store import PENDING_CALLS_KEPT
+from agent_store.store import CONVERSATIONS, PENDING_CALLS_KEPT
 from agent_store.store import _logger as _logger_module
 from agent_store.store._logger import Corrected, OtherContent
 from agent_store.store._reservation import DELETING, BeingDeleted
@@ -6411,7 +6411,7 @@ async def _take_step(
         if isinstance(step, str):
             await store.resolve_hitl(CID, step)
         else:
-            await logger.log_messages(CID, step, turn_id=f"t{n}")
+            await logger.log_messages(CID, step, turn_id=f"t-{n}")
 
 
 async def _as_stored_and_folded(backend: Backend, store: ConversationStore) -> list[Any]:
@@ -6613,7 +6613,7 @@ async def test_the_fold_follows_answers_naming_some_of_the_calls_their_prompts_h
                 named = rng.sample(held, rng.randint(1, len(held))) if held else None
                 await store.resolve_hitl(CID, step, calls=named if rng.random() < 0.7 else None)
             else:
-                await logger.log_messages(CID, step, turn_id=f"t{n}")
+                await logger.log_messages(CID, step, turn_id=f"t-{n}")
         stored, folded = await _as_stored_and_folded(backend, store)
         assert folded == stored, f"after step {n}"
 
@@ -8546,6 +8546,65 @@ _LANDING_CUT = {
 }
 """Where a stalled writer's landing is cut, after its insert: its take-off of the calls it
 answered (its command dropped, or the writer dying there), or its fold (dying there)."""
+
+
+class _ReadsCounted:
+    """A fake of the messages collection at the edge: counts the messages its finds return."""
+
+    def __init__(self, real: Any) -> None:
+        self._real, self.read = real, 0
+
+    def find(self, *args: Any, **kwargs: Any) -> Any:
+        cursor, counted = self._real.find(*args, **kwargs), self
+
+        class Counted:
+            async def to_list(self, length: int | None = None) -> list[Any]:
+                found: list[Any] = await cursor.to_list(length)
+                counted.read += len(found)
+                return found
+
+            async def __aiter__(self) -> Any:
+                async for message in cursor:
+                    counted.read += 1
+                    yield message
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(cursor, name)
+
+        return Counted()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+async def test_a_resend_whose_answered_call_id_a_later_call_reuses_reads_and_writes_nothing(
+    backend: Backend,
+) -> None:
+    """A resend of a stored turn is a replay: it reads what a replay reads and writes
+    nothing. A later call reusing the id of the call the turn answered is another call,
+    which the turn could not have answered (made after its block), so its listing is no sign
+    of the turn's first attempt cut before taking its answers off: the replay reads as much
+    as one of a conversation whose later call has another id (was: it folded the whole
+    conversation, reading every message, and held again approvals its prompts asked about)."""
+
+    async def replay_reads(cid: str, later_call: str) -> int:
+        logger = AgentMessageLogger(backend.db)
+        made = await logger.log_messages(cid, [_user("Go."), _calls("c1")], turn_id="t0")
+        turn, answers_to = [_answer("c1", "found")], {"c1": made.messages[1].id}
+        await logger.log_messages(cid, turn, turn_id="tA", answers_to=answers_to)
+        for n in range(3):
+            step = [_user(f"u{n}"), _calls(f"k{n}"), _answer(f"k{n}")]
+            await logger.log_messages(cid, step, turn_id=f"t-{n}")
+        await logger.log_messages(cid, [_user("again"), _calls(later_call)], turn_id="tE")
+        before = await backend.db[CONVERSATIONS].find_one({"_id": cid})
+        replayer = AgentMessageLogger(backend.db)
+        reads = replayer._messages = _ReadsCounted(replayer._messages)
+        again = await replayer.log_messages(cid, turn, turn_id="tA", answers_to=answers_to)
+        assert again.replayed
+        assert await backend.db[CONVERSATIONS].find_one({"_id": cid}) == before
+        return reads.read
+
+    assert await replay_reads(f"{CID}-reused", "c1") == await replay_reads(CID, "c7")
 
 
 @pytest.mark.parametrize("cut", list(_LANDING_CUT))
