@@ -8548,33 +8548,22 @@ _LANDING_CUT = {
 answered (its command dropped, or the writer dying there), or its fold (dying there)."""
 
 
-class _ReadsCounted:
-    """A fake of the messages collection at the edge: counts the messages its finds return."""
+class _CallsCounted:
+    """A fake of a collection at the edge: counts the calls made to it (each a command)."""
 
-    def __init__(self, real: Any) -> None:
-        self._real, self.read = real, 0
-
-    def find(self, *args: Any, **kwargs: Any) -> Any:
-        cursor, counted = self._real.find(*args, **kwargs), self
-
-        class Counted:
-            async def to_list(self, length: int | None = None) -> list[Any]:
-                found: list[Any] = await cursor.to_list(length)
-                counted.read += len(found)
-                return found
-
-            async def __aiter__(self) -> Any:
-                async for message in cursor:
-                    counted.read += 1
-                    yield message
-
-            def __getattr__(self, name: str) -> Any:
-                return getattr(cursor, name)
-
-        return Counted()
+    def __init__(self, real: Any, calls: list[str]) -> None:
+        self._real, self._calls = real, calls
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
+        found = getattr(self._real, name)
+        if not callable(found) or name.startswith("_") or name == "with_options":
+            return found
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self._calls.append(name)
+            return found(*args, **kwargs)
+
+        return counted
 
 
 async def test_a_resend_whose_answered_call_id_a_later_call_reuses_reads_and_writes_nothing(
@@ -8584,10 +8573,11 @@ async def test_a_resend_whose_answered_call_id_a_later_call_reuses_reads_and_wri
     nothing. A later call reusing the id of the call the turn answered is another call,
     which the turn could not have answered (made after its block), so its listing is no sign
     of the turn's first attempt cut before taking its answers off: the replay reads as much
-    as one of a conversation whose later call has another id (was: it folded the whole
-    conversation, reading every message, and held again approvals its prompts asked about)."""
+    as one of a conversation whose later call has another id, the same commands (was: it
+    folded the whole conversation, reading every message, and held again approvals its
+    prompts asked about)."""
 
-    async def replay_reads(cid: str, later_call: str) -> int:
+    async def replay_calls(cid: str, later_call: str) -> list[str]:
         logger = AgentMessageLogger(backend.db)
         made = await logger.log_messages(cid, [_user("Go."), _calls("c1")], turn_id="t0")
         turn, answers_to = [_answer("c1", "found")], {"c1": made.messages[1].id}
@@ -8597,14 +8587,15 @@ async def test_a_resend_whose_answered_call_id_a_later_call_reuses_reads_and_wri
             await logger.log_messages(cid, step, turn_id=f"t-{n}")
         await logger.log_messages(cid, [_user("again"), _calls(later_call)], turn_id="tE")
         before = await backend.db[CONVERSATIONS].find_one({"_id": cid})
-        replayer = AgentMessageLogger(backend.db)
-        reads = replayer._messages = _ReadsCounted(replayer._messages)
+        replayer, calls = AgentMessageLogger(backend.db), list[str]()
+        replayer._messages = _CallsCounted(replayer._messages, calls)
+        replayer._conversations = _CallsCounted(replayer._conversations, calls)
         again = await replayer.log_messages(cid, turn, turn_id="tA", answers_to=answers_to)
         assert again.replayed
         assert await backend.db[CONVERSATIONS].find_one({"_id": cid}) == before
-        return reads.read
+        return calls
 
-    assert await replay_reads(f"{CID}-reused", "c1") == await replay_reads(CID, "c7")
+    assert await replay_calls(f"{CID}-reused", "c1") == await replay_calls(CID, "c7")
 
 
 @pytest.mark.parametrize("cut", list(_LANDING_CUT))
