@@ -51,7 +51,7 @@ from agent_store.integrations.streams import (
     turn_from_metadata,
     turn_from_sse,
 )
-from agent_store.store import PENDING_CALLS_KEPT
+from agent_store.store import CONVERSATIONS, PENDING_CALLS_KEPT
 from agent_store.store import _logger as _logger_module
 from agent_store.store._logger import Corrected, OtherContent
 from agent_store.store._reservation import DELETING, BeingDeleted
@@ -6411,7 +6411,7 @@ async def _take_step(
         if isinstance(step, str):
             await store.resolve_hitl(CID, step)
         else:
-            await logger.log_messages(CID, step, turn_id=f"t{n}")
+            await logger.log_messages(CID, step, turn_id=f"t-{n}")
 
 
 async def _as_stored_and_folded(backend: Backend, store: ConversationStore) -> list[Any]:
@@ -6613,7 +6613,7 @@ async def test_the_fold_follows_answers_naming_some_of_the_calls_their_prompts_h
                 named = rng.sample(held, rng.randint(1, len(held))) if held else None
                 await store.resolve_hitl(CID, step, calls=named if rng.random() < 0.7 else None)
             else:
-                await logger.log_messages(CID, step, turn_id=f"t{n}")
+                await logger.log_messages(CID, step, turn_id=f"t-{n}")
         stored, folded = await _as_stored_and_folded(backend, store)
         assert folded == stored, f"after step {n}"
 
@@ -8546,6 +8546,56 @@ _LANDING_CUT = {
 }
 """Where a stalled writer's landing is cut, after its insert: its take-off of the calls it
 answered (its command dropped, or the writer dying there), or its fold (dying there)."""
+
+
+class _CallsCounted:
+    """A fake of a collection at the edge: counts the calls made to it (each a command)."""
+
+    def __init__(self, real: Any, calls: list[str]) -> None:
+        self._real, self._calls = real, calls
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._real, name)
+        if not callable(found) or name.startswith("_") or name == "with_options":
+            return found
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self._calls.append(name)
+            return found(*args, **kwargs)
+
+        return counted
+
+
+async def test_a_resend_whose_answered_call_id_a_later_call_reuses_reads_and_writes_nothing(
+    backend: Backend,
+) -> None:
+    """A resend of a stored turn is a replay: it reads what a replay reads and writes
+    nothing. A later call reusing the id of the call the turn answered is another call,
+    which the turn could not have answered (made after its block), so its listing is no sign
+    of the turn's first attempt cut before taking its answers off: the replay reads as much
+    as one of a conversation whose later call has another id, the same commands (was: it
+    folded the whole conversation, reading every message, and held again approvals its
+    prompts asked about)."""
+
+    async def replay_calls(cid: str, later_call: str) -> list[str]:
+        logger = AgentMessageLogger(backend.db)
+        made = await logger.log_messages(cid, [_user("Go."), _calls("c1")], turn_id="t0")
+        turn, answers_to = [_answer("c1", "found")], {"c1": made.messages[1].id}
+        await logger.log_messages(cid, turn, turn_id="tA", answers_to=answers_to)
+        for n in range(3):
+            step = [_user(f"u{n}"), _calls(f"k{n}"), _answer(f"k{n}")]
+            await logger.log_messages(cid, step, turn_id=f"t-{n}")
+        await logger.log_messages(cid, [_user("again"), _calls(later_call)], turn_id="tE")
+        before = await backend.db[CONVERSATIONS].find_one({"_id": cid})
+        replayer, calls = AgentMessageLogger(backend.db), list[str]()
+        replayer._messages = _CallsCounted(replayer._messages, calls)
+        replayer._conversations = _CallsCounted(replayer._conversations, calls)
+        again = await replayer.log_messages(cid, turn, turn_id="tA", answers_to=answers_to)
+        assert again.replayed
+        assert await backend.db[CONVERSATIONS].find_one({"_id": cid}) == before
+        return calls
+
+    assert await replay_calls(f"{CID}-reused", "c1") == await replay_calls(CID, "c7")
 
 
 @pytest.mark.parametrize("cut", list(_LANDING_CUT))

@@ -4072,15 +4072,23 @@ def _replay(
         conversation=summary,
         assigns=_assigned_at(conversation, block.first_seq),
         pops=int(conversation.get("pops") or 0),
-        relisted=_answers_listed(plan, conversation),
+        relisted=_answers_listed(plan, conversation, block.first_seq),
     )
 
 
-def _answers_listed(plan: TurnPlan, conversation: Mapping[str, Any]) -> bool:
-    """Whether `conversation` (as read) lists in `pending_calls` a call the turn answers."""
+def _answers_listed(plan: TurnPlan, conversation: Mapping[str, Any], first_seq: int) -> bool:
+    """Whether `conversation` (as read) lists in `pending_calls` a call the turn answers: one
+    of the ids it answers, made before its block (`first_seq`). A call made after it under a
+    reused id is another call, which the turn could not answer: its listing says nothing of
+    the turn's first attempt (was: it made every replay fold the whole conversation, and hold
+    again the approvals the turn's prompts asked about)."""
     answered = set(plan.answered_calls)
-    listed = conversation.get("pending_calls") or ()
-    return any(isinstance(c, Mapping) and c.get("tool_call_id") in answered for c in listed)
+    for call in conversation.get("pending_calls") or ():
+        if isinstance(call, Mapping) and call.get("tool_call_id") in answered:
+            seq = call.get("seq")
+            if not isinstance(seq, int) or seq < first_seq:
+                return True
+    return False
 
 
 def _retry_refusal(
