@@ -4103,6 +4103,16 @@ def test_a_run_whose_legacy_turns_vanish_under_it_removes_no_migrated_conversati
     assert database[MESSAGES].count_documents({}) == before
 
 
+def _migrated_and_dropped(wire_uri: str, database: Database[dict[str, Any]], count: int) -> None:
+    """`count` one-turn conversations migrated, then `finish --drop-legacy`: the legacy turns
+    dropped."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(count)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+
 @pytest.mark.wire
 def test_a_run_after_the_legacy_turns_were_dropped_is_refused_and_removes_nothing(
     wire_uri: str, database: Database[dict[str, Any]]
@@ -4110,11 +4120,7 @@ def test_a_run_after_the_legacy_turns_were_dropped_is_refused_and_removes_nothin
     """A service still dual-writing after the drop brings one legacy turn back: a rerun then
     finds every other migrated conversation named by no legacy turn. After `finish` dropped
     the legacy turns, no run goes on."""
-    database[CONVERSATIONS].insert_many(
-        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
-    )
-    assert cli(wire_uri, database, "run") == 0
-    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    _migrated_and_dropped(wire_uri, database, 3)
     before = database[MESSAGES].count_documents({})
     database[LEGACY_TURNS].insert_one(legacy_turn("t-late", "c-0", 9, "late"))
 
@@ -4343,11 +4349,7 @@ def test_finish_and_verify_after_the_drop_say_so_and_never_advise_a_run(
     find every other migrated conversation named by no legacy turn, and advise the run that
     would remove them. After `finish --drop-legacy`, `finish` and `verify` say when the
     legacy turns were dropped, as `run` does (exit 2)."""
-    database[CONVERSATIONS].insert_many(
-        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
-    )
-    assert cli(wire_uri, database, "run") == 0
-    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    _migrated_and_dropped(wire_uri, database, 3)
     database[LEGACY_TURNS].insert_one(legacy_turn("t-late", "c-0", 9, "late"))
     capsys.readouterr()
 
@@ -4368,11 +4370,7 @@ def test_after_the_drop_every_command_says_what_the_legacy_collection_holds_as_i
     """After `finish --drop-legacy`, `run`, `verify`, `finish` and `status` say what the
     legacy collection holds as it is: empty when nothing was dual-written since, else how
     many documents, and how many of them a service still dual-writing made; never a guess."""
-    database[CONVERSATIONS].insert_many(
-        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(2)]
-    )
-    assert cli(wire_uri, database, "run") == 0
-    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    _migrated_and_dropped(wire_uri, database, 2)
     capsys.readouterr()
 
     def said() -> list[str]:
@@ -4406,11 +4404,7 @@ def test_a_legacy_turn_an_old_writer_logs_after_the_drop_gets_one_instruction_fr
     migrate it now. `run`, `verify` and `finish` all exit 2 with one message naming what was
     found (the turn logged after the drop, its conversation) and what to do with it, and
     `status` says the same; none advises a run, or says only dual-write copies remain."""
-    database[CONVERSATIONS].insert_many(
-        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(2)]
-    )
-    assert cli(wire_uri, database, "run") == 0
-    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    _migrated_and_dropped(wire_uri, database, 2)
     database[CONVERSATIONS].insert_one(legacy_turn("t-late", "c-0", 9, "LATE"))
     capsys.readouterr()
 
@@ -4443,11 +4437,7 @@ def test_the_advice_after_the_drop_names_the_backup_to_restore_and_what_no_run_c
     deleted, and every user erased, since it was taken (was: "restore the dropped legacy
     turns from a backup": the "Before" one, restored, brought back a conversation its owner
     deleted and an erased user's, served again, `finish` exit 0)."""
-    database[CONVERSATIONS].insert_many(
-        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(2)]
-    )
-    assert cli(wire_uri, database, "run") == 0
-    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    _migrated_and_dropped(wire_uri, database, 2)
     database[CONVERSATIONS].insert_one(legacy_turn("t-late", "c-0", 9, "LATE"))
     capsys.readouterr()
 
