@@ -2264,12 +2264,7 @@ class AgentMessageLogger:
         return found
 
     async def _refuse_held_by_a_legacy_turn(
-        self,
-        conversation_id: str,
-        actor: Actor,
-        what: str = "written",
-        *,
-        condition: Condition | None = None,
+        self, conversation_id: str, actor: Actor, *, condition: Condition | None = None
     ) -> None:
         """Refuse a write whose creation of the conversation collided with a document under
         its id (`DuplicateKeyError`) that is a legacy turn, no conversation
@@ -2285,7 +2280,7 @@ class AgentMessageLogger:
                 {"_id": conversation_id, **LEGACY_TURN_DOCUMENT}, {"user_id": 1}
             )
         if turn is not None:
-            raise _not_migrated(conversation_id, actor, turn.get("user_id"), what, condition)
+            raise _not_migrated(conversation_id, actor, turn.get("user_id"), "written", condition)
 
     async def _replayed_by(
         self,
