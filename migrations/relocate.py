@@ -446,7 +446,9 @@ def _saved_again_or_rolled_back(
     if in_place:
         seen += (
             f"; {_first_few_in_place(in_place)} where its conversation's document stands "
-            "(an upsert by _id of its turn replaces that document)"
+            "(an upsert by _id of its turn replaces that document: a run writes it again from "
+            "its messages, and what only the document held, a name given to the conversation, "
+            "comes back as the automatic name)"
         )
     return WorkLeft(
         f"{LEGACY_TURNS} holds turn documents {CONVERSATIONS} holds too, the same ({named}"

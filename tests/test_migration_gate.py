@@ -6806,7 +6806,8 @@ def test_a_moved_turn_saved_again_where_its_conversations_document_stood_is_refu
     unchanged after the run (an upsert by `_id`): in `agent_conversations` that `_id` is
     `c-1`'s document's, which the turn replaces. `c-1`'s document does not stand, as after a
     rollback, so `run --dry-run` and `run` refuse (exit 1) saying the turn stands where its
-    conversation's document stood, never that a rollback left the collection; the way for
+    conversation's document stood, and that a name given to it comes back as the automatic
+    one, never that a rollback left the collection; the way for
     no rollback followed, the run writes `c-1`'s document again, `verify` and `finish` 0,
     both served whole (was: "a rollback ... left standing, drop it"; followed, `c-2` removed
     and `ADA-2` lost, `verify` and `finish` 0)."""
@@ -6821,6 +6822,7 @@ def test_a_moved_turn_saved_again_where_its_conversations_document_stood_is_refu
         said = "".join(capsys.readouterr())
         assert "left standing" not in said
         assert "'c-1' stands where its conversation's document stands" in said
+        assert "a name given to the conversation, comes back as the automatic name" in said
     database[CONVERSATIONS].delete_one({"_id": saved})  # as advised: no rollback happened
     assert cli(wire_uri, database, "run") == 0
     assert database[CONVERSATIONS].find_one({"_id": "c-1", "turn_count": 2}) is not None
