@@ -620,10 +620,79 @@ async def test_with_dual_write_on_a_users_reads_and_delete_beside_a_live_convers
                 answers[route, target] = (answer.status_code, said, body.get("message_count"))
 
         for route in reads_and_delete(""):
-            assert answers[route, "conv-beside"] == answers[route, "conv-alone"], route
+            assert answers[route, "conv-beside"] == answers[route, "conv-alone"], (route, answers)
             assert answers[route, "conv-alone"][0] == 200, route
         left = {c["_id"] for c in await api.db[LEGACY_TURNS].find().to_list(None)}
         assert left == copies
+
+
+DUAL_WRITE = pytest.mark.parametrize("dual_write", [True, False], ids=["dual write on", "off"])
+
+
+async def unnamed_beside(api: Served, target: str) -> None:
+    """Under `target`, as an old-service writer leaves them: a legacy turn, a prompt naming
+    the conversation and one naming it by `session_id` only, none of them naming a user."""
+    secret = "«UNNAMED SECRET»"
+    await api.db[LEGACY_TURNS].insert_one(
+        {"_id": f"none-{target}", "conversation_id": target, "user_message": secret,
+         "created_at": utc_now() + timedelta(minutes=1),
+         "response_parts": [{"type": "text", "content": secret}]}
+    )  # fmt: skip
+    for key in ("conversation_id", "session_id"):
+        await api.db[SESSION_HITL].insert_one(
+            {"_id": f"{key}-{target}", key: target, "request_id": f"r-{key}", "action": "pay",
+             "prompt": secret, "params": {"iban": secret}, "status": "pending",
+             "created_at": utc_now() + timedelta(minutes=1)}
+        )  # fmt: skip
+
+
+@DUAL_WRITE
+@pytest.mark.parametrize("holder", [MALLORY, None], ids=["another user's", "unowned"])
+@pytest.mark.parametrize("after", [None, OTHER], ids=["hers last", "another's after hers"])
+async def test_beside_a_live_conversation_a_user_reaches_her_own_legacy_turn_alone(
+    backend: Backend, dual_write: bool, holder: str | None, after: str | None
+) -> None:
+    """OWNER's late legacy turn under the id of a live conversation not hers, beside a legacy
+    turn and prompts naming no user (and another user's later turn, `after`), dual write on
+    or off: what names no user is the live conversation's, and her turn is hers whoever is
+    named last, so every read, her writes and her delete answer as under an id her turn
+    alone holds; nothing naming no user is served to her or deleted by her."""
+    settings = api_settings(legacy_dual_write=dual_write)
+    async with serve(backend.db, settings, seeded=False) as api:
+        await api.store.logger.ensure_indexes()
+        await api.store.logger.log_messages("conv-own", hitl_turn("r"), user_id=OWNER)
+        copies = await log_live_beside(api, holder)
+        await unnamed_beside(api, "conv-beside")
+        for target, users in (("conv-alone", [OWNER]), ("conv-beside", [OWNER, after])):
+            for minutes, user in enumerate(users, start=2):
+                if user is not None:
+                    await api.db[LEGACY_TURNS].insert_one(
+                        {"_id": f"late-{target}-{user}", "conversation_id": target,
+                         "user_id": user, "user_message": "mine",
+                         "created_at": utc_now() + timedelta(minutes=minutes),
+                         "response_parts": [{"type": "text", "content": "ok"}]}
+                    )  # fmt: skip
+        owner = auth_headers(user=OWNER)
+
+        answers = {}
+        for target in ("conv-alone", "conv-beside"):
+            calls = {**writes_of_a_user(target), **reads_and_delete(target)}
+            for route, (method, url, *body) in calls.items():
+                answer = await api.http.request(method, url, json=body[0] if body else None,
+                                                headers=owner)  # fmt: skip
+                assert "SECRET»" not in answer.text, (route, target)
+                found = answer.json()
+                said = [m["content"] for m in found.get("data", ())]
+                message = found.get("error", {}).get("message", "").replace(target, "ID")
+                count = found.get("message_count")
+                answers[route, target] = (answer.status_code, said, count, message)
+
+        for route in (*writes_of_a_user(""), *reads_and_delete("")):
+            assert answers[route, "conv-beside"] == answers[route, "conv-alone"], (route, answers)
+        left = {c["_id"] for c in await api.db[LEGACY_TURNS].find().to_list(None)}
+        later = {f"late-conv-beside-{after}"} if after is not None else set()
+        assert left == copies | {"none-conv-beside"} | later
+        assert await api.db[SESSION_HITL].count_documents({"prompt": {"$regex": "SECRET"}}) == 2
 
 
 # A runtime acting for a user (an integration given `user_id`) checks that user's ownership as

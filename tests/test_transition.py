@@ -2335,6 +2335,89 @@ async def test_another_users_delete_leaves_the_late_legacy_turn_naming_no_user_b
     assert await backend.db[CONVERSATIONS].find_one({"_id": "late-none"}) is None
 
 
+DUAL_WRITE = pytest.mark.parametrize("dual_write", [True, False], ids=["dual write on", "off"])
+
+
+async def live_beside_unnamed_legacy_documents(
+    backend: Backend, holder: str | None, dual_write: bool
+) -> tuple[ConversationStore, set[Any]]:
+    """`holder`'s live conversation `conv-x`, dual write on or off, and under its id, as an
+    old-service writer leaves them: a legacy turn and prompts (one naming the conversation,
+    one naming it by `session_id` only) naming no user, then Mallory's late legacy turn, the
+    last naming a user. The store, and the `_id`s of the live conversation's copies (none
+    with dual write off)."""
+    logger, store = wired(backend, dual_write=dual_write)
+    await logger.log_messages("conv-x", [{"role": "user", "content": "«LIVE SECRET»"}],
+                              user_id=holder, turn_id="s0")  # fmt: skip
+    copies = {c["_id"] for c in await backend.db[LEGACY_TURNS].find().to_list(None)}
+    for turn_id, user, minutes in (("legacy-none", None, 1), ("late-mallory", MALLORY, 5)):
+        said = "hers" if user else "«UNOWNED SECRET»"
+        await backend.db[LEGACY_TURNS].insert_one(
+            {"_id": turn_id, "conversation_id": "conv-x", "user_id": user,
+             "created_at": utc_now() + timedelta(minutes=minutes), "user_message": said,
+             "response_parts": [{"type": "text", "content": "ok"}]}
+        )  # fmt: skip
+    for key in ("conversation_id", "session_id"):
+        await backend.db[SESSION_HITL].insert_one(
+            {"_id": f"p-{key}", key: "conv-x", "request_id": f"r-{key}", "action": "pay",
+             "prompt": "«UNOWNED PROMPT»", "status": "pending",
+             "created_at": utc_now() + timedelta(minutes=2)}
+        )  # fmt: skip
+    return store, copies
+
+
+@DUAL_WRITE
+@LIVE_HOLDERS
+@pytest.mark.parametrize("how", ["delete the conversation", "erase the user"])
+async def test_what_names_no_user_beside_a_live_conversation_is_its_owners_whatever_dual_write(
+    backend: Backend, dual_write: bool, holder: str | None, how: str
+) -> None:
+    """A legacy turn and prompts naming no user under a live conversation's id are its
+    owner's (no user's, unowned), dual write on or off, however late a legacy turn naming
+    Mallory is: her token reads her turn alone, no prompt, and her delete or erasure takes
+    her turn alone; the live conversation's delete takes the turn and prompts naming no user
+    (was, dual write off: Mallory, the last user named, read them and her delete took them)."""
+    store, copies = await live_beside_unnamed_legacy_documents(backend, holder, dual_write)
+
+    said = [m.content for m in await store.transcript("conv-x", user_id=MALLORY)]
+    pending = await store.pending_hitl("conv-x", user_id=MALLORY)
+    if how == "erase the user":
+        erased = await store.erase_user(MALLORY)
+    else:
+        erased = await store.delete("conv-x", user_id=MALLORY)
+
+    assert (said, pending) == (["hers", "ok"], None)
+    assert erased.legacy_turns == 1
+    left = {c["_id"] for c in await backend.db[LEGACY_TURNS].find().to_list(None)}
+    assert left == copies | {"legacy-none"}
+    prompts = {p["_id"] for p in await backend.db[SESSION_HITL].find().to_list(None)}
+    assert prompts == {"p-conversation_id", "p-session_id"}
+    deleted = await store.delete("conv-x", user_id=holder)
+    assert deleted.legacy_turns == len(copies) + 1
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
+    assert await backend.db[SESSION_HITL].count_documents({}) == 0
+
+
+@DUAL_WRITE
+async def test_the_live_owners_erasure_takes_what_names_no_user_beside_her_conversation(
+    backend: Backend, dual_write: bool
+) -> None:
+    """Her erasure takes the legacy turn and prompts naming no user under her live
+    conversation's id with it, dual write on or off (was, off: none named her there, so they
+    stayed, and once her conversation went they were Mallory's, the last user named); the
+    late legacy turn naming Mallory stays, hers alone."""
+    store, copies = await live_beside_unnamed_legacy_documents(backend, VICTIM, dual_write)
+
+    erased = await store.erase_user(VICTIM)
+
+    assert erased.legacy_turns == len(copies) + 1
+    left = [c["_id"] for c in await backend.db[LEGACY_TURNS].find().to_list(None)]
+    assert left == ["late-mallory"]
+    assert await backend.db[SESSION_HITL].count_documents({}) == 0
+    said = [m.content for m in await store.transcript("conv-x", user_id=MALLORY)]
+    assert said == ["hers", "ok"]
+
+
 async def test_a_rename_naming_another_version_of_an_unmigrated_conversation_is_refused(
     backend: Backend,
 ) -> None:

@@ -979,7 +979,9 @@ class LiveConversation:
     by (in any state: standing, marked by a delete, being migrated). What its dual write
     copied there (`dual_write: true`: its turns, its answers' `session_hitl` records) is its
     own rollback copy, not a legacy turn: its owner's whole, or no user's when it has none,
-    whatever the legacy turns under the id name (`live_copy`)."""
+    whatever the legacy turns under the id name (`live_copy`). Looked up wherever legacy
+    turns stand under the id, dual write on or off: what names no user beside it is its
+    owner's either way (`owns_legacy`)."""
 
     user_id: str | None
 
@@ -1017,9 +1019,9 @@ def owns_legacy(
 ) -> bool:
     """Whether `user_id` owns the legacy conversation under an id, and with it the turns and
     prompts naming no user: while a conversation document stands there (`live`) its owner
-    (no user for an unowned one), whatever the legacy turns name; else the last user its
-    turns name (`owner_of`). The one ownership rule of the read fallback, the delete and the
-    erasure."""
+    (no user for an unowned one), whatever the legacy turns name and whether or not its dual
+    write copied anything there; else the last user its turns name (`owner_of`). The one
+    ownership rule of the read fallback, the delete and the erasure."""
     if live is not None:
         return user_id == live.user_id
     return owner_of(turns) == user_id

@@ -124,20 +124,20 @@ class LegacyTurns:
     async def conversation(
         self, conversation_id: str, *, user_id: str | None = None
     ) -> FallbackConversation | None:
-        """The conversation converted from its legacy turns and prompts; None if it has none,
-        or if `user_id` is given and the turns name another owner. For a user, only the
-        user's part of it (`_users_part`, `prompt_part_of`): turns and prompts naming another
-        user are left out, and so are the copies of a live conversation under the id that is
-        not the user's, and the turns and prompts naming no user beside it, which are its
-        owner's (`reached_by`, `owns_legacy`: one lookup more, only when the turns hold a
-        copy). Only what is served is read whole: the turns told from their ownership fields
-        first, for a user (`_users_part`), the prompts always (`_prompts_taken`), so text the
-        driver cannot decode in another user's turn or prompt under the id is never read for
-        her (another's conversation is as a missing one, hers is served without it); in her
-        own part it is a StorageFailure, and to a service in any turn, as it reads them all.
-        A turn or prompt whose owner or conversation cannot be read so (`_ownership_read`) is
-        nobody's: left out of every user's part; to a service, which reads every turn, such a
-        turn is a Conflict naming it (`_refuse_unowned`, one lookup more).
+        """The conversation converted from its legacy turns and prompts; None if it has none, or
+        if `user_id` is given and the turns name another owner. For a user, only the user's part
+        of it (`_users_part`, `prompt_part_of`): turns and prompts naming another user are left
+        out, and so are the copies of a live conversation under the id that is not the user's,
+        and the turns and prompts naming no user beside it, which are its owner's, dual write on
+        or off (`reached_by`, `owns_legacy`: one lookup more, `_live`, only when the user has
+        turns there). Only what is served is read whole: the turns told from their ownership
+        fields first, for a user (`_users_part`), the prompts always (`_prompts_taken`), so text
+        the driver cannot decode in another user's turn or prompt under the id is never read for
+        her (another's conversation is as a missing one, hers is served without it); in her own
+        part it is a StorageFailure, and to a service in any turn, as it reads them all. A turn
+        or prompt whose owner or conversation cannot be read so (`_ownership_read`) is nobody's:
+        left out of every user's part; to a service, which reads every turn, such a turn is a
+        Conflict naming it (`_refuse_unowned`, one lookup more).
         """
         query, unnamed = await self._turns_of(conversation_id)
         live, owns = None, True
@@ -308,7 +308,8 @@ class LegacyTurns:
     ) -> LegacyHolder | None:
         """Whether the id exists as legacy turns to `user_id` (None: a service), and their
         owner; None if it does not. The copies of a live conversation under the id that is
-        not the user's are none (`reached_by`: one lookup more, only when there is a copy).
+        not the user's are none, and so are the turns naming no user or another user beside
+        it (`reached_by`: one lookup more, `_live`, only when turns stand under the id).
         Turns whose owner cannot be read (`_ownership_read`) hold the id too, for nobody: with
         no other turn to name an owner, the holder names none (was: set apart, they left the
         id free for anyone to create a conversation over them)."""
@@ -329,19 +330,20 @@ class LegacyTurns:
         """Delete `owner`'s part of the conversation's legacy turns and prompts; how many
         turns went, each once.
 
-        The legacy conversation goes whole when its turns name `owner` as its owner (as the
-        read fallback tells it); else only the turns and prompts naming `owner` go: another
-        user's, under the same id, stay whoever deletes. The copies of a live conversation
-        under the id go with it only, for its owner (`users_part`: one lookup more, only when
-        there is a copy). A conversation migrated under a derived id reaches the turns and
-        prompts of the id they named (one more lookup, only for such ids). The late legacy
-        turns under the id no run has moved aside yet (`LATE_TURNS`) are read first, and
-        those that are `owner`'s part of the conversation (`_late_parts`, as an erasure tells
-        them; those naming no user only when `owner` owns it) go before the legacy
-        collection's, read again then: a run moving them aside meanwhile inserts its copies
-        before it deletes them from `agent_conversations`, and takes back the copies of those
-        deleted there since it read them, so each is taken from wherever it stands. One taken
-        from both (copied, not yet deleted by the run) counts once (`_counted_once`).
+        The legacy conversation goes whole when its turns name `owner` as its owner (as the read
+        fallback tells it); else only the turns and prompts naming `owner` go: another user's,
+        under the same id, stay whoever deletes. The copies of a live conversation under the id,
+        and the turns and prompts naming no user beside it, go with it only, for its owner
+        (`users_part`, `owns_legacy`: one lookup more, `_live`, only when a legacy turn or
+        prompt stands under the id), dual write on or off. A conversation migrated under a
+        derived id reaches the turns and prompts of the id they named (one more lookup, only for
+        such ids). The late legacy turns under the id no run has moved aside yet (`LATE_TURNS`)
+        are read first, and those that are `owner`'s part of the conversation (`_late_parts`, as
+        an erasure tells them; those naming no user only when `owner` owns it) go before the
+        legacy collection's, read again then: a run moving them aside meanwhile inserts its
+        copies before it deletes them from `agent_conversations`, and takes back the copies of
+        those deleted there since it read them, so each is taken from wherever it stands. One
+        taken from both (copied, not yet deleted by the run) counts once (`_counted_once`).
         """
         original = await self._original_id(conversation_id)
         turns, unnamed = await self._turns_of(conversation_id)
@@ -350,7 +352,9 @@ class LegacyTurns:
             standing = await self._late_turns(names)
             found = (await _ownership_read(self._turns, turns, _OWNERSHIP_FIELDS)).owned
             parsed = parse_turns(found, unnamed.names)
-            live = await self._live(conversation_id, parsed)
+            prompts = _prompts_filter(conversation_id, original)
+            read = await _ownership_read(self._prompts, prompts, _PROMPT_OWNERSHIP_FIELDS)
+            live = await self._live(conversation_id, [*parsed, *standing, *read.owned])
             owns = owns_legacy(parsed, owner, live)
             late = _parts_of(standing, owner, unnamed=owns)
             stranded = await self._conversations.delete_many(_late_of(late)) if late else None
@@ -360,8 +364,6 @@ class LegacyTurns:
             ids = [found[i]["_id"] for i in users_part(parsed, owner, live)]
             among = {"$and": [turns, *_among_ids(ids)]}
             deleted = await self._turns.delete_many(among) if ids else None
-            prompts = _prompts_filter(conversation_id, original)
-            read = await _ownership_read(self._prompts, prompts, _PROMPT_OWNERSHIP_FIELDS)
             theirs = [d["_id"] for d in read.owned if prompt_part_of(d, owner, live, owns=owns)]
             if theirs:
                 await self._prompts.delete_many({"$and": [prompts, *_among_ids(theirs)]})
@@ -380,12 +382,15 @@ class LegacyTurns:
         ids = unnamed.ids.get(conversation_id, [])
         return turns_known_as(conversation_id, original, ids), unnamed
 
-    async def _live(
-        self, conversation_id: str, turns: Sequence[LegacyTurn]
-    ) -> LiveConversation | None:
-        """The conversation document stored under the id whose `turns` were read, when they
-        hold a copy its dual write made (`live_copy`): one lookup, only then; else None."""
-        if not any(turn.dual_write_field is True for turn in turns):
+    async def _live(self, conversation_id: str, read: Sequence[object]) -> LiveConversation | None:
+        """The conversation document stored under the id whose legacy documents were `read`
+        (its legacy turns, and where read, its late ones and prompts), in any state:
+        one lookup, only when one stands; else None. Looked up whether or not its dual write
+        copied anything there, so whose the documents naming no user beside it are
+        (`owns_legacy`), and whose a user's own late turn there is (`reached_by`), never
+        depend on dual write (was: only with a copy there, so with dual write off the last
+        user a late legacy turn named took the turns and prompts naming none)."""
+        if not read:
             return None
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
@@ -420,17 +425,22 @@ class LegacyTurns:
         read as the user (`_naming`); and the late legacy turns (`LATE_TURNS`) naming the
         user, and the user's part of those of the conversations the user owns (`_late_parts`,
         as the user's delete of each takes them), first, as a delete does; how many turns
-        went, each once (`_counted_once`). The legacy collection is read again once the late
-        turns went (a run moving them aside meanwhile: see `delete`), whether or not any
+        went, each once (`_counted_once`). The user owns the legacy conversations under the
+        ids of her conversations stored here (`_stored_lives`), whatever their legacy turns
+        name, so the turns and prompts naming no user beside them go too, dual write on or
+        off, as her delete of each takes them. The legacy collection is read again once the
+        late turns went (a run moving them aside meanwhile: see `delete`), whether or not any
         stood, as a run may have moved them all between the two reads (an erasure is rare:
         two reads of it)."""
         with storage_errors("erase the user's legacy turns"):
             late = await _ids_naming(self._conversations, user_id, within=LATE_TURNS)
-            owned, _ = await self._users_parts(user_id, await self._naming_user(user_id))
-            late += await self._late_parts(user_id, await self._owned_names(user_id, list(owned)))
+            stored = await self._stored_lives(user_id)
+            owned, _ = await self._users_parts(user_id, await self._users_turns(user_id, stored))
+            late += await self._late_parts(user_id, sorted(owned))
             stranded = await self._conversations.delete_many(_late_of(late)) if late else None
-            naming = await self._naming_user(user_id)
-            owned_now, part = await self._users_parts(user_id, naming)
+            read = await self._users_turns(user_id, stored)
+            naming = read.naming
+            owned_now, part = await self._users_parts(user_id, read)
             turns = [d["_id"] for d in naming] + part
             deleted = await self._turns.delete_many({"_id": {"$in": turns}}) if turns else None
             prompts = await _users_prompts(self._prompts, user_id, {**owned, **owned_now})
@@ -438,20 +448,28 @@ class LegacyTurns:
                 await self._prompts.delete_many({"_id": {"$in": prompts}})
         return _counted_once(deleted, stranded, late, turns)
 
-    async def _naming_user(self, user_id: str) -> list[dict[str, Any]]:
-        """The legacy turns naming the user (`_naming`), with the fields telling their owner."""
-        return await _naming(self._turns, user_id, _OWNERSHIP_FIELDS)
+    async def _users_turns(self, user_id: str, stored: dict[str, LiveConversation]) -> UsersTurns:
+        """The legacy turns naming the user (`_naming`), and those under the ids of her
+        conversations stored here (`stored`), with the fields telling their owner: one read
+        for both, so an erasure reaching what names no user beside her conversations costs
+        no round trip more."""
+        beside = [named_filter("conversation_id", name) for name in sorted(stored)]
+        query = {"$or": [_naming_query(user_id), *beside]}
+        found = (await _ownership_read(self._turns, query, _OWNERSHIP_FIELDS)).owned
+        naming = [d for d in found if user_named(d.get("user_id")) == user_id]
+        under = [d for d in found if named_id(d.get("conversation_id")) in stored]
+        return UsersTurns(naming, under, stored)
 
-    async def _owned_names(self, user_id: str, owned: Sequence[str]) -> list[str]:
-        """The ids of the conversations the user owns: as legacy turns (`owned`,
-        `_users_parts`), or in the store (by its id, and the legacy id a derived id records).
-        One round trip."""
+    async def _stored_lives(self, user_id: str) -> dict[str, LiveConversation]:
+        """The user's conversations stored here (in any state), each the live conversation of
+        the legacy documents under its id, and under the legacy id a derived id records: the
+        user owns what names no user there (`owns_legacy`). One round trip."""
         stored = await self._conversations.find(
             {"user_id": user_id, **CONVERSATION_DOCUMENT}, {"legacy_conversation_id": 1}
         ).to_list(None)
-        names = {*owned, *(d["_id"] for d in stored)}
+        names = {d["_id"] for d in stored}
         names |= {legacy_id_of(d["_id"], d.get("legacy_conversation_id")) for d in stored} - {None}
-        return sorted(str(name) for name in names if name is not None)
+        return {str(name): LiveConversation(user_id) for name in names if name is not None}
 
     async def _late_parts(
         self, owner: str | None, conversation_ids: Sequence[str], *, unnamed: bool = True
@@ -473,29 +491,33 @@ class LegacyTurns:
         return (await _ownership_read(self._conversations, late, {"user_id": 1})).owned
 
     async def _users_parts(
-        self, user_id: str, naming: list[dict[str, Any]]
+        self, user_id: str, read: UsersTurns
     ) -> tuple[dict[str, LiveConversation | None], list[Any]]:
-        """The conversations the turns `naming` the user are filed in that the user owns, each
-        as the reader names it (`named_id`: `42` and `"42"`, `ObjectId(X)` and `"X"` are one),
-        with the live conversation stored under its id, if any (`LiveConversation`), and the
-        `_id`s of the user's part of them all (`users_part`). The owner is told over every
-        turn of the conversation, whichever of its ids each names (`named_filter`), as the
-        read fallback, a delete and the migration tell it: an erasure takes another owner's
-        part of no conversation, and the whole part of those the user owns; a live
-        conversation's copies go with the erasure of its owner only (one lookup more, only
-        when the turns hold a copy)."""
-        values = _conversations_named(naming)
-        if not values:
-            return {}, []
-        query = {"$or": [named_filter("conversation_id", value) for value in values]}
-        found = (await _ownership_read(self._turns, query, _OWNERSHIP_FIELDS)).owned
+        """The conversations the user owns, each as the reader names it (`named_id`: `42` and
+        `"42"`, `ObjectId(X)` and `"X"` are one), with the live conversation stored under its
+        id, if any (`LiveConversation`), and the `_id`s of the user's part of them all
+        (`users_part`): those the turns naming the user are filed in that she owns, and those
+        under the ids of her conversations stored here, all hers (`read`, `_users_turns`). The
+        owner is told over every turn of the conversation, whichever of its ids each names
+        (`named_filter`), as the read fallback, a delete and the migration tell it: an erasure
+        takes another owner's part of no conversation, and the whole part of those the user
+        owns; a live conversation's copies, and what names no user beside it, go with the
+        erasure of its owner only. Turns naming her under other ids cost two lookups more:
+        their conversations' turns, and their live conversations (`_lives`)."""
+        stored = read.stored
+        values = [v for v in _conversations_named(read.naming) if named_id(v) not in stored]
+        found = list(read.under)
+        if values:
+            query = {"$or": [named_filter("conversation_id", value) for value in values]}
+            found += (await _ownership_read(self._turns, query, _OWNERSHIP_FIELDS)).owned
         by_name: dict[str, list[dict[str, Any]]] = {}
         for doc in found:
             if (name := named_id(doc.get("conversation_id"))) is not None:
                 by_name.setdefault(name, []).append(doc)
         parsed = {name: parse_turns(docs) for name, docs in by_name.items()}
-        lives = await self._lives(parsed)
-        owned: dict[str, LiveConversation | None] = {}
+        others = {name: turns for name, turns in parsed.items() if name not in stored}
+        lives: dict[str, LiveConversation] = {**await self._lives(others), **stored}
+        owned: dict[str, LiveConversation | None] = dict(stored)
         part: list[Any] = []
         for name, turns in parsed.items():
             if owns_legacy(turns, user_id, lives.get(name)):
@@ -506,19 +528,15 @@ class LegacyTurns:
     async def _lives(
         self, conversations: dict[str, list[LegacyTurn]]
     ) -> dict[str, LiveConversation]:
-        """Of the legacy conversations by name, those holding a dual-written copy whose live
-        conversation is stored under the id they are stored under (`_live`, in one lookup for
-        them all; none when no turn is a copy)."""
-        copying = {
-            turns[0].stored_conversation_id: name
-            for name, turns in conversations.items()
-            if any(turn.dual_write_field is True for turn in turns)
-        }
-        if not copying:
+        """Of the legacy conversations by name, those whose live conversation is stored under
+        the id they are stored under (`_live`, dual write on or off: in one lookup for them
+        all; none for no conversation)."""
+        under = {turns[0].stored_conversation_id: name for name, turns in conversations.items()}
+        if not under:
             return {}
-        query = {"_id": {"$in": list(copying)}, **CONVERSATION_DOCUMENT}
+        query = {"_id": {"$in": list(under)}, **CONVERSATION_DOCUMENT}
         found = await self._conversations.find(query, {"user_id": 1}).to_list(None)
-        return {copying[d["_id"]]: LiveConversation(d.get("user_id")) for d in found}
+        return {under[d["_id"]]: LiveConversation(d.get("user_id")) for d in found}
 
     async def claim(self, from_user_id: str, to_user_id: str, *, kept: Sequence[str] = ()) -> int:
         """Move the user's legacy turns, and the prompts naming the user, to another user id,
@@ -798,6 +816,17 @@ async def _users_prompts(
         if prompt_part_of(d, user_id, live, owns=name in owned):
             taken.append(d["_id"])
     return taken
+
+
+class UsersTurns(NamedTuple):
+    """The legacy turns an erasure starts from (`LegacyTurns._users_turns`)."""
+
+    naming: list[dict[str, Any]]
+    """Those naming the user (`_naming`)."""
+    under: list[dict[str, Any]]
+    """Those under the ids of her conversations stored here, whatever they name."""
+    stored: dict[str, LiveConversation]
+    """Her conversations stored here, by the ids their legacy turns name (`_stored_lives`)."""
 
 
 class OwnershipRead(NamedTuple):
