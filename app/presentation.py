@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from agent_store.core import AgentMessage, PendingHitl, calls_answered
-from agent_store.legacy import flag, normalize_part, part_text
+from agent_store.legacy import flag, normalize_part, not_utf8_at, part_text, storable_text
 from agent_store.store import (
     DERIVED_FIELDS,
     HIDDEN_CHARACTERS,
@@ -467,6 +467,9 @@ class LegacyTurnView:
     """Top-level keys the viewer does not render (shown so nothing is hidden)."""
     printed_whole: int | None = None
     """How many bytes it prints whole, when a page shows it cut to fit (`cut_to_fit`)."""
+    not_utf8: str | None = None
+    """Where a text of it holds bytes that are not valid UTF-8 (`not_utf8_at`), each shown
+    as its escape (`escaped_as_stored`); None when none does."""
 
 
 _KNOWN_TURN_KEYS = {
@@ -531,9 +534,26 @@ def legacy_part_view(raw: Any, room: PageRoom | None = None) -> LegacyPartView:
     return LegacyPartView("unknown", f"Unknown part type {part.declared!r}", room.pretty(fields))
 
 
+def escaped_as_stored(value: Any) -> Any:
+    """A legacy document read as stored (`read_as_stored`) as a page prints it: each byte of
+    its texts (keys too) that is not valid UTF-8, read as a lone surrogate, written as its
+    escape (`storable_text`: `\\udcc3`), which no page could print as it is."""
+    if isinstance(value, str):
+        return storable_text(value)
+    if isinstance(value, Mapping):
+        return {escaped_as_stored(k): escaped_as_stored(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [escaped_as_stored(item) for item in value]
+    return value
+
+
 def legacy_turn_view(doc: Mapping[str, Any], room: PageRoom | None = None) -> LegacyTurnView:
-    """One legacy turn document, readable; its JSON indented within `room` (`PageRoom`)."""
+    """One legacy turn document, readable; its JSON indented within `room` (`PageRoom`). One
+    holding text that is not valid UTF-8 (read as stored) is shown escaped, where it does
+    named (`not_utf8`), whatever field holds it: what an operator corrects."""
     room = room or PageRoom()
+    not_utf8 = not_utf8_at(doc)
+    doc = escaped_as_stored(doc) if not_utf8 is not None else doc
     parts = doc.get("response_parts")
     return LegacyTurnView(
         id=str(doc.get("_id", "")),
@@ -548,6 +568,7 @@ def legacy_turn_view(doc: Mapping[str, Any], room: PageRoom | None = None) -> Le
             doc.get("latency_ms"),
         ),
         other_fields=sorted(str(k) for k in doc if k not in _KNOWN_TURN_KEYS),
+        not_utf8=not_utf8,
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any
@@ -2354,6 +2355,26 @@ async def test_the_api_answers_a_legacy_turn_the_driver_cannot_decode_with_its_e
             assert "not valid UTF-8" in answer.json()["error"]["message"]
 
 
+class Replies:
+    """A cursor of a fake collection whose replies `read` turns into what the client decodes
+    of them (`UndecodableText`, `AsStored`), sorted, skipped and limited as the real one."""
+
+    def __init__(self, cursor: Any, read: Callable[[list[Any]], list[Any]]) -> None:
+        self._cursor, self._read = cursor, read
+
+    def sort(self, *args: Any, **kwargs: Any) -> Replies:
+        return Replies(self._cursor.sort(*args, **kwargs), self._read)
+
+    def skip(self, count: int) -> Replies:
+        return Replies(self._cursor.skip(count), self._read)
+
+    def limit(self, count: int) -> Replies:
+        return Replies(self._cursor.limit(count), self._read)
+
+    async def to_list(self, length: int | None = None) -> list[Any]:
+        return self._read(await self._cursor.to_list(length))
+
+
 class UndecodableText:
     """A fake of a legacy collection on a server holding the document `bad` whose `texts`
     (a turn's `user_message`; a prompt's `prompt`, `action`, `params`, `request_id`) are not
@@ -2372,13 +2393,7 @@ class UndecodableText:
         return documents
 
     def find(self, *args: Any, **kwargs: Any) -> Any:
-        cursor, decoded = self._real.find(*args, **kwargs), self._decoded
-
-        class Replies:
-            async def to_list(self, length: int | None = None) -> list[Any]:
-                return decoded(await cursor.to_list(length))
-
-        return Replies()
+        return Replies(self._real.find(*args, **kwargs), self._decoded)
 
     async def find_one(self, *args: Any, **kwargs: Any) -> Any:
         return self._decoded([await self._real.find_one(*args, **kwargs)])[0]
@@ -2410,13 +2425,10 @@ class AsStored:
         return {**document, **{field: document[field] + "\udcc3(" for field in texts}}
 
     def find(self, *args: Any, **kwargs: Any) -> Any:
-        cursor, as_stored = self._of._real.find(*args, **kwargs), self._as_stored
-
-        class Replies:
-            async def to_list(self, length: int | None = None) -> list[Any]:
-                return [as_stored(found) for found in await cursor.to_list(length)]
-
-        return Replies()
+        as_stored = self._as_stored
+        return Replies(
+            self._of._real.find(*args, **kwargs), lambda found: [as_stored(d) for d in found]
+        )
 
     async def find_one(self, *args: Any, **kwargs: Any) -> Any:
         return self._as_stored(await self._of._real.find_one(*args, **kwargs))
@@ -2887,3 +2899,126 @@ async def test_the_api_answers_an_id_only_a_stuck_turn_stands_under_with_a_404()
             answer = await served.http.request(method, path, json=body, headers=alice)
             assert answer.status_code == 404, (method, path, answer.text)
             assert answer.json()["error"]["code"] == "not_found"
+
+
+VIEWED_FIELDS = ("user_message", "user_id", "_id")
+"""Fields of a legacy turn an operator's comparison reads that `UndecodableText` makes hold
+bytes that are not valid UTF-8: a text, the owner, the `_id`."""
+
+
+@pytest.mark.parametrize("field", VIEWED_FIELDS)
+async def test_the_raw_legacy_turns_an_operator_compares_are_read_as_stored(
+    backend: Backend, field: str
+) -> None:
+    """SECURITY.md: the raw legacy turns the viewer's comparison reads (`turns`,
+    `turns_page`), and whether a conversation has any (`with_turns`, its lists and
+    transcript), read a turn whose text, `user_id` or `_id` holds bytes the driver cannot
+    decode as stored, each such byte a lone surrogate, the other turns as they are (was:
+    StorageFailure, the strict client refusing the whole reply, for the page)."""
+    await _alice_then_undecodable_turn(backend.db)
+    legacy = LegacyTurns(backend.db)
+    legacy._turns = UndecodableText(legacy._turns, "t-bad", (field,))
+
+    page, more = await legacy.turns_page("c-x", limit=10)
+    for turns in (await legacy.turns("c-x", limit=10), page):
+        assert [t["_id"] for t in turns][:1] == ["t-1"]
+        assert turns[1][field].endswith("\udcc3(")
+        assert turns[0]["user_message"] == "alice's question"
+    assert not more
+    assert await legacy.with_turns(["c-x", "c-missing"]) == {"c-x"}
+    await backend.db[LEGACY_TURNS].delete_one({"_id": "t-1"})
+    assert await legacy.with_turns(["c-x"]) == {"c-x"}  # the undecodable turn found first
+
+
+@pytest.mark.parametrize("field", ["_id", "created_at"])
+async def test_a_turn_naming_no_conversation_that_cannot_be_read_stops_no_legacy_turn_id(
+    backend: Backend, field: str
+) -> None:
+    """SECURITY.md: the scan telling apart the turns naming no conversation (`_unnamed`,
+    which every `legacy-turn-` id reads) reads their `_id`s and times as stored, so one
+    holding bytes the driver cannot decode stops no read of another (was: StorageFailure
+    for every `legacy-turn-` id, whoever asked). Named as the migration names it, it is
+    nobody's: one whose `_id` cannot be sent in a query is found under no id; one whose time
+    cannot be read is a Conflict naming it to a service, NotFound to every user."""
+    await backend.db[LEGACY_TURNS].insert_many(
+        [
+            {"_id": "t-bad", "user_id": "alice", "created_at": "2024-01-01T00:00:00",
+             "user_message": "alice's stuck question"},
+            {"_id": "t-ok", "user_id": "alice", "created_at": MESSY_START,
+             "user_message": "alice's question"},
+        ]
+    )  # fmt: skip
+    legacy = LegacyTurns(backend.db)
+    legacy._turns = UndecodableText(legacy._turns, "t-bad", (field,))
+    store = ConversationStore(backend.db, legacy=legacy)
+
+    for reader in ("alice", None):
+        transcript = await store.transcript("legacy-turn-t-ok", user_id=reader)
+        assert [m.content for m in transcript] == ["alice's question"]
+    assert await legacy.with_turns(["legacy-turn-t-ok"]) == {"legacy-turn-t-ok"}
+    for reader in ("alice", "mallory"):
+        with pytest.raises(NotFound):
+            await store.get_conversation("legacy-turn-t-bad", user_id=reader)
+    if field == "_id":
+        with pytest.raises(NotFound):
+            await store.get_conversation("legacy-turn-t-bad")
+    else:
+        with pytest.raises(Conflict, match=f"legacy turn 't-bad'.*{field}.*not valid UTF-8"):
+            await store.get_conversation("legacy-turn-t-bad")
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 2
+
+
+async def test_a_turn_left_in_agent_conversations_whose_owner_cannot_be_read_holds_its_id(
+    backend: Backend,
+) -> None:
+    """MIGRATION.md, SECURITY.md: a turn a copy left in `agent_conversations` whose `user_id`
+    holds bytes the driver cannot decode names nobody, and still holds the id it stands
+    under: a write creating a conversation there is refused as for any turn standing under
+    it (`_refuse_held_by_a_legacy_turn`), NotFound to every user token (Alice's, whom it
+    names as stored, too), Conflict "not migrated yet" to a service, nothing written (was:
+    StorageFailure, the strict read of its `user_id` refusing the reply)."""
+    stuck = _stuck_turn("c-held", "alice", "c-bad")
+    await backend.db[CONVERSATIONS].insert_one(stuck)
+    logger = AgentMessageLogger(backend.db)
+    logger._conversations = UndecodableText(logger._conversations, "c-held", ("user_id",))
+    hi = [{"role": "user", "content": "mine now"}]
+
+    for user in ("alice", "mallory"):
+        with pytest.raises(NotFound):
+            await logger.log_messages("c-held", hi, user_id=user, strict_owner=True)
+        with pytest.raises(NotFound):
+            await logger.upsert_conversation("c-held", user_id=user, strict_owner=True)
+    with pytest.raises(Conflict, match="not migrated yet"):
+        await logger.log_messages("c-held", hi)
+    with pytest.raises(Conflict, match="not migrated yet"):
+        await logger.upsert_conversation("c-held", create_only=True)
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "c-held"}) == stuck
+    assert await backend.db[MESSAGES].count_documents({"conversation_id": "c-held"}) == 0
+
+
+async def test_an_answers_dual_write_marks_the_owners_prompt_beside_one_whose_owner_cannot_be_read(
+    backend: Backend,
+) -> None:
+    """SECURITY.md: the dual write of an answer (`prompt_resolved`) tells the owner's
+    `session_hitl` prompts of the request id by their owner read as stored: it marks Alice's
+    prompt resolved and leaves one whose `user_id` holds bytes the driver cannot decode as it
+    stands, nobody's (was: StorageFailure, the strict read of the prompts refusing the whole
+    reply, after the answer was stored)."""
+    await AgentMessageLogger(backend.db).log_messages(
+        "c-x", [{"role": "user", "content": "pay?"}], user_id="alice"
+    )
+    await backend.db[SESSION_HITL].insert_many(
+        [
+            {"_id": f"p-{name}", "conversation_id": "c-x", "user_id": "alice",
+             "request_id": "confirm-x", "action": "confirm", "status": "pending",
+             "created_at": MESSY_START}
+            for name in ("ok", "bad")
+        ]
+    )  # fmt: skip
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    legacy._prompts = UndecodableText(legacy._prompts, "p-bad", ("user_id",))
+
+    await legacy.prompt_resolved("c-x", "confirm-x")
+
+    prompts = await backend.db[SESSION_HITL].find({}, {"status": 1}).to_list(None)
+    assert {p["_id"]: p["status"] for p in prompts} == {"p-ok": "resolved", "p-bad": "pending"}

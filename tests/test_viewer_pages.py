@@ -897,3 +897,36 @@ async def test_json_nested_too_deep_to_indent_leaves_the_page_room_for_the_json_
         assert page.text.count(str(escape(deep))) == 2  # shown as stored
         for n in range(4):
             assert escape(f'{{\n  "n": {n}\n}}') in page.text
+
+
+@pytest.mark.parametrize("field", ["user_message", "user_id", "_id"])
+async def test_the_legacy_comparison_shows_a_turn_holding_undecodable_text_escaped(
+    field: str,
+) -> None:
+    """SECURITY.md: a legacy turn whose text, `user_id` or `_id` holds bytes the driver cannot
+    decode is shown on the legacy page as stored, each such byte its escape (`\\udcc3`), with
+    a note naming the field, and the conversation's list and transcript link to it (was: 500
+    for each page, the strict client refusing the whole reply; the page is the operator's
+    way to see what to correct)."""
+    from tests.test_legacy_problems import UndecodableText, _alice_then_undecodable_turn
+
+    async with serve(mongomock_db(), seeded=False) as api:
+        await signed_in(api)
+        await api.store.logger.log_messages(
+            "c-x", [{"role": "user", "content": "migrated words"}], user_id="alice"
+        )
+        await _alice_then_undecodable_turn(api.db)
+        api.store.legacy._turns = UndecodableText(api.store.legacy._turns, "t-bad", (field,))
+        await api.db[LEGACY_TURNS].delete_one({"_id": "t-1"})  # the undecodable turn alone
+        listed = await api.http.get("/viewer/users/alice")
+        transcript = await api.http.get("/viewer/conversations/c-x")
+        legacy = await api.http.get("/viewer/conversations/c-x/legacy")
+
+    assert (listed.status_code, transcript.status_code) == (200, 200)
+    assert legacy_links(listed.text) == {"c-x"}
+    assert "compare with legacy turns" in transcript.text
+    assert legacy.status_code == 200, legacy.text
+    assert legacy.text.count("data-legacy-turn=") == 1
+    assert f"<code>{field}</code> holds bytes that are not valid UTF-8" in legacy.text
+    if field != "user_id":  # the page shows no turn's owner
+        assert "\\udcc3(" in legacy.text

@@ -41,7 +41,6 @@ from agent_store.legacy._documents import (
     named_id,
     names_none,
     not_identifiers,
-    not_utf8_at,
     not_utf8_key,
     owner_of,
     parse_turns,
@@ -86,6 +85,7 @@ from agent_store.legacy._session_hitl import (
     with_session_prompts,
 )
 from agent_store.legacy._source import LegacyTurns, turns_known_as
+from agent_store.store import not_utf8_at
 
 __all__ = [
     "AMBIGUOUS_TOOL_RESULT",

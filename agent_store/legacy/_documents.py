@@ -42,7 +42,6 @@ from agent_store.core import (
     InvalidInput,
     describe_validation_error,
     epoch_millis,
-    shown_key,
     to_utc,
     to_utc_millis,
     utc_now,
@@ -52,9 +51,11 @@ from agent_store.store import (
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
     DERIVED_USER_PREFIX,
+    LONE_SURROGATE,
     MAX_NAME_CHARS,
     MIGRATED_TURN_PREFIX,
     TurnRules,
+    not_utf8_at,
     shorten,
     shows_nothing,
     validate_identifier,
@@ -1175,29 +1176,6 @@ def dumps(value: Any, *, compact: bool = False) -> tuple[str, bool]:
         return text, False
 
 
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def not_utf8_at(value: Any, where: str = "") -> str | None:
-    """Where in a stored document a text (a key too) holds bytes that are not valid UTF-8, as
-    a client decoding with `surrogateescape` reads them (the migration's): each such byte a
-    lone surrogate, which no valid UTF-8 spells, so a document read from BSON holds one only
-    so (`a.0.b`, a key that is no plain name shown as `<key>`); None when none does."""
-    if isinstance(value, str):
-        return where or "a text" if _LONE_SURROGATE.search(value) else None
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            at = f"{where}.{shown_key(str(key))}" if where else shown_key(str(key))
-            found = at if _LONE_SURROGATE.search(str(key)) else not_utf8_at(item, at)
-            if found is not None:
-                return found
-    if isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            if (found := not_utf8_at(item, f"{where}.{index}")) is not None:
-                return found
-    return None
-
-
 def refuse_not_utf8(document: Mapping[str, Any], named: str) -> None:
     """InvalidInput when a legacy document (a turn, a `session_hitl` prompt), `named` so in
     the message, holds bytes that are not valid UTF-8 anywhere (`not_utf8_at`, the message
@@ -1236,7 +1214,7 @@ def storable_text(text: str) -> str:
     """A text as BSON holds it: each lone surrogate written as its escape (`\\ud800`), as
     JSON text spells it. What `storable` makes of a value BSON cannot hold, and every text of
     a problem (a detail naming a part kind read from JSON, say)."""
-    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def not_json(value: Any) -> bool:

@@ -37,7 +37,6 @@ from agent_store.legacy._documents import (
     named_filter,
     named_id,
     names_none,
-    not_utf8_at,
     owner_of,
     owns_legacy,
     parse_turns,
@@ -75,6 +74,8 @@ from agent_store.store import (
     bounded_read,
     conversation_by_id,
     fork_turn_id,
+    not_utf8_at,
+    ownership_read,
     read_as_stored,
     refuse_unless_fallback_serves,
     same_conversation,
@@ -87,6 +88,10 @@ live conversation's copies (`live_copy`) apart."""
 _PROMPT_OWNERSHIP_FIELDS = {"conversation_id": 1, "session_id": 1, "user_id": 1, "dual_write": 1}
 """What tells the `session_hitl` prompts a conversation takes (`owners_prompt`) and a user's
 part (`prompt_part_of`) apart from the others."""
+
+_STORED_ORDER = [("created_at", 1), ("_id", 1)]
+"""The order an operator reads a conversation's raw legacy turns in (`LegacyTurns.turns`):
+oldest first, by `created_at`, then `_id`."""
 
 MAX_LEGACY_DOCUMENT_BYTES = 16 * 1024 * 1024 - 64 * 1024
 """A dual-written turn holds its whole texts while it fits in a BSON document (16 MiB, less
@@ -135,7 +140,7 @@ class LegacyTurns:
         the driver cannot decode in another user's turn or prompt under the id is never read for
         her (another's conversation is as a missing one, hers is served without it); in her own
         part it is a StorageFailure, and to a service in any turn, as it reads them all. A turn
-        or prompt whose owner or conversation cannot be read so (`_ownership_read`) is nobody's:
+        or prompt whose owner or conversation cannot be read so (`ownership_read`) is nobody's:
         left out of every user's part; to a service, which reads every turn, such a turn is a
         Conflict naming it (`_refuse_unowned`, one lookup more).
         """
@@ -182,7 +187,7 @@ class LegacyTurns:
         turn in it. What a turn's texts hold is never decoded here, nor later for another
         user's turn, whoever reads."""
         with storage_errors("read the legacy turns"):
-            read = await _ownership_read(self._turns, query, _OWNERSHIP_FIELDS)
+            read = await ownership_read(self._turns, query, _OWNERSHIP_FIELDS)
             found = parse_turns(read.owned, unnamed.names)
         if not found:
             return None
@@ -196,10 +201,10 @@ class LegacyTurns:
 
     async def _refuse_unowned(self, conversation_id: str, query: dict[str, Any]) -> None:
         """Conflict naming the legacy turns `query` selects whose owner or conversation
-        cannot be read (`_ownership_read`), for a service, which reads every turn of the id:
+        cannot be read (`ownership_read`), for a service, which reads every turn of the id:
         whose conversation it is cannot be told, and no byte of it is read whole."""
         with storage_errors("read the legacy turns"):
-            read = await _ownership_read(self._turns, query, _OWNERSHIP_FIELDS)
+            read = await ownership_read(self._turns, query, _OWNERSHIP_FIELDS)
         if read.unowned:
             raise Conflict(
                 f"could not read the legacy conversation {conversation_id!r}: "
@@ -218,7 +223,7 @@ class LegacyTurns:
         decode too. A prompt changed between the two reads is judged again."""
         named = prompts_filter(conversation_id)
         with storage_errors("read the pending prompt"):
-            read = await _ownership_read(self._prompts, named, _PROMPT_OWNERSHIP_FIELDS)
+            read = await ownership_read(self._prompts, named, _PROMPT_OWNERSHIP_FIELDS)
             ids = [prompt["_id"] for prompt in read.owned if taken(prompt)]
             if not ids:
                 return []
@@ -245,14 +250,17 @@ class LegacyTurns:
         legacy id a derived `legacy-conversation-` id stands for, the `_id` a `legacy-turn-`
         id names). One indexed lookup per id, run at once (`_turns_of`'s for a derived id),
         and one scan of the turns naming no conversation for all the `legacy-turn-` ids
-        among them; none for no ids."""
+        among them; none for no ids. Each read as stored (`read_as_stored`): a turn whose
+        `_id` holds bytes that are not valid UTF-8 is found too (was: a StorageFailure, and
+        the viewer's lists and transcript a 500)."""
         ids = list(dict.fromkeys(conversation_ids))
         unnamed = await self._unnamed(*ids)  # one scan for all the `legacy-turn-` ids
 
         async def has_turns(conversation_id: str) -> bool:
             with storage_errors("read the legacy turns"):
                 query, _ = await self._turns_of(conversation_id, unnamed)
-                return await self._turns.find_one(query, {"_id": 1}) is not None
+                found = await read_as_stored(self._turns).find_one(query, {"_id": 1})
+                return found is not None
 
         found = await asyncio.gather(*(has_turns(conversation_id) for conversation_id in ids))
         return {conversation_id for conversation_id, has in zip(ids, found, strict=True) if has}
@@ -260,7 +268,10 @@ class LegacyTurns:
     async def turns(self, conversation_id: str, *, limit: int) -> list[dict[str, Any]]:
         """The legacy turn documents the store knows as `conversation_id` (`_turns_of`, as the
         read fallback finds them), raw, oldest first (by `created_at`, then `_id`), the first
-        `limit` of them: what an operator compares a migrated conversation with.
+        `limit` of them: what an operator compares a migrated conversation with. Read as
+        stored (`read_as_stored`): a text holding bytes that are not valid UTF-8 reads with
+        each a lone surrogate, for the page to show escaped (`not_utf8_at`), never a
+        StorageFailure for them all (was: the strict client refused the whole reply).
 
         NotFound, as the read fallback answers it, when the conversation document under the
         id is one the fallback never serves (`refuse_unless_fallback_serves`: a delete that
@@ -268,7 +279,7 @@ class LegacyTurns:
         the turns: a delete that marks it later came after them. One lookup more."""
         with storage_errors("read the legacy turns"):
             query, _ = await self._turns_of(conversation_id)
-            found = self._turns.find(query).sort([("created_at", 1), ("_id", 1)]).limit(limit)
+            found = read_as_stored(self._turns).find(query).sort(_STORED_ORDER).limit(limit)
             turns = list(await found.to_list(None))
             conversation = await self._conversations.find_one(
                 conversation_by_id(conversation_id), UNSTANDING_READ
@@ -290,7 +301,7 @@ class LegacyTurns:
             query, _ = await self._turns_of(conversation_id)
 
             async def read(size: int, kept: list[dict[str, Any]]) -> list[dict[str, Any]]:
-                found = self._turns.find(query).sort([("created_at", 1), ("_id", 1)])
+                found = read_as_stored(self._turns).find(query).sort(_STORED_ORDER)
                 batch: list[dict[str, Any]] = (
                     await found.skip(skip + len(kept)).limit(size).to_list(None)
                 )
@@ -310,12 +321,12 @@ class LegacyTurns:
         owner; None if it does not. The copies of a live conversation under the id that is
         not the user's are none, and so are the turns naming no user or another user beside
         it (`reached_by`: one lookup more, `_live`, only when turns stand under the id).
-        Turns whose owner cannot be read (`_ownership_read`) hold the id too, for nobody: with
+        Turns whose owner cannot be read (`ownership_read`) hold the id too, for nobody: with
         no other turn to name an owner, the holder names none (was: set apart, they left the
         id free for anyone to create a conversation over them)."""
         query, _ = await self._turns_of(conversation_id)
         with storage_errors("read the legacy turns"):
-            read = await _ownership_read(self._turns, query, _OWNERSHIP_FIELDS)
+            read = await ownership_read(self._turns, query, _OWNERSHIP_FIELDS)
             found = parse_turns(read.owned)
         if found:
             found = [
@@ -350,16 +361,16 @@ class LegacyTurns:
         names = [conversation_id, original or conversation_id]
         with storage_errors("delete the legacy turns"):
             standing = await self._late_turns(names)
-            found = (await _ownership_read(self._turns, turns, _OWNERSHIP_FIELDS)).owned
+            found = (await ownership_read(self._turns, turns, _OWNERSHIP_FIELDS)).owned
             parsed = parse_turns(found, unnamed.names)
             prompts = _prompts_filter(conversation_id, original)
-            read = await _ownership_read(self._prompts, prompts, _PROMPT_OWNERSHIP_FIELDS)
+            read = await ownership_read(self._prompts, prompts, _PROMPT_OWNERSHIP_FIELDS)
             live = await self._live(conversation_id, [*parsed, *standing, *read.owned])
             owns = owns_legacy(parsed, owner, live)
             late = _parts_of(standing, owner, unnamed=owns)
             stranded = await self._conversations.delete_many(_late_of(late)) if late else None
             if late:  # a run may have moved some aside since the read: read them again
-                found = (await _ownership_read(self._turns, turns, _OWNERSHIP_FIELDS)).owned
+                found = (await ownership_read(self._turns, turns, _OWNERSHIP_FIELDS)).owned
                 parsed = parse_turns(found, unnamed.names)
             ids = [found[i]["_id"] for i in users_part(parsed, owner, live)]
             among = {"$and": [turns, *_among_ids(ids)]}
@@ -375,11 +386,12 @@ class LegacyTurns:
         """The filter of the legacy turns the store knows as `conversation_id`, and the turns
         naming no conversation told apart (`tell_apart`; `unnamed` when read already): the
         one rule the read fallback, the ownership check and the delete share
-        (`turns_known_as`)."""
+        (`turns_known_as`). A turn naming none whose `_id` holds bytes that are not valid
+        UTF-8 (`not_utf8_at`) is in no filter: no query can send it."""
         original = await self._original_id(conversation_id)
         if unnamed is None:
             unnamed = await self._unnamed(conversation_id)
-        ids = unnamed.ids.get(conversation_id, [])
+        ids = [i for i in unnamed.ids.get(conversation_id, []) if not_utf8_at(i) is None]
         return turns_known_as(conversation_id, original, ids), unnamed
 
     async def _live(self, conversation_id: str, read: Sequence[object]) -> LiveConversation | None:
@@ -401,12 +413,15 @@ class LegacyTurns:
     async def _unnamed(self, *conversation_ids: str) -> Unnamed:
         """When a `legacy-turn-` id is among `conversation_ids`, the turns naming no
         conversation, told apart (`tell_apart`: one scan of their `_id`s and times, only
-        then); else none."""
+        then); else none. Read as stored (`read_as_stored`), as the migration reads them, so
+        each is named as it names them, and one whose `_id` or time holds bytes that are not
+        valid UTF-8 stops no `legacy-turn-` id's read (was: a StorageFailure for them all)."""
         if not any(cid.startswith(DERIVED_TURN_PREFIX) for cid in conversation_ids):
             return Unnamed({}, {})
         with storage_errors("read the legacy turns"):
             query = names_none("conversation_id")
-            return tell_apart(await self._turns.find(query, NAMING_FIELDS).to_list(None))
+            found = await read_as_stored(self._turns).find(query, NAMING_FIELDS).to_list(None)
+            return tell_apart(found)
 
     async def _original_id(self, conversation_id: str) -> str | None:
         """The legacy id a conversation migrated under a derived `legacy-conversation-` id
@@ -455,7 +470,7 @@ class LegacyTurns:
         no round trip more."""
         beside = [named_filter("conversation_id", name) for name in sorted(stored)]
         query = {"$or": [_naming_query(user_id), *beside]}
-        found = (await _ownership_read(self._turns, query, _OWNERSHIP_FIELDS)).owned
+        found = (await ownership_read(self._turns, query, _OWNERSHIP_FIELDS)).owned
         naming = [d for d in found if user_named(d.get("user_id")) == user_id]
         under = [d for d in found if named_id(d.get("conversation_id")) in stored]
         return UsersTurns(naming, under, stored)
@@ -488,7 +503,7 @@ class LegacyTurns:
         named = sorted(set(conversation_ids))
         held = {"$or": [named_filter("conversation_id", cid) for cid in named]}
         late = {"$and": [held, LATE_TURNS]}
-        return (await _ownership_read(self._conversations, late, {"user_id": 1})).owned
+        return (await ownership_read(self._conversations, late, {"user_id": 1})).owned
 
     async def _users_parts(
         self, user_id: str, read: UsersTurns
@@ -509,7 +524,7 @@ class LegacyTurns:
         found = list(read.under)
         if values:
             query = {"$or": [named_filter("conversation_id", value) for value in values]}
-            found += (await _ownership_read(self._turns, query, _OWNERSHIP_FIELDS)).owned
+            found += (await ownership_read(self._turns, query, _OWNERSHIP_FIELDS)).owned
         by_name: dict[str, list[dict[str, Any]]] = {}
         for doc in found:
             if (name := named_id(doc.get("conversation_id"))) is not None:
@@ -568,10 +583,11 @@ class LegacyTurns:
         rollback it asks it no more, and a second attempt keeps it resolved. Only the
         prompts of its owner's part (`owners_prompt`, as a delete and the migration take
         them): another user's prompt of the same request id is never marked by the owner's
-        answer, and stays pending, kept in its problem. Three round trips: the
-        conversation's owner (and the legacy id a derived id names), its prompts of the id,
-        the mark. A prompt the owner's part of `session_hitl` does not hold (raised by a live
-        turn: the dual write writes turns) gets a record of the answer instead (`answer_record`,
+        answer, and stays pending, kept in its problem, and so does one whose owner cannot be
+        read (`ownership_read`: nobody's). Three round trips: the conversation's owner (and
+        the legacy id a derived id names), its prompts of the id, the mark. A prompt the
+        owner's part of `session_hitl` does not hold (raised by a live turn: the dual write
+        writes turns) gets a record of the answer instead (`answer_record`,
         one per request id, in the mark's round trip), which a second attempt after a rollback
         reads: the document that remembered the answer went with the rollback."""
         if not self.dual_write:
@@ -593,7 +609,7 @@ class LegacyTurns:
             ]
         }
         with storage_errors("write the resolved prompt (dual write)"):
-            prompts = await self._prompts.find(query, {"user_id": 1}).to_list(None)
+            prompts = (await ownership_read(self._prompts, query, {"user_id": 1})).owned
             ids = [d["_id"] for d in prompts if owners_prompt(owner, d)]
             if ids:
                 mark = {"$set": resolved_by_dual_write(utc_now())}
@@ -787,7 +803,7 @@ async def _naming(
     query = _naming_query(user_id)
     if within is not None:
         query = {"$and": [query, within]}
-    found = (await _ownership_read(collection, query, {**fields, "user_id": 1})).owned
+    found = (await ownership_read(collection, query, {**fields, "user_id": 1})).owned
     return [d for d in found if user_named(d.get("user_id")) == user_id]
 
 
@@ -810,7 +826,7 @@ async def _users_prompts(
     by `prompt_part_of` over every prompt of those conversations, as the delete tells them."""
     query = {"$or": [_naming_query(user_id), *(prompts_filter(name) for name in owned)]}
     taken = []
-    for d in (await _ownership_read(prompts, query, _PROMPT_OWNERSHIP_FIELDS)).owned:
+    for d in (await ownership_read(prompts, query, _PROMPT_OWNERSHIP_FIELDS)).owned:
         name = prompt_conversation(d)
         live = owned.get(name) if name is not None else None
         if prompt_part_of(d, user_id, live, owns=name in owned):
@@ -827,36 +843,6 @@ class UsersTurns(NamedTuple):
     """Those under the ids of her conversations stored here, whatever they name."""
     stored: dict[str, LiveConversation]
     """Her conversations stored here, by the ids their legacy turns name (`_stored_lives`)."""
-
-
-class OwnershipRead(NamedTuple):
-    """Documents read by their ownership fields (`_ownership_read`)."""
-
-    owned: list[dict[str, Any]]
-    """Those whose fields read hold text only: whose they are can be told."""
-    unowned: list[str]
-    """The others, each named by its `_id` and the field (`'t-1': user_id holds …`)."""
-
-
-async def _ownership_read(
-    collection: Any, query: dict[str, Any], fields: dict[str, Any]
-) -> OwnershipRead:
-    """The documents of `collection` `query` selects, their ownership `fields` read as
-    stored (`read_as_stored`): the one read every rule telling whose a legacy turn or prompt
-    is starts from. One whose fields read hold bytes that are not valid UTF-8 (`not_utf8_at`:
-    its `user_id`, its conversation's id, its `_id`) belongs to nobody who can ask for it: set
-    apart, never anyone's part or owner, never read whole, its `_id` sent in no query (was:
-    the strict client refused the whole reply, `InvalidBSON`, so every read, write and delete
-    of the id was a StorageFailure, whoever asked)."""
-    found = await read_as_stored(collection).find(query, fields).to_list(None)
-    owned, unowned = [], []
-    for document in found:
-        if (where := not_utf8_at(document)) is None:
-            owned.append(document)
-        else:
-            named = f"{document.get('_id')!r}: {where} holds bytes that are not valid UTF-8"
-            unowned.append(named)
-    return OwnershipRead(owned, unowned)
 
 
 def _among_ids(ids: list[Any]) -> list[dict[str, Any]]:

@@ -7,11 +7,11 @@ import asyncio
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 from bson.errors import InvalidBSON
 from dns.exception import DNSException
@@ -26,6 +26,7 @@ from agent_store.core import (
     StorageUnavailable,
     StoreError,
     Unsupported,
+    shown_key,
 )
 
 Database = Any
@@ -208,9 +209,10 @@ def read_as_stored(collection: Any) -> Any:
     """`collection` reading a text that holds bytes that are not valid UTF-8 (MongoDB stores
     what a writer gave unchecked) with each such byte a lone surrogate (`surrogateescape`),
     where the strict client refuses the whole reply (`InvalidBSON`): for the reads that tell
-    whose a document is, which set such a document apart by what they read and serve, write
-    or send back no text so read. A collection of no real server (mongomock: it holds Python
-    values and decodes nothing) is as it is."""
+    whose a document is (`ownership_read`), which set such a document apart by what they
+    read and serve, write or send back no text so read, and for an operator's reads of the
+    documents as stored, which show each such byte escaped (`not_utf8_at`). A collection of
+    no real server (mongomock: it holds Python values and decodes nothing) is as it is."""
     try:
         options = collection.codec_options.with_options(
             unicode_decode_error_handler="surrogateescape"
@@ -218,6 +220,62 @@ def read_as_stored(collection: Any) -> Any:
     except NotImplementedError:  # mongomock's codec options take the strict handler only
         return collection
     return collection.with_options(codec_options=options)
+
+
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A UTF-16 surrogate alone: what `read_as_stored` reads each byte that is not valid UTF-8
+as, which no valid UTF-8 spells."""
+
+
+def not_utf8_at(value: Any, where: str = "") -> str | None:
+    """Where in a stored document a text (a key too) holds bytes that are not valid UTF-8, as
+    a client decoding with `surrogateescape` reads them (`read_as_stored`, the migration's):
+    each such byte a lone surrogate (`LONE_SURROGATE`), so a document read from BSON holds
+    one only so (`a.0.b`, a key that is no plain name shown as `<key>`); None when none does."""
+    if isinstance(value, str):
+        return where or "a text" if LONE_SURROGATE.search(value) else None
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            at = f"{where}.{shown_key(str(key))}" if where else shown_key(str(key))
+            found = at if LONE_SURROGATE.search(str(key)) else not_utf8_at(item, at)
+            if found is not None:
+                return found
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            if (found := not_utf8_at(item, f"{where}.{index}")) is not None:
+                return found
+    return None
+
+
+class OwnershipRead(NamedTuple):
+    """Documents read by their ownership fields (`ownership_read`)."""
+
+    owned: list[dict[str, Any]]
+    """Those whose fields read hold text only: whose they are can be told."""
+    unowned: list[str]
+    """The others, each named by its `_id` and the field (`'t-1': user_id holds …`)."""
+
+
+async def ownership_read(
+    collection: Any, query: dict[str, Any], fields: dict[str, Any]
+) -> OwnershipRead:
+    """The documents of `collection` `query` selects, their ownership `fields` read as
+    stored (`read_as_stored`): the one read every rule telling whose a legacy turn or prompt
+    is starts from, in the legacy collections and in `agent_conversations` alike. One whose
+    fields read hold bytes that are not valid UTF-8 (`not_utf8_at`: its `user_id`, its
+    conversation's id, its `_id`) belongs to nobody who can ask for it: set apart, never
+    anyone's part or owner, never read whole, its `_id` sent in no query (was: the strict
+    client refused the whole reply, `InvalidBSON`, so every read, write and delete of the id
+    was a StorageFailure, whoever asked)."""
+    found = await read_as_stored(collection).find(query, fields).to_list(None)
+    owned, unowned = [], []
+    for document in found:
+        if (where := not_utf8_at(document)) is None:
+            owned.append(document)
+        else:
+            named = f"{document.get('_id')!r}: {where} holds bytes that are not valid UTF-8"
+            unowned.append(named)
+    return OwnershipRead(owned, unowned)
 
 
 def _caused_by_dns(exc: BaseException) -> bool:

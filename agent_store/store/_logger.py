@@ -79,6 +79,7 @@ from agent_store.store._driver import (
     Database,
     async_database,
     only_duplicates,
+    ownership_read,
     pause,
     storage_errors,
 )
@@ -2273,14 +2274,16 @@ class AgentMessageLogger:
         `relocate.held_by_left`), and no conversation is created where it stands until a run
         has moved it aside: refused as not migrated yet (`not_migrated_yet`; a fork's
         reservation as for any id that is taken, `_held`), NotFound to a user token the turn
-        does not name, nothing written. Nothing when none is there (another writer created
-        the conversation meanwhile). One round trip, on that path only."""
+        does not name, nothing written. A turn whose `user_id` holds bytes that are not valid
+        UTF-8 names nobody (`ownership_read`), and holds the id all the same (was: its strict
+        read a StorageFailure). Nothing when none is there (another writer created the
+        conversation meanwhile). One round trip, on that path only."""
+        held = {"_id": conversation_id, **LEGACY_TURN_DOCUMENT}
         with storage_errors("read the conversation"):
-            turn = await self._conversations.find_one(
-                {"_id": conversation_id, **LEGACY_TURN_DOCUMENT}, {"user_id": 1}
-            )
-        if turn is not None:
-            raise _not_migrated(conversation_id, actor, turn.get("user_id"), "written", condition)
+            read = await ownership_read(self._conversations, held, {"user_id": 1})
+        if read.owned or read.unowned:
+            owner = read.owned[0].get("user_id") if read.owned else None
+            raise _not_migrated(conversation_id, actor, owner, "written", condition)
 
     async def _replayed_by(
         self,
