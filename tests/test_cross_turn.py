@@ -53,7 +53,7 @@ from agent_store.integrations.streams import (
 )
 from agent_store.store import CONVERSATIONS, PENDING_CALLS_KEPT
 from agent_store.store import _logger as _logger_module
-from agent_store.store._logger import Corrected, OtherContent
+from agent_store.store._logger import Corrected, OtherContent, Unreserved
 from agent_store.store._reservation import DELETING, BeingDeleted
 from agent_store.store._turns import answered_in, message_id, pending_after
 from tests.api_harness import auth_headers, digest, reserved_insert_lost, serve
@@ -8653,6 +8653,178 @@ async def test_a_stalled_writer_landing_is_acknowledged_only_with_its_answers_ta
     await logger.log_messages(CID, [_user("still there?")], turn_id="tD")  # folds what is owed
     assert await pending_state(store) == (["c2"], None)
     assert await pending_state(store) == _folded(await store.transcript(CID))
+
+
+async def _answered_then_listed_again(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, asked: list[dict[str, Any]], cut: str | None
+) -> tuple[AgentMessageLogger, ConversationStore, str]:
+    """t0 makes c1 (and asks `asked`); tA answers c1 (naming it) and makes c2, reserving a day
+    ago; tB finds its block passed and empty: c1 listed again; tC is still being written.
+    With `cut` (`_LANDING_CUT`), tA's writer stalled inside its insert, which then lands,
+    and is cut right there, never sent again; without, tA's insert was lost (nothing of it
+    stored). Every logger has the default rules. Returns one, the store, and the id of the
+    message making c1."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    made = await logger.log_messages(
+        CID, [_user("Search."), _book("c1", "search"), *asked], turn_id="t0"
+    )
+    made_by = made.messages[1].id
+    writer = AgentMessageLogger(backend.db)
+    tA = [_answer("c1", "found"), _book("c2")]
+    clock = _ReservedADayAgo(monkeypatch)
+    if cut is None:
+        await reserved_insert_lost(
+            writer, partial(writer.log_messages, CID, tA, turn_id="tA", answers_to={"c1": made_by})
+        )
+        clock.caught_up()
+    else:
+        stall = _StalledInsert(writer, monkeypatch)
+        late = await stall.start(
+            writer.log_messages(CID, tA, turn_id="tA", answers_to={"c1": made_by})
+        )
+        clock.caught_up()  # tA's insert is sent, and stalls
+    await logger.log_messages(CID, [_user("hello?")], turn_id="tB")
+    assert "c1" in [c.tool_call_id for c in await store.pending_calls(CID)]
+    await reserved_insert_lost(
+        logger, partial(logger.log_messages, CID, [_say("...")], turn_id="tC")
+    )
+    if cut is not None:
+        error, step = _LANDING_CUT[cut]
+        await _fails_with(error, monkeypatch, step)
+        stall.release()
+        with pytest.raises(type(error)):
+            await late
+    monkeypatch.undo()
+    return logger, store, made_by
+
+
+async def _answers_to_c1(backend: Backend) -> list[Any]:
+    store = ConversationStore(backend.db)
+    return [m.content for m in await store.transcript(CID) if m.tool_call_id == "c1"]
+
+
+_SECOND_ANSWER = ["answers_to", "check_turn", "streamed"]
+"""How a second client answers c1: a turn naming it (`answers_to`), `check_turn` first, or a
+streamed turn carrying its result (`log_streamed_turn`, which checks it first)."""
+
+
+@pytest.mark.parametrize("route", _SECOND_ANSWER)
+@pytest.mark.parametrize("cut", list(_LANDING_CUT))
+async def test_a_call_listed_again_whose_answer_landed_takes_no_second_answer(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, cut: str, route: str
+) -> None:
+    """RELIABILITY.md: c1 is listed again only because the block that answered it (tA's) was
+    passed as abandoned; tA's stalled insert then lands and its writer is cut right there
+    (`_LANDING_CUT`), never sent again: no fold is owed for it, nothing takes c1 off. A
+    second client's answer to c1 (a turn naming it, `check_turn` and a streamed turn alike)
+    looks whether an answer landed (the fold marked c1 as listed again): `AnsweredBefore`,
+    nothing stored, c1 taken off the list, and the fold tA's writer did not write owed (tC
+    is being written): once tC lands it lists tA's own call c2. While a fold is owed (tA's writer
+    reached it, or a look owed it), the turn is `Unreserved` (send it again), as before,
+    then `AnsweredBefore`. tA sent again afterwards is a replay, c1 answered once."""
+    logger, store, made_by = await _answered_then_listed_again(backend, monkeypatch, [], cut)
+    second = [_answer("c1", "again")]
+    owed = cut != "died-before-fold"  # its writer reached its fold: owed while tC is written
+    streamed = turn_from_metadata(
+        [{"type": "tool_end", "tool_name": "search", "tool_call_id": "c1", "result": "again"}],
+        complete=True,
+        pending=await store.pending_calls(CID),
+    )
+
+    async def answer_again() -> Any:
+        if route == "streamed":
+            return await log_streamed_turn(
+                logger=logger, store=store, conversation_id=CID, turn=streamed, turn_id="tR"
+            )
+        return await logger.log_messages(CID, second, turn_id="tR", answers_to={"c1": made_by})
+
+    if route == "check_turn":
+        with pytest.raises(AnsweredBefore):
+            await logger.check_turn(CID, second, turn_id="tR", answers_to={"c1": made_by})
+    # the look owes the fold the landed writer did not write (tC is being written)
+    with pytest.raises(Unreserved if owed or route == "check_turn" else AnsweredBefore):
+        await answer_again()  # Unreserved: send it again
+
+    assert await _answers_to_c1(backend) == ["found"]
+    if owed and route != "check_turn":  # the owed fold, once tC lands, takes c1 off
+        assert "c1" in [c.tool_call_id for c in await store.pending_calls(CID)]
+        await logger.log_messages(CID, [_say("...")], turn_id="tC")
+        with pytest.raises(AnsweredBefore):
+            await answer_again()
+    assert "c1" not in [c.tool_call_id for c in await store.pending_calls(CID)]
+    again = await AgentMessageLogger(backend.db).log_messages(
+        CID,
+        [_answer("c1", "found"), _book("c2")],
+        turn_id="tA",
+        answers_to={"c1": made_by},
+    )
+    assert again.replayed
+    assert await _answers_to_c1(backend) == ["found"]
+    await logger.log_messages(CID, [_say("...")], turn_id="tC")  # lands: nothing being written
+    await logger.log_messages(CID, [_user("still there?")], turn_id="tD")
+    assert await pending_state(store) == (["c2"], None)
+    assert await pending_state(store) == _folded(await store.transcript(CID))
+
+
+@pytest.mark.parametrize("cut", list(_LANDING_CUT))
+async def test_a_prompt_holding_a_call_listed_again_whose_answer_landed_is_answered_no_more(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, cut: str
+) -> None:
+    """The same over a person's answer: r1 holds c1; tA's answer to c1 lands after its block
+    was passed (r1 and c1 pending again) and its writer is cut there, never sent again. Her
+    answer to r1 looks whether an answer to the calls r1 holds landed: one did, so c1 goes
+    off the list with the prompt its answer clears, as the landing's take-off would, and her
+    answer is refused as one to a prompt no longer pending (Conflict): nothing approved."""
+    _, store, _ = await _answered_then_listed_again(
+        backend, monkeypatch, [_asks_about("r1", "c1")], cut
+    )
+    assert (await pending_state(store))[1] == "r1"
+
+    with pytest.raises(Conflict):
+        await store.resolve_hitl(CID, "r1")
+
+    assert await _approved_calls(backend) == []
+    assert "c1" not in [c.tool_call_id for c in await store.pending_calls(CID)]
+    assert (await pending_state(store))[1] is None
+    assert await _answers_to_c1(backend) == ["found"]
+
+
+async def test_a_call_listed_again_whose_answer_never_landed_takes_the_second_answer(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The look finds nothing when tA's insert was really lost: c1, listed again, takes the
+    second client's answer (`check_turn` passes it), stored once; tA's late retry is then
+    judged where it would land (once tC landed), `AnsweredBefore`, nothing of it stored."""
+    logger, store, made_by = await _answered_then_listed_again(backend, monkeypatch, [], None)
+    second = [_answer("c1", "again")]
+
+    await logger.check_turn(CID, second, turn_id="tR", answers_to={"c1": made_by})
+    logged = await logger.log_messages(CID, second, turn_id="tR", answers_to={"c1": made_by})
+
+    assert not logged.replayed
+    assert await _answers_to_c1(backend) == ["again"]
+    assert "c1" not in [c.tool_call_id for c in await store.pending_calls(CID)]
+    await logger.log_messages(CID, [_say("...")], turn_id="tC")  # lands: nothing being written
+    with pytest.raises(AnsweredBefore):
+        await AgentMessageLogger(backend.db).log_messages(
+            CID, [_answer("c1", "found"), _book("c2")], turn_id="tA", answers_to={"c1": made_by}
+        )
+    assert await _answers_to_c1(backend) == ["again"]
+
+
+async def test_a_prompt_holding_a_call_listed_again_whose_answer_never_landed_is_answered(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Her answer to r1, holding c1 listed again while tA's insert was really lost, is
+    recorded as with no stall: c1 approved, r1 resolved."""
+    _, store, _ = await _answered_then_listed_again(
+        backend, monkeypatch, [_asks_about("r1", "c1")], None
+    )
+
+    await store.resolve_hitl(CID, "r1")
+
+    assert await _approved_calls(backend) == ["c1"]
+    assert (await pending_state(store))[1] is None
 
 
 _ASKED_AGAIN = {

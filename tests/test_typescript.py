@@ -153,7 +153,7 @@ def test_the_conversation_document_declares_the_bookkeeping_as_optional() -> Non
         "resolved_hitl?": "unknown[]", "answered_prompts?": "unknown[]",
         "approved_calls?": "unknown[]", "owned_from?": "number",
         "last_step?": "string | null", "refold_owed?": "Date | null",
-        "pending_blocks?": "unknown[]",
+        "pending_blocks?": "unknown[]", "calls_relisted?": "unknown[]",
         "epoch?": "string | null", "epoch_marks?": "boolean", "migrated?": "boolean",
         "name_message_id?": "string | null",
         "copy_of?": "string | null", "calls_pushed_off?": "Record<string, unknown> | null",

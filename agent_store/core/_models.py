@@ -1153,6 +1153,18 @@ class PendingBlock(_Model):
     whether it holds a message, and the next reservation drops it."""
 
 
+class CallRelisted(_Model):
+    """A pending call a fold of the pending state listed again, off the list as it read the
+    conversation: the block of the turn that answered it was passed as abandoned, and that
+    turn's insert may still have landed (extension; the store's bookkeeping, never served).
+    An answer to it looks first whether one did."""
+
+    tool_call_id: str = Field(alias="c")
+    """The call's id."""
+    message_id: str = Field(alias="m")
+    """The message that made it."""
+
+
 class CallsPushedOff(_Model):
     """The newest call the bound of a conversation's `pending_calls` (the newest
     `PENDING_CALLS_KEPT`) pushed off in this life, and the ids of the newest it pushed off
@@ -1445,6 +1457,11 @@ class Conversation(_Model):
     store's bookkeeping, never served; emptied while nothing is pending): that turn looks
     whether they hold a message, and one holding none (its writer died before its insert)
     has the pending state folded again from the stored messages."""
+    calls_relisted: list[CallRelisted] = Field(default_factory=list, exclude=True)
+    """The pending calls a fold listed again though they were off the list (`CallRelisted`;
+    the store's bookkeeping, never served; absent until a fold does): an answer to one, a
+    turn's or a person's, first looks whether the answer of the turn whose block was passed
+    as abandoned landed since, and is refused when one did."""
     refold_owed: UtcDatetime | None = Field(default=None, exclude=True)
     """When a fold of the pending state from the stored messages, after a move or a
     give-back, could not be written (the conversation kept changing under it, or a turn below

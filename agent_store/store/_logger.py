@@ -127,6 +127,7 @@ from agent_store.store._relocated import (
     Unmovable,
     Unwritten,
     hold_asked_again,
+    looked_again,
     looked_up,
     lookup,
     refold,
@@ -145,6 +146,7 @@ from agent_store.store._reservation import (
     PENDING_BLOCKS,
     PUSHED_OFF,
     REFOLD_OWED,
+    RELISTED,
     RESERVED,
     STANDING,
     SUMMARY,
@@ -180,6 +182,7 @@ from agent_store.store._reservation import (
     of_epoch,
     recorded_block,
     released_calls,
+    relisted_among,
     relocation,
     reservation,
     reservation_filter,
@@ -187,6 +190,7 @@ from agent_store.store._reservation import (
     same_conversation,
     seen_by_caller,
     unfinished_fork,
+    unmarked,
     updated_at_left,
     with_none_of,
 )
@@ -866,10 +870,11 @@ class AgentMessageLogger:
         named message is looked for (one still being written may make the call:
         `_Landed`); the turn's own record there (another attempt of it logged it since it was
         judged new: the answer may be its own), `_LoggedMeanwhile`, for the caller to judge it
-        again as a retry. Two reads (the conversation, then the messages), on that refusal
-        only. The conversation is read while `actor` may write to it (`Actor.owner_filter`):
-        one another owner holds now (deleted and started again since the refusal) is never
-        judged, `refused` is raised as when none is there."""
+        again as a retry; `AnsweredBefore` for a call marked listed again whose answer
+        landed (`_refuse_landed`). Two reads (the conversation, then the messages), on that
+        refusal only. The conversation is read while `actor` may write to it
+        (`Actor.owner_filter`): one another owner holds now (deleted and started again since
+        the refusal) is never judged, `refused` is raised as when none is there."""
         named = _named_answers(plan, _answers_to(answers_to))
         named = {c: m for c, m in named.items() if c in refused.tool_call_ids}
         if not named:  # denials only: a person approved the calls first
@@ -882,6 +887,7 @@ class AgentMessageLogger:
             raise refused
         if recorded_block(conversation, plan.key) is not None:
             raise _logged_meanwhile(plan)
+        await self._refuse_landed(plan, conversation, named)
         named = await self._placed(conversation, named)
         found, landed, written = await self._answers_landing(
             conversation, named, "read the messages answers_to names"
@@ -900,6 +906,26 @@ class AgentMessageLogger:
             pops=int(conversation.get("pops") or 0),
             epoch=conversation.get("epoch"),
         )
+
+    async def _refuse_landed(
+        self, plan: TurnPlan, conversation: Mapping[str, Any], named: Mapping[str, str]
+    ) -> None:
+        """For `_unanswered`: `AnsweredBefore` for the calls `named` that `conversation` marks
+        listed again (`RELISTED`: the block that answered them was passed as abandoned) whose
+        answer landed since (`_relocated.looked_again`: one `find`; when one did, the fold its
+        writer owed, else the take-off). A call whose answer did not land loses its mark and
+        is taken as the latest pending call of its id. Nothing read when none is marked."""
+        if marked := relisted_among(conversation, named.items()):
+            landed = await looked_again(
+                self._conversations,
+                self._messages,
+                conversation,
+                marked,
+                abandon_after=self.rules.abandon_after,
+                name_chars=self.rules.name_chars,
+            )
+            if landed:
+                raise _answered_first(plan, landed)
 
     async def _placed(
         self, conversation: Mapping[str, Any], named: dict[str, str]
@@ -4133,9 +4159,12 @@ _ANSWERED_FIELDS = {
     "pending_calls": 1,
     "approved_calls": 1,
     "resolved_hitl": 1,
+    "created_at": 1,
+    RELISTED: 1,
 }
-"""What `_unanswered` reads of the conversation: where it stands (`AsRead`), its `Gaps`, and
-what tells which of a turn's answers it settled before (`answered_since`, `released_calls`)."""
+"""What `_unanswered` reads of the conversation: where it stands (`AsRead`), its `Gaps`, what
+tells which of a turn's answers it settled before (`answered_since`, `released_calls`), and
+the calls listed again (`RELISTED`, `_relocated.looked_again`)."""
 _MOVE_READ = {"message_count": 1, "last_step": 1}
 """What a refused move reads of the conversation: what its refusal says
 (`Condition.moved_explain`)."""
@@ -5108,7 +5137,8 @@ def _answers(
     (`answers_to`: tool call id to the message that made the call, as read from
     `pending_calls`; one naming a call the turn does not answer is refused as it is planned,
     `_check_answers_named`): each is still the latest pending call of its id
-    (`answers_hold`), the one the answer takes. A call
+    (`answers_hold`), the one the answer takes, and not marked listed again (`unmarked`: the
+    lookup of `AgentMessageLogger._unanswered` looks first whether an answer landed). A call
     another turn answered since keeps that first answer: `AnsweredBefore`, naming it; one a
     later call of its id now follows would have the answer taken by that call: a Conflict.
     Nothing is written either way. None for a turn naming none of its answers.
@@ -5120,8 +5150,8 @@ def _answers(
         return None
     every = _answered_first(plan, sorted(named))
     held = {c: m for c, m in named.items() if as_read is None or c not in as_read.calls}
-    holds = [answers_hold(held)] if held else []
-    if as_read is not None:
+    holds = [answers_hold(held), unmarked(held)] if held else []
+    if as_read is not None and as_read.calls:  # none taken as read: no guard needed
         holds.append(as_read.filter())
 
     def retried(conversation: Mapping[str, Any], own: Collection[str]) -> StoreError | None:

@@ -78,14 +78,16 @@ from agent_store.store._pop import (
     finish_marked,
     popped_since_read,
 )
-from agent_store.store._relocated import settle
+from agent_store.store._relocated import looked_again, settle
 from agent_store.store._reservation import (
     CONVERSATION_DOCUMENT,
     DELETING,
     LISTED,
     MIGRATING,
+    NONE_RELISTED,
     NOT_BEING_DELETED,
     REFOLD_OWED,
+    RELISTED,
     STANDING,
     SUMMARY,
     UNSTANDING_READ,
@@ -99,10 +101,12 @@ from agent_store.store._reservation import (
     of_epoch,
     refuse_unless_fallback_serves,
     refuse_unless_standing,
+    relisted_held,
     resolution,
     same_as_read,
     same_conversation,
     seen_by_caller,
+    with_none_of,
 )
 from agent_store.store._tail import LEFT_BEFORE_READ, LeftBefore, settled
 from agent_store.store._text import clean_name, collapse_whitespace, search_words
@@ -459,9 +463,14 @@ _PROMPTS_READ = {
     "resolved_hitl": 1,
     "approved_calls": 1,
     "pending_calls": 1,
+    "epoch": 1,
+    "created_at": 1,
+    "pops": 1,
+    RELISTED: 1,
     **UNSTANDING_READ,
 }
-"""What an answer that resolved nothing reads to tell why (`resolve_hitl`)."""
+"""What an answer that resolved nothing reads to tell why (`resolve_hitl`), and to look at
+the calls listed again it holds (`RELISTED`, `_relocated.looked_again`)."""
 
 
 class ConversationStore:
@@ -1838,7 +1847,7 @@ class ConversationStore:
         the first one's. Once the id is resolved, an answer naming a call no answer of the
         id released (a call a turn denied, another prompt's) is refused as before.
         `call_ids` name the calls by their ids only: a later call of the same id is taken
-        for the one read.
+        for the one read. A prompt holding a call listed again: `_resolution_recorded`.
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidInput("request_id must be a non-empty string")
@@ -1846,12 +1855,9 @@ class ConversationStore:
         concerns = concerned_calls(call_ids, calls)
         scope = self._scope(conversation_id, user_id, or_unowned=or_unowned)
         query, update = resolution(request_id, concerns)
-        with storage_errors("resolve the pending prompt"):
-            result = await self._conversations.update_one(scope | query | STANDING, update)
-        if result.matched_count:
+        doc = await self._resolution_recorded(scope, query, update, request_id)
+        if doc == {}:
             return await self._resolved_in_legacy(conversation_id, request_id)
-        with storage_errors("read the pending prompt"):
-            doc = await self._conversations.find_one(scope, _PROMPTS_READ)
         if doc is None:  # NotFound, or legacy turns not migrated yet: read-only
             await self._refuse_unmigrated(conversation_id, user_id, "answered")
         assert doc is not None  # else `_refuse_unmigrated` raised
@@ -1862,6 +1868,51 @@ class ConversationStore:
         if not answered_before(doc, request_id, concerns):
             await self._answer_unheld(scope, conversation_id, request_id, doc, concerns)
         return await self._resolved_in_legacy(conversation_id, request_id)
+
+    async def _resolution_recorded(
+        self,
+        scope: dict[str, Any],
+        query: dict[str, Any],
+        update: list[dict[str, Any]],
+        request_id: str,
+    ) -> dict[str, Any] | None:
+        """`resolve_hitl`'s answer (`query`, `update`) recorded while no call is marked listed
+        again (`RELISTED`): `{}`. Matching nothing, the conversation read (`_PROMPTS_READ`;
+        None: gone); one marking calls listed again: those the prompt holds are looked at
+        (`_relocated.looked_again`: a call whose answer landed goes off the list with the
+        prompt it clears, by the fold the landed turn owed, else the take-off, and the answer
+        is refused as one to a prompt no longer pending; the others' marks go), and the
+        answer is recorded again while none of them is marked: `{}` when it was, else the
+        conversation read again. A read, a `find` and an update more, on that path only."""
+        with storage_errors("resolve the pending prompt"):
+            unmarked = scope | query | STANDING | NONE_RELISTED
+            if (await self._conversations.update_one(unmarked, update)).matched_count:
+                return {}
+        doc = await self._prompts_read(scope)
+        if doc is None or not doc.get(RELISTED):
+            return doc
+        marked = relisted_held(doc, request_id)
+        await looked_again(
+            self._conversations,
+            self._messages,
+            doc,
+            marked,
+            abandon_after=self._rules.abandon_after,
+            name_chars=self._rules.name_chars,
+        )
+        marks = [{RELISTED: {"$elemMatch": {"c": c, "m": m}}} for c, m in marked]
+        with storage_errors("resolve the pending prompt"):
+            result = await self._conversations.update_one(
+                with_none_of(scope | query | STANDING, *marks), update
+            )
+        return {} if result.matched_count else await self._prompts_read(scope)
+
+    async def _prompts_read(self, scope: dict[str, Any]) -> dict[str, Any] | None:
+        """The conversation `scope` names, as an answer to a prompt that matched nothing
+        reads it to tell why (`_PROMPTS_READ`)."""
+        with storage_errors("read the pending prompt"):
+            found: dict[str, Any] | None = await self._conversations.find_one(scope, _PROMPTS_READ)
+        return found
 
     async def _answer_unheld(
         self,

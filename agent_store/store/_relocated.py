@@ -59,18 +59,26 @@ from agent_store.store._fork import (
 )
 from agent_store.store._naming import first_named, renamed
 from agent_store.store._reservation import (
+    ANSWERS_READ,
     REFOLD_OWED,
+    RELISTED,
     RESERVED,
     RecordedBlock,
     absent_stays,
     answers_clear,
+    answers_found,
+    answers_lookup,
     approvals_left_unstored,
     approvals_unstored,
     approvals_without,
     asked_again_where_free,
     conversation_by_id,
     literal,
+    marks_without,
+    of_epoch,
+    relisted_among,
     resolved_by_request,
+    same_as_read,
 )
 from agent_store.store._turns import (
     ANSWERED_READ,
@@ -94,10 +102,13 @@ MOVED: dict[str, Any] = {
     "name": 1,
     "name_source": 1,
     "name_message_id": 1,
+    "pending_calls": 1,
+    RELISTED: 1,
 }
 """What the move returns of the conversation: what a reservation returns, and what the fold
 after it needs (the gaps below the new block, a fork's turn starts, the approvals, the pops'
-guard, its name and where an automatic name was taken from)."""
+guard, its name and where an automatic name was taken from, the calls listed and those
+marked listed again: `relisted`)."""
 _FOLD_READ: dict[str, Any] = {**MOVED, "pending_calls": 1, "pending_hitl": 1, "resolved_hitl": 1}
 """What the fold reads of a conversation it reads again: `MOVED` and the pending state."""
 
@@ -516,7 +527,8 @@ def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     the fold tells `resolved_hitl` (`Refold.resolved`), it is set too, and the prompt is
     pending unless among them, the whole update matching only while no answer came since;
     else a prompt resolved by request id, even meanwhile, stays resolved. A fold owed as read
-    (`REFOLD_OWED`) is cleared (null), unless marked again since."""
+    (`REFOLD_OWED`) is cleared (null), unless marked again since. The calls it lists again
+    are marked so (`relisted`)."""
     conversation = fold.conversation
     pops = int(conversation.get("pops") or 0)
     query: dict[str, Any] = {
@@ -533,6 +545,8 @@ def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         hitl = {"$cond": [resolved, literal(None), literal(fold.prompt.model_dump())]}
     calls = literal([c.model_dump() for c in fold.calls])
     stage: dict[str, Any] = {"pending_calls": calls, "pending_hitl": hitl}
+    marks = relisted(fold)
+    stage[RELISTED] = literal(marks) if marks else absent_stays(RELISTED, literal([]))
     answers = list(conversation.get("answered_prompts") or ())
     given = {"$ifNull": ["$answered_prompts", literal([])]}
     unanswered_since = {"$eq": [given, literal(answers)]}
@@ -549,6 +563,25 @@ def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         stage[REFOLD_OWED] = {"$cond": [read, literal(None), f"${REFOLD_OWED}"]}
     unstored = approvals_unstored(None, fold.unstored) if fold.unstored else []
     return query, [{"$set": stage}, *unstored]
+
+
+def relisted(fold: Refold) -> list[dict[str, str]]:
+    """The marks of the calls listed again (`_reservation.RELISTED`) the fold leaves: of the
+    calls it lists, those marked as read, and those the conversation as read (with its
+    `pending_calls`) did not list: a turn answering them took them off, and its block, found
+    passed and empty, answers none. Its insert may still land (a writer stalled past
+    `abandon_after`), so an answer to one looks first whether one did (`looked_again`)."""
+    conversation = fold.conversation
+    listed = {
+        (call.get("tool_call_id"), call.get("message_id"))
+        for call in conversation.get("pending_calls") or ()
+        if isinstance(call, Mapping)
+    }
+    calls = [(c.tool_call_id, c.message_id) for c in fold.calls]
+    marked = set(relisted_among(conversation, calls))
+    read = "pending_calls" in conversation
+    again = [(c, m) for c, m in calls if (c, m) in marked or (read and (c, m) not in listed)]
+    return [{"c": c, "m": m} for c, m in dict.fromkeys(again) if m is not None]
 
 
 async def settle(
@@ -745,7 +778,7 @@ def answered_calls_off(
     those answers clear it as they did when their turn reserved (`answers_clear`, the
     reservation's rule), if it is one of `asked_before` (the ids of the messages asking
     the prompts stored before the answers): a prompt asked after them, in stored order, is
-    not theirs to clear."""
+    not theirs to clear. Their marks as listed again go too (`RELISTED`)."""
     query: dict[str, Any] = {
         **same,
         "pops": pops if pops else {"$in": [None, 0]},
@@ -763,9 +796,71 @@ def answered_calls_off(
         cond = {"$eq": [{"$or": each}, wanted]}
         return {"$filter": {"input": calls, "as": "call", "cond": cond}}
 
-    stage: dict[str, Any] = {"pending_calls": answered(False)}
+    stage: dict[str, Any] = {"pending_calls": answered(False), RELISTED: marks_without(taken)}
     if asked_before:
         asked = {"$in": [{"$ifNull": ["$pending_hitl.message_id", None]}, literal(asked_before)]}
         clears = {"$and": [asked, answers_clear(calls, answered(True), answered(False))]}
         stage["pending_hitl"] = {"$cond": [clears, None, "$pending_hitl"]}
     return query, [{"$set": stage}]
+
+
+async def looked_again(
+    conversations: Any,
+    messages: Any,
+    conversation: Mapping[str, Any],
+    marked: Sequence[tuple[str, str]],
+    *,
+    abandon_after: timedelta,
+    name_chars: int,
+) -> list[str]:
+    """Before an answer to the calls `marked` (tool call id, the message making it) takes
+    them: whether an answer to each landed, where `conversation` (as read: its `epoch`,
+    `pops`, `pending_calls`) marks it listed again (`RELISTED`: the block that answered it
+    was passed as abandoned, and its insert may have landed since, its writer cut before
+    taking the call off). One `find` of the messages making or answering them
+    (`answers_lookup`, `answers_found`). When one landed, what the landing owed is done as
+    its writer would have done it (`_logger._fold_after_insert`): the pending state folded
+    from the stored messages (`settle`: the call off, the landed turn's own calls and
+    prompt listed), else, a turn below the end still being written (the fold then owed,
+    `_owe`), the calls answered taken off `pending_calls` with the prompt their answers
+    clear (`answered_calls_off`: the prompts asked between the call and its answer read by
+    one `find` more). The others' marks go, their answer now the first. The ids of the
+    calls answered."""
+    if not marked:
+        return []
+    conversation_id, epoch = str(conversation["_id"]), conversation.get("epoch")
+    query = answers_lookup(conversation_id, dict(marked), None)
+    with storage_errors("read the answers to the calls listed again"):
+        docs = await messages.find(query, ANSWERS_READ).sort("seq", 1).to_list(None)
+    found = of_epoch(docs, epoch) if epoch is not None else docs
+    answered = {(c, m): answers_found(found, c, m) for c, m in marked}
+    taken = sorted(call for call, answers in answered.items() if answers)
+    same = same_as_read(conversation_id, conversation)
+    pops = int(conversation.get("pops") or 0)
+    folded = bool(taken) and await settle(
+        conversations,
+        messages,
+        conversation_id,
+        None,
+        abandon_after=abandon_after,
+        name_chars=name_chars,
+    )
+    if taken and not folded:
+        made_at = {str(d["_id"]): int(d["seq"]) for d in found}
+        asked = {
+            "conversation_id": conversation_id,
+            "seq": {
+                "$gte": min(made_at.get(m, 0) for _, m in taken),
+                "$lt": max(int(answered[call][0]["seq"]) for call in taken),
+            },
+            "hitl_action": {"$type": "object"},
+        } | ({} if epoch is None else {"epoch": {"$in": [epoch, None]}})
+        with storage_errors("read the prompts the answers landed clear"):
+            prompts = await messages.find(asked, {"_id": 1}).to_list(None)
+        off = answered_calls_off(same, taken, pops, sorted(str(d["_id"]) for d in prompts))
+        with storage_errors("take the calls answered off the pending calls"):
+            await conversations.update_one(*off)
+    if unanswered := [call for call in marked if call not in taken]:
+        with storage_errors("mark the calls listed again as looked at"):
+            await conversations.update_one(same, [{"$set": {RELISTED: marks_without(unanswered)}}])
+    return sorted({c for c, _ in taken})

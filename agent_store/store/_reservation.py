@@ -84,6 +84,63 @@ reservation refused by its condition folds before it judges again. Cleared by th
 own guarded update, only while it is the mark that fold read."""
 
 
+RELISTED = "calls_relisted"
+"""The field marking the pending calls a fold of the pending state listed again though the
+conversation, as that fold read it, did not list them (`_relocated.refolded`): `{c: tool
+call id, m: the message making it}`, each one a block passed as abandoned had answered (its
+turn's reservation took the call off), whose insert may still have landed since (a writer
+stalled past `abandon_after`, then cut: nothing of it takes the call off again). An answer
+to a marked call (a turn naming it, `answers_to`; a person's answer to the prompt holding
+it) looks first whether one landed (`_relocated.looked_again`: a `find`, on that path
+only). Absent until a fold lists a call again; a mark goes with its look, or with a fold
+no longer listing its call."""
+NONE_RELISTED: dict[str, Any] = {f"{RELISTED}.0": {"$exists": False}}
+"""The filter part of a person's answer to a prompt matching only while no call is marked
+listed again (`RELISTED`); one that matches nothing then looks at the prompt's calls."""
+
+
+def unmarked(calls: Mapping[str, str]) -> dict[str, Any]:
+    """A filter matching a conversation where none of the calls `calls` names (tool call id
+    to the message making it) is marked listed again (`RELISTED`)."""
+    marked = [{RELISTED: {"$elemMatch": {"c": c, "m": m}}} for c, m in sorted(calls.items())]
+    # Under `$and`, as `answers_stand`: the conversation's own `$nor` is kept.
+    return {"$and": [{"$nor": marked}]}
+
+
+def relisted_among(
+    conversation: Mapping[str, Any], calls: Iterable[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    """Those of `calls` (tool call id, the message making it) that `conversation` marks
+    listed again (`RELISTED`)."""
+    marks = {
+        (mark.get("c"), mark.get("m"))
+        for mark in conversation.get(RELISTED) or ()
+        if isinstance(mark, Mapping)
+    }
+    return sorted({call for call in calls if call in marks})
+
+
+def relisted_held(conversation: Mapping[str, Any], request_id: str) -> list[tuple[str, str]]:
+    """The calls the prompts of `request_id` hold in `conversation` (`pending_calls`) that
+    it marks listed again (`RELISTED`)."""
+    held = [
+        (str(call.get("tool_call_id")), str(call.get("message_id")))
+        for call in conversation.get("pending_calls") or ()
+        if isinstance(call, Mapping) and call.get("request_id") == request_id
+    ]
+    return relisted_among(conversation, held)
+
+
+def marks_without(calls: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """`RELISTED` without the marks of `calls` (tool call id, the message making it), as an
+    expression; absent while it is absent (empty once no mark is left)."""
+    each = [{"$and": [{"$eq": ["$$mark.c", c]}, {"$eq": ["$$mark.m", m]}]} for c, m in calls]
+    # `$eq` to a boolean rather than `$not`, which some servers lack.
+    cond = {"$eq": [{"$or": each}, False]}
+    left = {"$filter": {"input": _kept(RELISTED, []), "as": "mark", "cond": cond}}
+    return absent_stays(RELISTED, left)
+
+
 DELETING = "deleting_since"
 """The field a delete or an erasure marks a conversation with (the time it began) before its
 first destructive command: from then no turn, retry or pop writes to it."""

@@ -306,6 +306,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   pending_blocks?: unknown[];
   /**
+   * The pending calls a fold listed again though they were off the list (`CallRelisted`; the store's bookkeeping, never served; absent until a fold does): an answer to one, a turn's or a person's, first looks whether the answer of the turn whose block was passed as abandoned landed since, and is refused when one did.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  calls_relisted?: unknown[];
+  /**
    * When a fold of the pending state from the stored messages, after a move or a give-back, could not be written (the conversation kept changing under it, or a turn below the end was still being written); null or absent when none is owed (the store's bookkeeping, never served). The next turn folds it after its insert, and a turn refused by its condition meanwhile is judged again once it is folded.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
