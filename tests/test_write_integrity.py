@@ -612,6 +612,42 @@ async def test_a_reader_paging_back_slower_than_abandon_after_between_its_reads_
     assert (page.pending_seq, seen) == (2, ["B1", "A!", "A?", "m0"])
 
 
+async def test_a_fork_slower_than_abandon_after_after_reading_never_leaves_out_a_turn_landed(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As for a page: A holds seq 1-2 and lands after the fork at 3 read the messages (0 and
+    3), the fork's clock then past `abandon_after` (2 s; faked 3 s on). It does not copy
+    past the block as abandoned: it asks to be retried (StorageUnavailable), and the retry
+    copies A."""
+    from agent_store.store import _logger
+
+    rules = TurnRules(abandon_after=timedelta(seconds=2))
+    fast = AgentMessageLogger(backend.db, rules=rules)
+    await fast.log_messages(CID, [{"role": "user", "content": "m0"}], turn_id="t0")
+    held = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    writer_a = asyncio.create_task(held.logger.log_messages(CID, turn("A"), turn_id="tA"))
+    await held.reserved.wait()
+    await fast.log_messages(CID, [{"role": "user", "content": "B1"}], turn_id="tB")
+    read_fork = _logger.read_fork
+
+    async def slow_read(*args: Any, **kwargs: Any) -> Any:
+        read = await read_fork(*args, **kwargs)
+        held.release.set()
+        await writer_a
+        later = datetime.now(UTC) + timedelta(seconds=3)
+        monkeypatch.setattr(_logger, "utc_now", lambda: later)
+        return read
+
+    monkeypatch.setattr(_logger, "read_fork", slow_read)
+    try:
+        await fast.fork(CID, 3, "conv-fork")
+    except StorageUnavailable:
+        await fast.fork(CID, 3, "conv-fork")
+    copied = await ConversationStore(backend.db).transcript("conv-fork")
+
+    assert [m.content for m in copied] == ["m0", "A?", "A!", "B1"]
+
+
 async def test_a_reservation_abandoned_for_longer_than_the_rules_allow_is_passed(
     backend: Backend,
 ) -> None:
