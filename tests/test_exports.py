@@ -536,6 +536,32 @@ async def test_export_user_pairs_a_turn_still_being_written_once_it_is_stored(
     assert reads["c-1"] == 2
 
 
+async def test_export_user_slower_than_abandon_after_between_its_reads_pairs_the_turn_landed(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3: a block is passed only if it was older than `abandon_after` when the
+    messages were read. The turn lands after the export read its first batch and before its
+    lookup of the conversation, the export's clock then past `abandon_after` (2 s; faked 3 s
+    on): it reads the conversation again and pairs the summary with the turn's messages."""
+    go, turn = await writing_after_two_turns(monkeypatch, backend, "t-2")
+    store = ConversationStore(backend.db, rules=TurnRules(abandon_after=timedelta(seconds=2)))
+    looked_up = store._as_it_stands
+
+    async def slow_lookup(*args: Any) -> Any:
+        go.set()
+        await turn
+        later = datetime.now(UTC) + timedelta(seconds=3)
+        monkeypatch.setattr("agent_store.store._reads.utc_now", lambda: later)
+        return await looked_up(*args)
+
+    monkeypatch.setattr(store, "_as_it_stands", slow_lookup)
+
+    exported = [e.model_dump(mode="json", by_alias=True) async for e in store.export_user("carol")]
+
+    assert len(exported[0]["messages"]) == 6
+    assert holds_for_its_messages(exported[0])
+
+
 @pytest.mark.parametrize("stored", [2, 20], ids=["in its first batch", "past its first batch"])
 async def test_export_user_refuses_a_conversation_whose_turn_is_written_through_its_reads(
     backend: Backend, monkeypatch: pytest.MonkeyPatch, stored: int

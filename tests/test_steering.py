@@ -484,6 +484,52 @@ async def test_a_delivery_reserved_and_not_yet_stored_keeps_its_inbox_from_closi
         await runtime.close_inbox(CID, TURN, last_seen_seq=0)
 
 
+async def test_a_runtime_slower_than_abandon_after_between_its_reads_drains_a_delivery_landed(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3: a block is passed only if it was older than `abandon_after` when the
+    messages were read. d1 reserved `seq` 1, its insert held; d2 is stored at 2. d1 lands
+    after the runtime's read of the delivered messages and before its lookup of the pops, the
+    runtime's clock then past `abandon_after` (2 s; faked 3 s on): it drains d1, then d2."""
+    from datetime import timedelta
+
+    from agent_store.store import _inbox
+
+    rules = TurnRules(abandon_after=timedelta(seconds=2))
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    runtime = SteeringInbox(logger)
+    await runtime.open_turn(CID, TURN)
+    slow = AgentMessageLogger(backend.db, rules=rules)
+    insert_many, reserved, go = slow._messages.insert_many, asyncio.Event(), asyncio.Event()
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        reserved.set()
+        await go.wait()
+        return await insert_many(*args, **kwargs)
+
+    monkeypatch.setattr(slow._messages, "insert_many", held)
+    first = {"role": "user", "content": "d1"}
+    d1 = asyncio.create_task(SteeringInbox(slow).try_deliver(CID, TURN, first, delivery_id="d1"))
+    await reserved.wait()
+    second = {"role": "user", "content": "d2"}
+    assert await SteeringInbox(logger).try_deliver(CID, TURN, second, delivery_id="d2")
+    looked_up = runtime._pops
+
+    async def slow_lookup(conversation_id: str) -> Any:
+        go.set()
+        await d1
+        later = datetime.now(UTC) + timedelta(seconds=3)
+        monkeypatch.setattr(_inbox, "utc_now", lambda: later)
+        return await looked_up(conversation_id)
+
+    monkeypatch.setattr(runtime, "_pops", slow_lookup)
+
+    drained = await runtime.drain(CID, TURN, after_seq=0)
+
+    assert [(m.seq, m.content) for m in drained] == [(1, "d1"), (2, "d2")]
+
+
 async def test_a_delivery_retried_after_abandon_after_reaches_the_runtime(
     backend: Backend,
 ) -> None:

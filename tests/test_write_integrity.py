@@ -10,7 +10,7 @@ import hashlib
 import json
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any
@@ -540,6 +540,112 @@ async def test_a_reader_paging_back_newest_first_never_skips_a_turn_still_being_
 
     assert [m.content for m in older.data] == ["A!", "A?", "m0"]
     assert (older.pending_seq, older.has_more) == (None, False)
+
+
+@contextlib.contextmanager
+def slow_between_reads(
+    store: ConversationStore, held: SlowInsert, writer: asyncio.Task[Any], late: timedelta
+) -> Iterator[None]:
+    """A reader delayed between its read of the messages and its lookup of the conversation's
+    blocks (`_gaps`), as a slow network or a wait for a pooled connection delays it: the
+    turn `held` back lands meanwhile, well within its writer's margin, and the reader's clock
+    reads `late` further on when it looks the blocks up."""
+    looked_up = store._gaps
+    with pytest.MonkeyPatch.context() as patch:
+
+        async def lookup(conversation_id: str) -> Any:
+            held.release.set()
+            await writer
+            later = datetime.now(UTC) + late
+            patch.setattr("agent_store.store._reads.utc_now", lambda: later)
+            return await looked_up(conversation_id)
+
+        patch.setattr(store, "_gaps", lookup)
+        yield
+
+
+async def test_a_tail_reader_slower_than_abandon_after_between_its_reads_never_skips_a_turn(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3: a block is passed only if it was older than `abandon_after` when the
+    messages were read. A holds seq 1-2 and lands (within its margin) after the reader read
+    B at 3 and before it looked the blocks up, the reader's clock then past `abandon_after`:
+    the page stops at 1, and the follower reads A, then B."""
+    rules = TurnRules(abandon_after=timedelta(seconds=2))
+    fast = AgentMessageLogger(backend.db, rules=rules)
+    first = await fast.log_messages(CID, [{"role": "user", "content": "m0"}], turn_id="t0")
+    held = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    writer_a = asyncio.create_task(held.logger.log_messages(CID, turn("A"), turn_id="tA"))
+    await held.reserved.wait()
+    await fast.log_messages(CID, [{"role": "user", "content": "B1"}], turn_id="tB")
+    store = ConversationStore(backend.db, rules=rules)
+
+    with slow_between_reads(store, held, writer_a, timedelta(seconds=3)):
+        page = await store.messages_page(CID, after=first.messages[0].id, limit=10)
+    seen = [m.content for m in page.data]
+    after = page.last_id or first.messages[0].id
+    seen += [m.content for m in (await store.messages_page(CID, after=after, limit=10)).data]
+
+    assert (page.pending_seq, seen) == (1, ["A?", "A!", "B1"])
+
+
+async def test_a_reader_paging_back_slower_than_abandon_after_between_its_reads_never_skips(
+    backend: Backend,
+) -> None:
+    """As for the ascending read: newest first, a block A landed in while the reader was
+    delayed between its reads past `abandon_after` stops the page above it, and the reader
+    paging back reads A."""
+    rules = TurnRules(abandon_after=timedelta(seconds=2))
+    fast = AgentMessageLogger(backend.db, rules=rules)
+    await fast.log_messages(CID, [{"role": "user", "content": "m0"}], turn_id="t0")
+    held = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    writer_a = asyncio.create_task(held.logger.log_messages(CID, turn("A"), turn_id="tA"))
+    await held.reserved.wait()
+    await fast.log_messages(CID, [{"role": "user", "content": "B1"}], turn_id="tB")
+    store = ConversationStore(backend.db, rules=rules)
+
+    with slow_between_reads(store, held, writer_a, timedelta(seconds=3)):
+        page = await store.messages_page(CID, order="desc", limit=10)
+    older = await store.messages_page(CID, order="desc", limit=10, after=page.last_id)
+    seen = [m.content for m in [*page.data, *older.data]]
+
+    assert (page.pending_seq, seen) == (2, ["B1", "A!", "A?", "m0"])
+
+
+async def test_a_fork_slower_than_abandon_after_after_reading_never_leaves_out_a_turn_landed(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As for a page: A holds seq 1-2 and lands after the fork at 3 read the messages (0 and
+    3), the fork's clock then past `abandon_after` (2 s; faked 3 s on). It does not copy
+    past the block as abandoned: it asks to be retried (StorageUnavailable), and the retry
+    copies A."""
+    from agent_store.store import _logger
+
+    rules = TurnRules(abandon_after=timedelta(seconds=2))
+    fast = AgentMessageLogger(backend.db, rules=rules)
+    await fast.log_messages(CID, [{"role": "user", "content": "m0"}], turn_id="t0")
+    held = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    writer_a = asyncio.create_task(held.logger.log_messages(CID, turn("A"), turn_id="tA"))
+    await held.reserved.wait()
+    await fast.log_messages(CID, [{"role": "user", "content": "B1"}], turn_id="tB")
+    read_fork = _logger.read_fork
+
+    async def slow_read(*args: Any, **kwargs: Any) -> Any:
+        read = await read_fork(*args, **kwargs)
+        held.release.set()
+        await writer_a
+        later = datetime.now(UTC) + timedelta(seconds=3)
+        monkeypatch.setattr(_logger, "utc_now", lambda: later)
+        return read
+
+    monkeypatch.setattr(_logger, "read_fork", slow_read)
+    try:
+        await fast.fork(CID, 3, "conv-fork")
+    except StorageUnavailable:
+        await fast.fork(CID, 3, "conv-fork")
+    copied = await ConversationStore(backend.db).transcript("conv-fork")
+
+    assert [m.content for m in copied] == ["m0", "A?", "A!", "B1"]
 
 
 async def test_a_reservation_abandoned_for_longer_than_the_rules_allow_is_passed(

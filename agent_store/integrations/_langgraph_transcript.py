@@ -1080,11 +1080,13 @@ class TranscriptLink:
         user's erasure included, is never started again by a later turn: the copy is taken
         back and NotFound (its source gone) or the refusal raised (`hold`)."""
         source_id = source.conversation_id
+        read_at = utc_now()  # before the messages are read: what judges the `seq`s they lack
         read = await self._store.messages_by_seq(source_id)
         # A turn still being written among those read: StorageUnavailable, as the store's fork
         # answers, nothing written (a copy holding the turns after it only is no state the
         # source held).
-        await self._logger.require_written(source_id, [m.seq for m in read if m.seq is not None])
+        seqs = [m.seq for m in read if m.seq is not None]
+        await self._logger.require_written(source_id, seqs, read_at=read_at)
         own = earlier is None or not (earlier.message_count or earlier.pops)
         target = earlier or await self._created_target(source, target_id)
         copied = Copied({}, life_of(target), source, target, own)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import bson
@@ -16,6 +17,7 @@ from agent_store.core import (
     ToolMessage,
     UserMessage,
     message_adapter,
+    utc_now,
 )
 from agent_store.store._fork import fork_end
 from agent_store.store._turns import MAX_MESSAGES_PER_TURN, MAX_TURN_TOOL_CALLS
@@ -69,6 +71,9 @@ class ForkRead:
     total: int = 0
     largest: int = 1
     """The largest message read whole so far; before any, the largest a turn may store."""
+    read_at: datetime = field(default_factory=utc_now)
+    """The clock read as the read began, before any message was: a `seq` it found no message
+    at is passed only if its block was older than `abandon_after` then (`Gaps.passed`)."""
 
     def take(self, document: Mapping[str, Any]) -> None:
         """Read one more message whole, noting the limit it takes the read past."""

@@ -668,11 +668,14 @@ class SteeringInbox:
         Deliveries commit out of `seq` order, so returning one past a delivery in flight
         would let the runtime's `after_seq` pass it for good. A delivery with no message of
         its own at its `seq` is passed when a pop removed it (`_undone_by_pop`) or its
-        sender gave it up longer than `abandon_after` ago; else it is being written.
+        sender gave it up longer than `abandon_after` before the messages were read (the
+        clock read before that read: a reader slow since passes no delivery that landed
+        meanwhile); else it is being written.
         """
         pops: Mapping[str, Any] | None = None
         while wanted:
             query = {"conversation_id": conversation_id, "seq": {"$in": sorted(wanted)}}
+            read_at = utc_now()
             with storage_errors("read the delivered messages"):
                 docs, more = await _bounded_page(
                     self._messages, query, None, *_by_seq("asc"), len(wanted)
@@ -690,7 +693,7 @@ class SteeringInbox:
                 pops = await self._pops(conversation_id) if pops is None else pops
                 if _undone_by_pop(pops, delivery):
                     continue  # nothing ever will hold it
-                if utc_now() - delivery["a"] < self._logger.rules.abandon_after:
+                if read_at - delivery["a"] < self._logger.rules.abandon_after:
                     return ready, True, False
             if ready or read_to is None:
                 return ready, False, read_to is not None

@@ -1469,7 +1469,7 @@ class AgentMessageLogger:
         self._refuse_a_point_being_written(conversation_id, source, read, at_seq)
         end = fork_end(messages, at_seq, read.turn_starts)
         _refuse_too_large_a_fork(read, at_seq, end)
-        self._refuse_unfinished(conversation_id, source, read.stored, end)
+        self._refuse_unfinished(conversation_id, source, read.stored, end, read.read_at)
         chosen = forked_messages(messages, end)
         # Whole texts put back: the copies are bounded again and keep files of their own, so
         # the fork shares none with the original (deleting one leaves the other whole).
@@ -1550,6 +1550,7 @@ class AgentMessageLogger:
             return None
         own = _own_messages(str(source["_id"]), source)
         query = {**own, "seq": {"$gt": end, "$lt": farthest}}
+        read_at = utc_now()  # before the messages are read: what judges the `seq`s they lack
         with storage_errors("read the conversation"):
             found = (
                 await self._messages.find(query, {"_id": 0, "seq": 1})
@@ -1559,7 +1560,7 @@ class AgentMessageLogger:
             )
         first = int(found[0]["seq"]) if found else farthest
         writing = Gaps.of(source).written(
-            range(end + 1, first), now=utc_now(), abandon_after=self.rules.abandon_after
+            range(end + 1, first), now=read_at, abandon_after=self.rules.abandon_after
         )
         return writing if writing is not None else (first if found else None)
 
@@ -1644,12 +1645,15 @@ class AgentMessageLogger:
             return None
         return ForkOrigin.model_validate(fork["forked_from"]).seq
 
-    async def require_written(self, conversation_id: str, stored: Collection[int]) -> None:
+    async def require_written(
+        self, conversation_id: str, stored: Collection[int], *, read_at: datetime
+    ) -> None:
         """StorageUnavailable (retry shortly), as `fork` answers, when a turn below the last of
         the `seq`s `stored` (those a read of the conversation's messages found), or the turn
         that `seq` is in, is still being written: a copy of what was read would miss its
-        messages. Blocks older than `abandon_after`, and `seq`s a pop removed, are passed
-        (`Gaps.passed`). One round trip; none when nothing was read."""
+        messages. Blocks older than `abandon_after` at `read_at` (the clock read before that
+        read), and `seq`s a pop removed, are passed (`Gaps.passed`). One round trip; none
+        when nothing was read."""
         if not stored:
             return
         with storage_errors("read the conversation"):
@@ -1657,7 +1661,7 @@ class AgentMessageLogger:
                 conversation_by_id(conversation_id), {"message_count": 1, **GAPS_READ}
             )
         if source is not None:
-            self._refuse_unfinished(conversation_id, source, stored, max(stored))
+            self._refuse_unfinished(conversation_id, source, stored, max(stored), read_at)
 
     async def _copies_stored(self, fork: Mapping[str, Any]) -> bool:
         """Whether any message of the fork's conversation (its `epoch`) is stored."""
@@ -1955,16 +1959,22 @@ class AgentMessageLogger:
         return True
 
     def _refuse_unfinished(
-        self, conversation_id: str, source: Mapping[str, Any], stored: Collection[int], end: int
+        self,
+        conversation_id: str,
+        source: Mapping[str, Any],
+        stored: Collection[int],
+        end: int,
+        read_at: datetime,
     ) -> None:
         """StorageUnavailable (retry shortly) when a turn up to `end`, or the turn `end` is in,
         is still being written: a fork now would miss its messages, or cut a call from the
-        result its turn gives it. Blocks older than `abandon_after`, and `seq`s a pop removed,
-        are passed (`Gaps.passed`). `stored`: the `seq`s stored up to the end of that turn."""
+        result its turn gives it. Blocks older than `abandon_after` at `read_at`, and `seq`s a
+        pop removed, are passed (`Gaps.passed`). `stored`: the `seq`s stored up to the end of
+        that turn, read after `read_at`."""
         gaps = Gaps.of(source)
         through = max(end, gaps.turn_end(end, int(source.get("message_count") or 0)))
         missing = [seq for seq in range(through + 1) if seq not in stored]
-        self._refuse_writing(conversation_id, gaps, missing)
+        self._refuse_writing(conversation_id, gaps, missing, read_at)
 
     def _refuse_a_point_being_written(
         self, conversation_id: str, source: Mapping[str, Any], read: ForkRead, at_seq: int
@@ -1978,18 +1988,22 @@ class AgentMessageLogger:
         gaps = Gaps.of(source)
         reserved = 0 <= at_seq < int(source.get("message_count") or 0)
         if not reserved or gaps.passed(
-            at_seq, now=utc_now(), abandon_after=self.rules.abandon_after
+            at_seq, now=read.read_at, abandon_after=self.rules.abandon_after
         ):
             return
         # Read whole up to `at_seq` unless a limit stopped the read: the first `seq` up to it
         # still being written is named, as for a fork at a stored `seq`.
         missing = range(at_seq + 1) if read.over is None else [at_seq]
-        self._refuse_writing(conversation_id, gaps, [s for s in missing if s not in read.stored])
+        unread = [s for s in missing if s not in read.stored]
+        self._refuse_writing(conversation_id, gaps, unread, read.read_at)
 
-    def _refuse_writing(self, conversation_id: str, gaps: Gaps, missing: Iterable[int]) -> None:
+    def _refuse_writing(
+        self, conversation_id: str, gaps: Gaps, missing: Iterable[int], read_at: datetime
+    ) -> None:
         """StorageUnavailable naming the first of the `missing` `seq`s (no message stored at)
-        a turn is still writing (`Gaps.written`); nothing when all are passed."""
-        writing = gaps.written(missing, now=utc_now(), abandon_after=self.rules.abandon_after)
+        a turn is still writing (`Gaps.written`: judged at `read_at`, the clock read before
+        the messages were); nothing when all are passed."""
+        writing = gaps.written(missing, now=read_at, abandon_after=self.rules.abandon_after)
         if writing is not None:
             raise StorageUnavailable(
                 f"a turn of conversation {conversation_id!r} is still being written at seq "

@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from agent_store.core import (
@@ -229,12 +229,13 @@ class Pop:
         # one asked for.
         pop: PopInProgress | None = None
         for _ in range(POP_ATTEMPTS):
+            read_at = utc_now()  # before the last message is read: what judges the blocks past it
             with storage_errors("read the last message"):
                 doc = await self.messages.find_one(
                     _own(self.query, conversation), sort=[("seq", -1)]
                 )
             if doc is None:
-                await self._nothing_to_pop()
+                await self._nothing_to_pop(read_at)
                 return None
             message = message_adapter.validate_python(doc)
             if conversation is None and message.epoch is not None:
@@ -251,7 +252,7 @@ class Pop:
             if self.refuse is not None and (refused := self.refuse(message)) is not None:
                 raise refused
             await self._refuse_a_threads(scope[0], message)
-            count = self._passing(message, conversation)
+            count = self._passing(message, conversation, read_at)
             removed = await self._remove(scope, message, pop, count)
             if removed is not None:
                 return removed
@@ -263,23 +264,24 @@ class Pop:
             f"turns came first {POP_ATTEMPTS} times"
         )
 
-    async def _nothing_to_pop(self) -> None:
+    async def _nothing_to_pop(self, read_at: datetime) -> None:
         """No message found: refused for no conversation (a delete's mark, a fork not made
         yet), StorageUnavailable while a turn is still writing its first messages (its block
-        reserved, nothing inserted yet: the pop would answer "no message" just before it
-        lands); else there is nothing to pop. One read, as the refusal's explanation alone."""
+        reserved, nothing inserted yet, at `read_at`, the clock read before the messages
+        were: the pop would answer "no message" just before it lands); else there is nothing
+        to pop. One read, as the refusal's explanation alone."""
         with storage_errors("read the conversation"):
             doc = await self.conversations.find_one(
                 self.scope, {**UNSTANDING_READ, **GAPS_READ, "message_count": 1}
             )
         conversation_id = str(self.scope["_id"])
         refuse_unless_standing(conversation_id, doc, "the pop")
-        gaps, now = Gaps.of(doc), utc_now()
-        first = gaps.unpassed_from(now=now, abandon_after=self.abandon_after)
+        gaps = Gaps.of(doc)
+        first = gaps.unpassed_from(now=read_at, abandon_after=self.abandon_after)
         if first is None:
             return
         count = int((doc or {}).get("message_count") or 0)
-        writing = gaps.written(range(first, count), now=now, abandon_after=self.abandon_after)
+        writing = gaps.written(range(first, count), now=read_at, abandon_after=self.abandon_after)
         if writing is not None:
             raise _still_written(conversation_id, writing)
 
@@ -383,11 +385,14 @@ class Pop:
             query = checkpoints_referring_to(conversation_id, seq, found)
             return await self.checkpoints.find_one(query, {"_id": 1}) is not None
 
-    def _passing(self, message: AgentMessage, conversation: Mapping[str, Any] | None) -> int | None:
+    def _passing(
+        self, message: AgentMessage, conversation: Mapping[str, Any] | None, read_at: datetime
+    ) -> int | None:
         """None when the mark may simply require that no turn holds a `seq` past `message`
         (no read of the conversation says otherwise); the `message_count` read when every
-        `seq` past it is passed (`Gaps.passed`: a pop's gap, or an abandoned block).
-        StorageUnavailable while a turn is still being written past it."""
+        `seq` past it is passed (`Gaps.passed`: a pop's gap, or a block abandoned at
+        `read_at`, the clock read before `message` was). StorageUnavailable while a turn is
+        still being written past it."""
         assert message.seq is not None
         if conversation is None:
             return None
@@ -396,7 +401,7 @@ class Pop:
         past = gaps.held(range(message.seq + 1, count))
         if not past:
             return None
-        writing = gaps.written(past, now=utc_now(), abandon_after=self.abandon_after)
+        writing = gaps.written(past, now=read_at, abandon_after=self.abandon_after)
         if writing is not None:
             raise _still_written(str(message.conversation_id), writing)
         return count
@@ -412,6 +417,7 @@ class Pop:
         started, preview, quoted = False, None, None
         before: LeftBefore | None = None
         missing: set[int] = set()
+        read_at = utc_now()  # before the messages below are read: what judges their holes
         with storage_errors("read the messages before the last one"):
             previous, updated_at = await last_before(
                 self.messages, self.conversations, message.conversation_id, message.seq
@@ -438,7 +444,7 @@ class Pop:
                 missing.update(before.missing)
         # Kept while a turn is still writing under the message; past gaps no turn holds (a
         # pop's, a moved turn's, an abandoned block) the time of the messages stored below.
-        writing_under = await self._gaps_below(message, sorted(missing), under)
+        writing_under = await self._gaps_below(message, sorted(missing), under, read_at)
         return pop_in_progress(
             message,
             started_turn=started,
@@ -463,24 +469,27 @@ class Pop:
         copied = message.turn_id == copies_turn_of(doc or {})
         return copied and message.seq in fork_turns_of(doc or {})
 
-    async def _gaps_below(self, message: AgentMessage, missing: list[int], under: range) -> bool:
+    async def _gaps_below(
+        self, message: AgentMessage, missing: list[int], under: range, read_at: datetime
+    ) -> bool:
         """StorageUnavailable when a turn is still writing one of `missing`, `seq`s below
         `message` where its reads found no message: what removing it changes depends on
         them. Else whether a turn is still writing one of `under`, the `seq`s just under it
         with no message. Passed (`Gaps.passed`): the gaps pops and moved turns left
-        (`popped_seqs`) and the blocks older than `abandon_after`. One more round trip, only
-        when the reads found such a `seq`."""
+        (`popped_seqs`) and the blocks older than `abandon_after` at `read_at`, the clock
+        read before those reads. One more round trip, only when the reads found such a
+        `seq`."""
         if not missing and not under:
             return False
         with storage_errors("read the conversation's turns"):
             doc = await self.conversations.find_one(
                 conversation_by_id(message.conversation_id), GAPS_READ
             )
-        gaps, now = Gaps.of(doc), utc_now()
-        writing = gaps.written(missing, now=now, abandon_after=self.abandon_after)
+        gaps = Gaps.of(doc)
+        writing = gaps.written(missing, now=read_at, abandon_after=self.abandon_after)
         if writing is not None:
             raise _still_written(str(message.conversation_id), writing)
-        return gaps.written(under, now=now, abandon_after=self.abandon_after) is not None
+        return gaps.written(under, now=read_at, abandon_after=self.abandon_after) is not None
 
     async def _remove(
         self, scope: Scope, message: AgentMessage, pop: PopInProgress, count: int | None

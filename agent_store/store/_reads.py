@@ -1276,8 +1276,10 @@ class ConversationStore:
         turn may still hold (the pop waits for a turn still writing one), not the gaps the
         conversation records no turn holds (`Gaps.held`): those are as if never reserved, as
         are the blocks passed (`Gaps.written`: a dead turn's, never stored in place), and
-        neither keeps the fold from settling. One lookup more of the conversation when a
-        prompt is among them or is `popped`, or they are a fork's."""
+        neither keeps the fold from settling; a block is judged by its age when the messages
+        were read (the clock read before they were), as a page judges it. One lookup more of
+        the conversation when a prompt is among them or is `popped`, or they are a fork's."""
+        read_at = utc_now()
         docs = await (
             self._messages.find(
                 {"conversation_id": popped.conversation_id, "seq": {"$lt": popped.seq}}
@@ -1300,7 +1302,7 @@ class ConversationStore:
         assert popped.seq is not None
         gaps = Gaps.of(conversation)
         missing = gaps.held(seq for seq in range(popped.seq) if seq not in stored)
-        writing = gaps.written(missing, now=utc_now(), abandon_after=self._rules.abandon_after)
+        writing = gaps.written(missing, now=read_at, abandon_after=self._rules.abandon_after)
         return LeftBefore(
             calls=folded.calls,
             prompt=folded.hitl,
@@ -1497,6 +1499,7 @@ class ConversationStore:
                 return await self._page_after_unknown(conversation_id, after, limit, order,
                                                       user_id, unknown)  # fmt: skip
             query["seq"] = {"$gt": seq - removed} if order == "asc" else {"$lt": seq}
+        read_at = utc_now()  # before the messages are read: the time their holes are judged at
         docs, has_more, seen = await self._page_read(conversation_id, query, order, limit, user_id)
         if docs is not None and seen is not None and _another_life(seen, cursor_epoch):
             raise _cursor_of_another_life(conversation_id, str(after))
@@ -1510,11 +1513,11 @@ class ConversationStore:
             raise NotFound(f"conversation {conversation_id!r} was not found")
         if order == "asc":
             first = query["seq"]["$gt"] + 1 if after is not None else 0
-            docs, pending = await self._committed(query["conversation_id"], docs, first)
+            docs, pending = await self._committed(query["conversation_id"], docs, first, read_at)
         else:
             top = query["seq"]["$lt"] - 1 if after is not None else None
             docs, pending = await self._committed_down(
-                query["conversation_id"], docs, top, has_more
+                query["conversation_id"], docs, top, has_more, read_at
             )
         messages = messages_adapter.validate_python(docs)
         return MessagePage(
@@ -1551,15 +1554,17 @@ class ConversationStore:
         return docs, has_more, seen
 
     async def _committed(
-        self, conversation_id: str, docs: list[dict[str, Any]], first: int
+        self, conversation_id: str, docs: list[dict[str, Any]], first: int, read_at: datetime
     ) -> tuple[list[dict[str, Any]], int | None]:
         """The page up to the first `seq` a turn still being written holds, and that `seq`.
 
         Turns commit out of `seq` order (reserve, then insert), so a `seq` missing
         below a stored one may still arrive. It is waited for while the turn that
         reserved it is younger than `TurnRules.abandon_after`, and passed after; a
-        `seq` a pop removed is passed at once (`Gaps.passed`). Costs one lookup of the
-        conversation, only when the page has a hole.
+        `seq` a pop removed is passed at once (`Gaps.passed`). The age is the block's at
+        `read_at`, the reader's clock read before the messages `docs` were: a reader slow
+        between that read and the lookup passes no turn that landed meanwhile. Costs one
+        lookup of the conversation, only when the page has a hole.
         """
         expected, gaps = first, None
         for index, doc in enumerate(docs):
@@ -1568,7 +1573,7 @@ class ConversationStore:
                     gaps = await self._gaps(conversation_id)
                 missing = range(expected, int(doc["seq"]))
                 writing = gaps.written(
-                    missing, now=utc_now(), abandon_after=self._rules.abandon_after
+                    missing, now=read_at, abandon_after=self._rules.abandon_after
                 )
                 if writing is not None:
                     return docs[:index], writing
@@ -1627,12 +1632,18 @@ class ConversationStore:
         return found
 
     async def _committed_down(
-        self, conversation_id: str, docs: list[dict[str, Any]], top: int | None, more: bool
+        self,
+        conversation_id: str,
+        docs: list[dict[str, Any]],
+        top: int | None,
+        more: bool,
+        read_at: datetime,
     ) -> tuple[list[dict[str, Any]], int | None]:
         """`_committed` for a page newest first, from `seq` `top` down (from its first message
         without `after`: what is written above it later is newer than the page): the page down
         to the first `seq` a turn still being written holds below a stored one, or, the page
-        ending the conversation, below its last message; and that `seq`."""
+        ending the conversation, below its last message; and that `seq`. Judged at `read_at`,
+        as `_committed` judges."""
         expected, gaps = (docs[0]["seq"] if top is None and docs else top), None
         bottoms = [int(doc["seq"]) for doc in docs] + ([] if more else [-1])
         for index, seq in enumerate(bottoms):
@@ -1641,7 +1652,7 @@ class ConversationStore:
                     gaps = await self._gaps(conversation_id)
                 missing = range(expected, seq, -1)
                 writing = gaps.written(
-                    missing, now=utc_now(), abandon_after=self._rules.abandon_after
+                    missing, now=read_at, abandon_after=self._rules.abandon_after
                 )
                 if writing is not None:
                     return docs[:index], writing
@@ -2538,6 +2549,7 @@ class ConversationStore:
                 await pause(EXPORT_WAIT * 2 ** (read - 1))
             writing = None
             batches = self.stream_transcript(summary.id, user_id=user_id, life=summary)
+            read_at = utc_now()  # before the first batch is read: its holes are judged then
             try:
                 first = await anext(batches)  # the whole first batch: fewer, and it was the last
                 now, gaps = await self._as_it_stands(summary, user_id)
@@ -2545,7 +2557,7 @@ class ConversationStore:
                     summary.pops, summary.message_count - 1
                 ):
                     last = len(first) < min(STREAM_FIRST_BATCH, STREAM_BATCH)
-                    writing = await self._unstored_turn(summary, first, gaps, last=last)
+                    writing = await self._unstored_turn(summary, first, gaps, read_at, last=last)
                     settled = read == EXPORT_READS - 1
                     if writing is None:
                         exported = await self._exported(summary, first, batches, full, settled)
@@ -2630,7 +2642,13 @@ class ConversationStore:
         return Conversation.model_validate(doc), Gaps.of(doc)
 
     async def _unstored_turn(
-        self, summary: Conversation, first: list[AgentMessage], gaps: Gaps, *, last: bool
+        self,
+        summary: Conversation,
+        first: list[AgentMessage],
+        gaps: Gaps,
+        read_at: datetime,
+        *,
+        last: bool,
     ) -> int | None:
         """The first `seq` below `summary`'s `message_count` holding no message of its life
         that a turn is still writing (`Gaps.written`: reserved, counted, not stored yet,
@@ -2641,8 +2659,10 @@ class ConversationStore:
         the batch was read (a turn that finished before the lookup `gaps` come from), is
         read again, no round trip more. Else past it only when a block younger than
         `abandon_after` is there: then one round trip reads which of its `seq`s hold a
-        message (the batches after the first read those stored)."""
-        written = partial(gaps.written, now=utc_now(), abandon_after=self._rules.abandon_after)
+        message (the batches after the first read those stored). A block's age is its age at
+        `read_at`, the clock read before the `first` batch was: as a page judges it, a turn
+        that landed after the batch was read is never passed."""
+        written = partial(gaps.written, now=read_at, abandon_after=self._rules.abandon_after)
         count, served = summary.message_count, {m.seq for m in first}
         if last:
             return written(s for s in range(count) if s not in served)

@@ -469,13 +469,14 @@ async def refold(
         if conversation is None:
             return None
     count = int(conversation["message_count"])
+    read_at = utc_now()  # before the messages are read: what judges the `seq`s they lack
     with storage_errors("read the messages"):
         docs = await messages.find(of_its_life(conversation, count)).sort("seq", 1).to_list(None)
     stored = messages_adapter.validate_python(docs)
     seqs = {m.seq for m in stored}
     missing = [s for s in range(count) if s not in seqs]
     gaps = Gaps.of(conversation)
-    if gaps.written(missing, now=utc_now(), abandon_after=abandon_after) is not None:
+    if gaps.written(missing, now=read_at, abandon_after=abandon_after) is not None:
         return Refold(conversation, [], None, None, stored, folded=False) if partial else None
     answered = answered_in(conversation)
     folded = folded_after(stored, fork_turns_of(conversation), answered)
