@@ -45,6 +45,7 @@ from pymongo.errors import BulkWriteError, OperationFailure
 
 from agent_store.core import InvalidInput, utc_now
 from agent_store.legacy import (
+    CLAIMED_FROM,
     CONVERSATION_COUNTERS,
     LEGACY_TURNS,
     MIGRATION_STATE,
@@ -53,6 +54,7 @@ from agent_store.legacy import (
     not_utf8_at,
     not_utf8_key,
     stored_conversation_id,
+    user_named,
 )
 from agent_store.store import CONVERSATIONS, only_duplicates
 from migrations.errors import MigrationError, WorkLeft
@@ -473,13 +475,29 @@ def _first_few_in_place(turns: list[dict[str, Any]]) -> str:
 
 def _same_content(copy: Mapping[str, Any], turn: Mapping[str, Any]) -> bool:
     """Whether a moved turn's copy and a turn of `agent_conversations` under its `_id` hold the
-    same (`same_document`); when either holds text that is not valid UTF-8 (`not_utf8_at`),
+    same (`same_document`), the copy as it stood before the claims that moved it since
+    (`_before_its_claims`); when either holds text that is not valid UTF-8 (`not_utf8_at`),
     which no BSON encodes, by each one's content as extended JSON (`not_utf8_key`, each such
     byte an escape): the same only when both hold the same such bytes."""
+    copy = _before_its_claims(copy, turn)
     if not_utf8_at(copy) is None and not_utf8_at(turn) is None:
         return same_document(copy, turn)
     content = [not_utf8_key({k: v for k, v in d.items() if k != "_id"}) for d in (copy, turn)]
     return matched_key(copy.get("_id")) == matched_key(turn.get("_id")) and len(set(content)) == 1
+
+
+def _before_its_claims(copy: Mapping[str, Any], turn: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A moved turn's copy as it stood before the claims that moved it (`CLAIMED_FROM`), when
+    the turn under its `_id` in `agent_conversations` names a user one of them moved it away
+    from: the old service, which knows of no claim, saving its own copy of the turn again (an
+    upsert by `_id`) saves the same turn, naming the same user as the claimer the copy names
+    (`claimers`), not other content. Else the copy as it is."""
+    moved = copy.get(CLAIMED_FROM)
+    named = user_named(turn.get("user_id"))
+    if not isinstance(moved, list) or named is None or named not in map(user_named, moved):
+        return copy
+    before = {k: v for k, v in copy.items() if k != CLAIMED_FROM} | {"user_id": turn["user_id"]}
+    return before | ({CLAIMED_FROM: turn[CLAIMED_FROM]} if CLAIMED_FROM in turn else {})
 
 
 def turns_after_the_move(db: Database[dict[str, Any]]) -> dict[str, int]:
@@ -1022,7 +1040,7 @@ class _KilledCopy:
             return
         for found in target.find({"_id": {"$in": [d["_id"] for d in resumed.values()]}}):
             turn = resumed.get(matched_key(found["_id"]), {})
-            if not same_document(found, turn) and not self.wrote(found, turn):
+            if not _same_content(found, turn) and not self.wrote(found, turn):
                 raise _replaced(found, turn, self)
 
 
@@ -1030,7 +1048,8 @@ def _accept_identical_copies(
     error: BulkWriteError, batch: list[dict[str, Any]], target: Any, own: _KilledCopy
 ) -> None:
     """A resumed copy meets documents it copied before; anything else is an error. The same
-    document is the same BSON (`same_document`), its `_id` the same to the server
+    document is the same BSON (`_same_content`: a copy a claim moved since as it stood
+    before, to the old service's save of it again), its `_id` the same to the server
     (`matched_key`: a turn logged under `5.0` after `5` was moved meets that turn). A copy
     the killed copy wrote (`own`) holding other content is the turn before the old
     service's edit since: it is made the turn as read now."""
@@ -1040,7 +1059,7 @@ def _accept_identical_copies(
     ids = [document["_id"] for document in wanted.values()]
     for found in target.find({"_id": {"$in": ids}}):
         turn = wanted.get(matched_key(found["_id"]), {})
-        if same_document(found, turn):
+        if _same_content(found, turn):
             continue
         if not own.wrote(found, turn):
             raise _replaced(found, turn, own) from error
@@ -1062,15 +1081,34 @@ def _other_content(copy: Mapping[str, Any], turn: Mapping[str, Any]) -> WorkLeft
         if _in_its_place(turn)
         else ""
     )
+    claimed = _before_its_claims(copy, turn) is not copy
     return WorkLeft(
         f"turn document {copy['_id']!r} exists in {LEGACY_TURNS} with other content "
         f"({_whose(copy)}) than the turn under that _id in {CONVERSATIONS} ({_whose(turn)})"
-        f"{in_place}; refusing to overwrite or delete either: if the turn in "
-        f"{CONVERSATIONS} is the moved turn edited since (the same conversation, user and "
-        f"time), delete its copy from {LEGACY_TURNS} (another _id would migrate the turn "
-        "twice); only if it is another turn, give the turn in "
+        f"{in_place}{_claimed_note(copy) if claimed else ''}; refusing to overwrite or "
+        f"delete either: if the turn in {CONVERSATIONS} is the moved turn edited since (the "
+        f"same conversation, user and time), {_edited_way(claimed)} (another _id would "
+        "migrate the turn twice); only if it is another turn, give the turn in "
         f"{CONVERSATIONS} another _id; then `run` again"
     )
+
+
+def _claimed_note(copy: Mapping[str, Any]) -> str:
+    """What the refusal of a turn of other content says when a claim moved its copy away
+    from the user the turn names (`_before_its_claims`): the same user."""
+    return (
+        f"; a claim moved the copy from the user the turn names to {copy.get('user_id')!r} "
+        f"({CLAIMED_FROM} {copy.get(CLAIMED_FROM)!r}): the same user"
+    )
+
+
+def _edited_way(claimed: bool) -> str:
+    """The way out of a moved turn edited since: delete its copy; one a claim moved, after
+    giving the turn the copy's owner and record of its claims, which the copy alone holds."""
+    delete = f"delete its copy from {LEGACY_TURNS}"
+    if not claimed:
+        return delete
+    return f"give it the copy's user_id and {CLAIMED_FROM}, then {delete}"
 
 
 def _replaced(copy: Mapping[str, Any], turn: Mapping[str, Any], own: _KilledCopy) -> WorkLeft:

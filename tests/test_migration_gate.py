@@ -2646,6 +2646,137 @@ def test_a_rerun_keeps_the_owner_a_claim_gave_a_migrated_conversation(
     assert cli(wire_uri, database, "finish") == 0
 
 
+def _claimed(wire_uri: str, database: Database[dict[str, Any]], *claims: tuple[str, str]) -> None:
+    """Claim each `(from, to)` in turn, the old service's turns moved too (dual write on)."""
+
+    async def claim() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            db = client[database.name]
+            store = ConversationStore(
+                db,
+                legacy=LegacyTurns(db, dual_write=True),
+                rules=TurnRules(claim_grace=timedelta(0)),
+            )
+            for from_user_id, to_user_id in claims:
+                await store.claim(from_user_id, to_user_id)
+        finally:
+            await client.close()
+
+    asyncio.run(claim())
+
+
+def _served_to(database: Database[dict[str, Any]], conversation_id: str) -> dict[str, list[str]]:
+    """The user messages of a conversation by the users they are stored under."""
+    found: dict[str, list[str]] = {}
+    for m in database[MESSAGES].find({"conversation_id": conversation_id, "role": "user"}):
+        found.setdefault(m["user_id"], []).append(m["content"])
+    return found
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    ("legacy_user", "pairs"),
+    [("u-1", [("u-1", "u-2")]), ("u-1", [("u-1", "u-3"), ("u-3", "u-2")]), ("alice smith", [])],
+    ids=["claim", "claim-chain", "derived-user-claim"],
+)
+def test_a_late_old_service_turn_naming_a_claimed_user_is_the_claimers(
+    wire_uri: str, database: Database[dict[str, Any]], legacy_user: str, pairs: list[Any]
+) -> None:
+    """The old service, which knows of no claim, logs a turn naming the user a claim moved
+    the conversation away from (by that user's legacy id: the documented `invalid_user_id`
+    claim of a derived user too): `run`, `verify` and `finish` take it as the claimer's
+    (the last claim of a chain), and no owner changes."""
+    claims = pairs or [(derived_user_id(legacy_user), "u-2")]
+    turns = [legacy_turn("t-1", "c-a", 0, "A"), legacy_turn("t-2", "c-b", 0, "B")]
+    turns[0]["user_id"] = legacy_user
+    database[CONVERSATIONS].insert_many(turns)
+    assert cli(wire_uri, database, "run") == 0
+    _claimed(wire_uri, database, *claims)
+    late = legacy_turn("t-late", "c-a", 5, "LATE") | {"user_id": legacy_user}
+    database[CONVERSATIONS].insert_one(late)
+
+    assert cli(wire_uri, database, "run") == 0
+
+    assert _served_to(database, "c-a") == {"u-2": ["A question", "LATE question"]}
+    assert database[CONVERSATIONS].find_one({"_id": "c-a"})["user_id"] == "u-2"
+    assert database[PROBLEMS].count_documents({"kind": "mixed_user_ids"}) == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_moved_turn_re_saved_naming_the_user_a_claim_moved_it_from_is_the_moved_turn(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """The old service re-saves its cached copy of a moved turn (an upsert by `_id`) naming
+    the user a claim moved it away from: the same turn as its moved copy naming the claimer,
+    not other content; the run takes it as moved, once, and the conversation stays the
+    claimer's."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-a", 0, "A"), legacy_turn("t-2", "c-a", 1, "A2")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    stale = database[LEGACY_TURNS].find_one({"_id": "t-2"})
+    _claimed(wire_uri, database, ("u-1", "u-2"))
+    database[CONVERSATIONS].replace_one({"_id": "t-2"}, stale, upsert=True)
+
+    assert cli(wire_uri, database, "run") == 0
+
+    assert _served_to(database, "c-a") == {"u-2": ["A question", "A2 question"]}
+    assert database[CONVERSATIONS].find_one({"_id": "c-a"})["user_id"] == "u-2"
+    assert database[CONVERSATIONS].count_documents({"_id": "t-2"}) == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_moved_turn_edited_naming_the_user_a_claim_moved_it_from_keeps_the_claimer(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The old service completes a moved turn (an upsert by `_id`, other content) naming the
+    user a claim moved it away from: refused as other content, saying that user is the
+    claimer; its way out for the edited turn keeps the claim, which the copy alone holds."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-a", 0, "A"))
+    assert cli(wire_uri, database, "run") == 0
+    stale = database[LEGACY_TURNS].find_one({"_id": "t-1"})
+    _claimed(wire_uri, database, ("u-1", "u-2"))
+    edited = stale | {"response_parts": [{"type": "text", "content": "A answer, whole"}]}
+    database[CONVERSATIONS].replace_one({"_id": "t-1"}, edited, upsert=True)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 1
+
+    said = capsys.readouterr().err
+    assert "a claim moved the copy from the user the turn names to 'u-2'" in said
+    assert "give it the copy's user_id and claimed_from, then delete its copy" in said
+    copy = database[LEGACY_TURNS].find_one_and_delete({"_id": "t-1"})
+    kept = {"user_id": copy["user_id"], "claimed_from": copy["claimed_from"]}
+    database[CONVERSATIONS].update_one({"_id": "t-1"}, {"$set": kept})
+    assert cli(wire_uri, database, "run") == 0
+    assert _served_to(database, "c-a") == {"u-2": ["A question"]}
+    answers = database[MESSAGES].find({"conversation_id": "c-a", "role": "assistant"})
+    assert [m["content"] for m in answers] == ["A answer, whole"]
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_an_old_service_turn_logged_before_a_claim_moves_with_it(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A turn the old service logged before the claim, not migrated yet, is moved by the
+    claim to the new owner with the conversation."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-a", 0, "A"))
+    assert cli(wire_uri, database, "run") == 0
+    database[CONVERSATIONS].insert_one(legacy_turn("t-late", "c-a", 5, "LATE"))
+    _claimed(wire_uri, database, ("u-1", "u-2"))
+
+    assert cli(wire_uri, database, "run") == 0
+
+    assert _served_to(database, "c-a") == {"u-2": ["A question", "LATE question"]}
+    assert cli(wire_uri, database, "finish") == 0
+
+
 @pytest.mark.wire
 def test_finish_and_run_report_a_listed_conversation_whose_turns_no_read_finds(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]

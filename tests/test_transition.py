@@ -574,6 +574,30 @@ async def test_erase_and_claim_reach_the_legacy_turns(backend: Backend) -> None:
     assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
 
 
+async def test_a_legacy_turn_naming_the_user_a_claim_moved_its_conversation_from_is_the_claimers(
+    backend: Backend,
+) -> None:
+    """The old service, which knows of no claim, logs a turn naming the user id a claim moved
+    the conversation away from: the read fallback serves it to the claimer, with the rest of
+    the conversation, and to the old id nothing; the claimer's erasure takes it."""
+    turns = example_legacy_turns()
+    owner = turns[0]["user_id"]
+    await backend.db[LEGACY_TURNS].insert_many(turns)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    await store.claim(owner, "user-claimed")
+    late = {**turns[0], "_id": "t-late", "created_at": "2030-01-01T00:00:00Z"}
+    await backend.db[LEGACY_TURNS].insert_one(late | {"user_message": "LATE"})
+
+    served = await store.transcript(EXAMPLE_CONVERSATION_ID, user_id="user-claimed")
+
+    assert [m.content for m in served if m.role == "user"][-1] == "LATE"
+    with pytest.raises(NotFound):
+        await store.transcript(EXAMPLE_CONVERSATION_ID, user_id=owner)
+    erased = await store.erase_user("user-claimed")
+    assert erased.legacy_turns == len(turns) + 1
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
+
+
 @pytest.mark.parametrize("created_at", ["2026-03-02T09:00:00Z", datetime(2026, 3, 2, tzinfo=UTC)])
 async def test_erasing_a_user_takes_a_late_legacy_turn_of_theirs_no_run_has_moved_aside(
     backend: Backend, created_at: Any

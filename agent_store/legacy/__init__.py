@@ -14,6 +14,7 @@ from agent_store.legacy._convert import (
     convert,
 )
 from agent_store.legacy._documents import (
+    CLAIMED_FROM,
     CONVERSATION_COUNTERS,
     CUT_FIELD,
     LEGACY_TURNS,
@@ -54,6 +55,7 @@ from agent_store.legacy._documents import (
     texts_not_identifiers,
     turn_names,
     turn_times,
+    user_named,
 )
 from agent_store.legacy._dual_write import (
     NATIVE_FIELD,
@@ -89,6 +91,7 @@ from agent_store.store import not_utf8_at
 
 __all__ = [
     "AMBIGUOUS_TOOL_RESULT",
+    "CLAIMED_FROM",
     "CONVERSATION_COUNTERS",
     "CUT_FIELD",
     "DUAL_WRITE_NOT_EXACT",
@@ -162,6 +165,7 @@ __all__ = [
     "turn_times",
     "turn_uploads",
     "turns_known_as",
+    "user_named",
     "user_text",
     "with_session_prompts",
 ]

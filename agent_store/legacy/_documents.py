@@ -555,6 +555,9 @@ class LegacyTurn(BaseModel):
     token_usage: Any = None
     latency_ms: Any = None
     message_history_json: Any = None
+    claimed_from: Any = None
+    """The user ids claims moved the turn away from (`CLAIMED_FROM`), as the store names
+    them; None for a turn no claim moved (`claimers`)."""
     _alone_as: str | None = PrivateAttr(default=None)
     """What it goes by as a conversation of its own (it names none) when that is not its
     `_id`'s text: its `_id` reads like an earlier such turn's (`tell_apart`)."""
@@ -926,9 +929,47 @@ def sort_turns(turns: Iterable[LegacyTurn]) -> list[LegacyTurn]:
     return [ordered[i] for i in keyed]
 
 
+CLAIMED_FROM = "claimed_from"
+"""The field a claim (`ConversationStore.claim`) adds the user id it moves a legacy turn away
+from to, as the store names it (`user_named`), with every earlier claim's kept: what tells
+the conversation's turns the old service logs or re-saves since, naming that id because it
+knows of no claim, as the claimer's (`claimers`)."""
+
+
+def claimers(turns: Iterable[LegacyTurn]) -> dict[str, str]:
+    """Who claimed each user id a claim moved some of one conversation's turns away from
+    (`claimed_from`): the user the last such turn in time names now. A chain (`a` to `b`,
+    then `b` to `c`) left `[a, b]` on turns naming `c`: both are `c`'s."""
+    found: dict[str, str] = {}
+    for turn in sort_turns(turns):
+        moved = turn.claimed_from if isinstance(turn.claimed_from, list) else []
+        if (claimer := user_named(turn.user_id)) is not None:
+            found |= {named: claimer for value in moved if (named := user_named(value))}
+    return {named: claimer for named, claimer in found.items() if named != claimer}
+
+
+def turn_users(turns: list[LegacyTurn]) -> list[str | None]:
+    """The user each of one conversation's turns names (`user_named`), one a claim moved
+    some of its turns away from as their claimer (`claimers`): the old service, which knows
+    of no claim, logs or re-saves turns naming the user id it knows. The one reading of a
+    legacy turn's user that its conversation's ownership (`owner_of`, `users_part`) and the
+    migration's conversion take."""
+    claimed = claimers(turns)
+    named = [user_named(turn.user_id) for turn in turns]
+    return [claimed.get(user, user) if user is not None else None for user in named]
+
+
 def named_users(turns: Iterable[LegacyTurn]) -> list[str]:
-    """The user ids the turns name, in time order (turns without one left out)."""
-    return [t.user_id for t in sort_turns(turns) if t.user_id]
+    """The user ids one conversation's turns name, in time order (turns without one left
+    out): as stored, but a user a claim moved them away from named as its claimer
+    (`turn_users`)."""
+    ordered = sort_turns(turns)
+    users = turn_users(ordered)
+    return [
+        t.user_id if users[i] == user_named(t.user_id) else str(users[i])
+        for i, t in enumerate(ordered)
+        if t.user_id
+    ]
 
 
 def owner_of(turns: Iterable[LegacyTurn]) -> str | None:
@@ -1007,11 +1048,11 @@ def reached_by(
     turn alone, to read, delete or erase."""
     if live is None or user_id == live.user_id:
         return list(range(len(turns)))
+    users = turn_users(turns)
     return [
         i
         for i, turn in enumerate(turns)
-        if not live_copy(turn.dual_write_field, live)
-        and (user_id is None or user_named(turn.user_id) == user_id)
+        if not live_copy(turn.dual_write_field, live) and (user_id is None or users[i] == user_id)
     ]
 
 
@@ -1041,7 +1082,8 @@ def users_part(
     and never another user's (`reached_by`), nor are the turns naming no user beside it."""
     reached = reached_by(turns, user_id, live)
     owns = owns_legacy(turns, user_id, live)
-    part = [i for i in reached if part_of(turns[i].user_id, user_id, owns=owns)]
+    users = turn_users(turns)
+    part = [i for i in reached if users[i] == user_id or (owns and users[i] is None)]
     if live is None or user_id != live.user_id:
         return part
     return sorted({*part, *(i for i, t in enumerate(turns) if live_copy(t.dual_write_field, live))})

@@ -21,6 +21,7 @@ from agent_store.core import (
 )
 from agent_store.legacy._convert import convert
 from agent_store.legacy._documents import (
+    CLAIMED_FROM,
     CONVERSATION_COUNTERS,
     EPOCH,
     LEGACY_TURNS,
@@ -82,9 +83,16 @@ from agent_store.store import (
     storage_errors,
 )
 
-_OWNERSHIP_FIELDS = {"conversation_id": 1, "user_id": 1, "created_at": 1, "dual_write": 1}
-"""What tells a legacy conversation's owner (`owner_of`) and a user's part (`users_part`), a
-live conversation's copies (`live_copy`) apart."""
+_OWNERSHIP_FIELDS = {
+    "conversation_id": 1,
+    "user_id": 1,
+    "created_at": 1,
+    "dual_write": 1,
+    CLAIMED_FROM: 1,
+}
+"""What tells a legacy conversation's owner (`owner_of`) and a user's part (`users_part`),
+the claims that moved its turns (`claimers`), a live conversation's copies (`live_copy`)
+apart."""
 _PROMPT_OWNERSHIP_FIELDS = {"conversation_id": 1, "session_id": 1, "user_id": 1, "dual_write": 1}
 """What tells the `session_hitl` prompts a conversation takes (`owners_prompt`) and a user's
 part (`prompt_part_of`) apart from the others."""
@@ -556,7 +564,10 @@ class LegacyTurns:
     async def claim(self, from_user_id: str, to_user_id: str, *, kept: Sequence[str] = ()) -> int:
         """Move the user's legacy turns, and the prompts naming the user, to another user id,
         but those of the conversations `kept` (the claim left them to the user: a delete
-        marked them), which stay with them; how many turns moved."""
+        marked them), which stay with them; how many turns moved. Each turn moved records
+        the user id it moved away from (`CLAIMED_FROM`), in the same command: a turn the old
+        service, which knows of no claim, logs or re-saves since naming that id in its
+        conversation is the claimer's (`claimers`), to the read fallback and the migration."""
         left = [await self._kept_filters(conversation_id) for conversation_id in kept]
         with storage_errors("claim the legacy turns"):
             moved = 0
@@ -567,7 +578,10 @@ class LegacyTurns:
                     query: dict[str, Any] = _late_of(ids) if within else {"_id": {"$in": ids}}
                     if left:
                         query["$nor"] = [filters[index] for filters in left]
-                    done = await collection.update_many(query, {"$set": {"user_id": to_user_id}})
+                    update: dict[str, Any] = {"$set": {"user_id": to_user_id}}
+                    if collection is not self._prompts:
+                        update["$addToSet"] = {CLAIMED_FROM: from_user_id}
+                    done = await collection.update_many(query, update)
                     moved += int(done.modified_count) if collection is not self._prompts else 0
         return moved
 
