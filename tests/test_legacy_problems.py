@@ -3022,3 +3022,37 @@ async def test_an_answers_dual_write_marks_the_owners_prompt_beside_one_whose_ow
 
     prompts = await backend.db[SESSION_HITL].find({}, {"status": 1}).to_list(None)
     assert {p["_id"]: p["status"] for p in prompts} == {"p-ok": "resolved", "p-bad": "pending"}
+
+
+@pytest.mark.parametrize("field", OWNERSHIP_FIELDS_READ)
+async def test_a_claim_or_an_erasure_leaves_a_turn_and_prompt_whose_owner_cannot_be_read(
+    backend: Backend, field: str
+) -> None:
+    """SECURITY.md: a legacy turn or `session_hitl` prompt whose `user_id` or conversation id
+    holds bytes the driver cannot decode is nobody's, to a claim and an erasure as to a
+    delete: a claim of the user it seems to name moves the user's other turns and leaves it
+    naming her; her erasure takes her other turns and leaves it (was: a claim moved it to
+    the new owner, its `conversation_id` not read to tell it apart)."""
+    await backend.db[LEGACY_TURNS].insert_many(
+        [
+            {"_id": "t-m", "conversation_id": "c-m", "user_id": "mallory",
+             "created_at": MESSY_START, "user_message": "hers"},
+            {"_id": "t-bad", "conversation_id": "c-x", "user_id": "mallory",
+             "created_at": MESSY_START, "user_message": "nobody's"},
+        ]
+    )  # fmt: skip
+    await _legacy_with_undecodable_prompt(backend.db, owner="mallory", prompter="mallory")
+    legacy = LegacyTurns(backend.db)
+    legacy._turns = UndecodableText(legacy._turns, "t-bad", (field,))
+    legacy._prompts = UndecodableText(legacy._prompts, "p-bad", (field,))
+    store = ConversationStore(backend.db, legacy=legacy)
+
+    claimed = await store.claim("mallory", "bob")
+    owners = {t["_id"]: t["user_id"] async for t in backend.db[LEGACY_TURNS].find()}
+    assert (owners["t-m"], owners["t-bad"]) == ("bob", "mallory")
+    prompt = await backend.db[SESSION_HITL].find_one({"_id": "p-bad"})
+    assert (prompt or {}).get("user_id") == "mallory"
+    assert claimed.legacy_turns == sum(1 for owner in owners.values() if owner == "bob")
+    await store.erase_user("mallory")
+    assert await backend.db[LEGACY_TURNS].count_documents({"_id": "t-bad"}) == 1
+    assert await backend.db[SESSION_HITL].count_documents({"_id": "p-bad"}) == 1

@@ -456,7 +456,9 @@ class LegacyTurns:
         stood, as a run may have moved them all between the two reads (an erasure is rare:
         two reads of it)."""
         with storage_errors("erase the user's legacy turns"):
-            late = await _ids_naming(self._conversations, user_id, within=LATE_TURNS)
+            late = await _ids_naming(
+                self._conversations, user_id, _OWNERSHIP_FIELDS, within=LATE_TURNS
+            )
             stored = await self._stored_lives(user_id)
             owned, _ = await self._users_parts(user_id, await self._users_turns(user_id, stored))
             late += await self._late_parts(user_id, sorted(owned))
@@ -573,7 +575,8 @@ class LegacyTurns:
             moved = 0
             places = ((self._turns, 0, None), (self._conversations, 0, LATE_TURNS))
             for collection, index, within in (*places, (self._prompts, 1, None)):
-                ids = await _ids_naming(collection, from_user_id, within=within)
+                fields = _PROMPT_OWNERSHIP_FIELDS if index else _OWNERSHIP_FIELDS
+                ids = await _ids_naming(collection, from_user_id, fields, within=within)
                 if ids:
                     query: dict[str, Any] = _late_of(ids) if within else {"_id": {"$in": ids}}
                     if left:
@@ -866,10 +869,12 @@ def _among_ids(ids: list[Any]) -> list[dict[str, Any]]:
 
 
 async def _ids_naming(
-    collection: Any, user_id: str, *, within: dict[str, Any] | None = None
+    collection: Any, user_id: str, fields: dict[str, Any], *, within: dict[str, Any] | None = None
 ) -> list[Any]:
-    """The `_id`s of `_naming`'s documents."""
-    return [d["_id"] for d in await _naming(collection, user_id, {"_id": 1}, within=within)]
+    """The `_id`s of `_naming`'s documents, read with their ownership `fields`, so one whose
+    conversation id cannot be read is set apart as nobody's (`ownership_read`) there too
+    (was: read by `user_id` alone, a claim moved it to the new owner)."""
+    return [d["_id"] for d in await _naming(collection, user_id, fields, within=within)]
 
 
 LATE_TURNS: dict[str, Any] = {field: {"$exists": False} for field in CONVERSATION_COUNTERS}
