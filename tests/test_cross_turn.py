@@ -8827,6 +8827,138 @@ async def test_a_prompt_holding_a_call_listed_again_whose_answer_never_landed_is
     assert (await pending_state(store))[1] is None
 
 
+async def _landing_cut_before_its_fold_then_resent(
+    backend: Backend,
+    monkeypatch: pytest.MonkeyPatch,
+    cid: str,
+    turn: list[dict[str, Any]],
+    *,
+    owed: bool = False,
+) -> LoggedTurn:
+    """In `cid`, where the turns before are logged: tA (`turn`) reserves a day ago, its insert
+    stalled; tB, another process's turn, finds its block passed and empty and folds the
+    pending state without it; with `owed`, tC reserves and loses its insert (the fold waits
+    on it) and tE makes c5 and asks r5 about it. tA's insert lands and its writer dies
+    before its fold (`_LANDING_CUT`'s "died-before-fold"); tA is sent again, and that
+    acknowledgement is returned. With `owed`, tC then lands and tD folds what is owed."""
+    logger = AgentMessageLogger(backend.db)
+    writer = AgentMessageLogger(backend.db)
+    stall, clock = _StalledInsert(writer, monkeypatch), _ReservedADayAgo(monkeypatch)
+    late = await stall.start(writer.log_messages(cid, turn, turn_id="tA"))
+    clock.caught_up()  # tA's insert is sent, and stalls
+    await logger.log_messages(cid, [_user("hello?")], turn_id="tB")
+    if owed:
+        await reserved_insert_lost(
+            logger, partial(logger.log_messages, cid, [_say("...")], turn_id="tC")
+        )
+        between = [_user("And?"), _calls("c5"), _asks_about("r5", "c5")]
+        await logger.log_messages(cid, between, turn_id="tE")
+    await _fails_with(asyncio.CancelledError(), monkeypatch, "settle")
+
+    stall.release()
+    with pytest.raises(asyncio.CancelledError):
+        await late
+    monkeypatch.undo()
+    again = await AgentMessageLogger(backend.db).log_messages(cid, turn, turn_id="tA")
+    if owed:
+        await logger.log_messages(cid, [_say("...")], turn_id="tC")  # lands: nothing being written
+        await logger.log_messages(cid, [_user("still there?")], turn_id="tD")  # folds what is owed
+    return again
+
+
+async def _forked_whole(
+    backend: Backend, cid: str
+) -> tuple[list[tuple[str, str | None]], str | None]:
+    """What a fork of every message of `cid` serves: what its stored messages leave."""
+    store = ConversationStore(backend.db)
+    last = (await store.transcript(cid))[-1].seq
+    await AgentMessageLogger(backend.db).fork(cid, last, f"{cid}-whole")
+    return await held_state(store, f"{cid}-whole")
+
+
+async def test_a_replay_lists_the_pause_its_first_attempt_stored_though_its_writer_died_unfolded(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RELIABILITY.md (every acknowledgement, a replay's too, holds what the stored messages
+    leave): tA makes c9 and asks r9 about it, answering nothing; its writer stalls inside its
+    insert past `abandon_after`, tB folds the passed, empty block (c9 and r9 unlisted), and
+    tA's insert lands, its writer dying before its fold. Sent again, tA is a replay that
+    lists c9 held by r9 and r9 pending, as a fork of the same messages does, and later turns
+    keep them (was: a replay folded only for a call the turn answers, so the question stayed
+    unlisted for good)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Pay."), _calls("c1")], turn_id="t0")
+    turn = [_calls("c9"), _asks_about("r9", "c9")]
+
+    again = await _landing_cut_before_its_fold_then_resent(backend, monkeypatch, CID, turn)
+
+    assert again.replayed
+    assert await held_state(store) == ([("c1", None), ("c9", "r9")], "r9")
+    await logger.log_messages(CID, [_user("still there?")], turn_id="tD")
+    assert await held_state(store) == await _forked_whole(backend, CID)
+
+
+async def test_a_replay_holds_again_the_approved_call_its_first_attempt_asked_about_again(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md `approved_calls` (a later prompt naming the call holds it again): c2 is
+    approved (r1); tA asks r2 about it again, its writer stalled past `abandon_after`; tB
+    folds the passed, empty block (the approval in force again), tC is still being written
+    (the fold owed) and tE asks r5 about c5. tA's insert lands and its writer dies before
+    its fold. Sent again, tA is a replay holding c2 by r2, and once tC lands and the owed
+    fold is written, c2 is still held by r2, as a fork of the same messages holds it (was:
+    the replay held nothing, and the approval stayed in force for good)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(
+        CID, [_user("Go."), _calls("c2"), _asks_about("r1", "c2")], turn_id="t0"
+    )
+    await store.resolve_hitl(CID, "r1")
+    turn = [_asks_about("r2", "c2")]
+
+    again = await _landing_cut_before_its_fold_then_resent(
+        backend, monkeypatch, CID, turn, owed=True
+    )
+
+    assert again.replayed
+    assert ("c2", "r2") in (await held_state(store))[0]
+    assert await held_state(store) == await _forked_whole(backend, CID)
+
+
+async def test_a_resend_answering_the_later_of_two_listed_calls_of_an_id_reads_and_writes_nothing(
+    backend: Backend,
+) -> None:
+    """A resend of a stored turn is a replay that reads what a replay reads and writes
+    nothing when the conversation lists what the turn's stored messages leave. t1 and t2
+    each make c1 (both listed, below tA's block); tA answers t2's c1 (named) and asks r0
+    again about c0, approved, and she answers it again. t1's c1, still listed, is not the
+    call tA's answer pairs with: the replay reads as much as one of a conversation whose
+    t2 call has another id, and her approval stands (was: any listed call of an answered
+    id below the block made the replay fold the whole conversation and hold the approval
+    again by tA's question)."""
+
+    async def replay_calls(cid: str, reused: str) -> list[str]:
+        logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+        asked = [_user("Go."), _calls("c0"), _asks_about("r0", "c0")]
+        await logger.log_messages(cid, asked, turn_id="t0")
+        await store.resolve_hitl(cid, "r0")
+        await logger.log_messages(cid, [_user("a"), _calls("c1")], turn_id="t1")
+        made = await logger.log_messages(cid, [_user("b"), _calls(reused)], turn_id="t2")
+        turn = [_answer(reused, "found"), _asks_about("r0", "c0")]
+        answers_to = {reused: made.messages[1].id}
+        await logger.log_messages(cid, turn, turn_id="tA", answers_to=answers_to)
+        await store.resolve_hitl(cid, "r0")
+        before = await backend.db[CONVERSATIONS].find_one({"_id": cid})
+        replayer, calls = AgentMessageLogger(backend.db), list[str]()
+        replayer._messages = _CallsCounted(replayer._messages, calls)
+        replayer._conversations = _CallsCounted(replayer._conversations, calls)
+        again = await replayer.log_messages(cid, turn, turn_id="tA", answers_to=answers_to)
+        assert again.replayed
+        assert await backend.db[CONVERSATIONS].find_one({"_id": cid}) == before
+        return calls
+
+    assert await replay_calls(f"{CID}-reused", "c1") == await replay_calls(CID, "c7")
+
+
 _ASKED_AGAIN = {
     "alone": [_asks_about("r1", "c1")],
     "with-its-own-call": [_asks_about("r1", "c1"), _calls("c9"), _asks_about("r9", "c9")],

@@ -52,6 +52,7 @@ from agent_store.core import (
     MessageError,
     NotFound,
     PendingCall,
+    PendingHitl,
     StorageUnavailable,
     StoreError,
     ToolMessage,
@@ -365,11 +366,16 @@ class _Reserved:
     calls or a prompt no stored message makes, and the pending state is folded again after
     the insert (`AgentMessageLogger._left_unstored`)."""
     relisted: bool = False
-    """A replay's: the conversation as it read it lists a call the turn answers
-    (`_answers_listed`), as a fold that passed the block of its first attempt, stalled past
-    `abandon_after`, left it; that attempt's insert landed, but its writer did not take the
-    call off (its command dropped, its process gone). The replay folds and takes the calls
-    its stored messages answer off before it is acknowledged (`_fold_after_insert`)."""
+    """A replay's: the conversation as it read it lists otherwise than the turn's stored
+    messages leave it (`_listed_otherwise`), as a fold that passed the block of its first
+    attempt, stalled past `abandon_after`, left it; that attempt's insert landed, but its
+    writer did not fold (its command dropped, its process gone). The replay folds, and takes
+    the calls its stored messages answer off, before it is acknowledged
+    (`_fold_after_insert`)."""
+    unheld: bool = False
+    """A replay's: an approved call the turn's stored prompts ask about again is free, no
+    answer to them come since (`_asked_again_unheld`): the replay holds it again before it
+    is acknowledged (`_relocated.hold_asked_again`), as the landing it repeats does."""
 
 
 @dataclass(frozen=True)
@@ -1360,7 +1366,8 @@ class AgentMessageLogger:
         refuse_unloggable_turn_id(plan.turn_id)
         _check_answers_named(plan, _answers_to(answers_to), _refused_prompts(refused))
         condition = _turn_conditions(plan, next_seq, step, refused, answers_to)
-        return plan, actor, condition
+        named = _named_answers(plan, _answers_to(answers_to))
+        return replace(plan, answers_named=tuple(sorted(named.items()))), actor, condition
 
     async def _told(
         self, plan: TurnPlan, reserved: _Reserved, stored: list[AgentMessage]
@@ -2391,9 +2398,11 @@ class AgentMessageLogger:
         one `_verdict` found the retry's content matches; `looked`, its lookup `_verdict`
         made (`_Verdict.looked`), else made here. Raises `Unmovable` (the caller gives the
         turn up, `_given_up_for`)."""
-        reserved = _replay(plan, block, conversation, condition)
-        checked = time.monotonic()
         age = None if block.reserved_at is None else utc_now() - block.reserved_at
+        after = self.rules.abandon_after
+        passed = bool(after) and (age is None or age >= after)
+        reserved = _replay(plan, block, conversation, condition, passed=passed)
+        checked = time.monotonic()
         grace = self.rules.claim_grace
         if age is not None and age < grace:  # the earlier attempt may still be inserting
             until = checked + grace.total_seconds()
@@ -2793,18 +2802,20 @@ class AgentMessageLogger:
         two or three round trips more, on that path only), where a fold that found its block
         passed and empty listed them again: the turn is acknowledged with its answers
         standing, never with the calls they answer, or the prompt they clear, listed. A
-        replay finding a call the turn answers listed (`_Reserved.relisted`: its first
-        attempt's writer cut after its insert) does the same before its acknowledgement:
-        taking off is idempotent, the update matching only while a call is listed."""
+        replay finding the conversation listing otherwise than the turn's stored messages
+        leave it (`_Reserved.relisted`: its first attempt's writer cut after its insert,
+        before its fold) does the same before its acknowledgement, holding again only the
+        approvals it finds free (`_Reserved.unheld`): taking off is idempotent, the update
+        matching only while a call is listed, and the fold writes only what differs."""
         if not await self._to_fold(plan, reserved, started):
             return
-        landed = reserved.relisted or self._landed_past_its_block(plan, started)
+        landed = self._landed_past_its_block(plan, started)
         same = _same_as_reserved(plan.conversation_id, reserved)
-        if landed:
+        if landed or reserved.unheld:
             await hold_asked_again(self._conversations, same, plan, reserved.pops)
         if await self._settle(plan.conversation_id, reserved.moved):
             return
-        if landed:
+        if landed or reserved.relisted:
             first = reserved.first_seq
             await take_answered_off(
                 self._conversations,
@@ -2818,8 +2829,9 @@ class AgentMessageLogger:
 
     async def _to_fold(self, plan: TurnPlan, reserved: _Reserved, started: float) -> bool:
         """Whether the pending state is folded from the stored messages after the turn's
-        insert: after a move, a fold owed (`_Reserved.owed`), a replay finding a call the
-        turn answers listed (`_Reserved.relisted`), an insert landing past its
+        insert: after a move, a fold owed (`_Reserved.owed`), a replay finding the listing
+        otherwise than the turn's stored messages leave it (`_Reserved.relisted`), an
+        insert landing past its
         block's `abandon_after` (`_landed_past_its_block`), or a block listing pending state
         found passed and empty (`_left_unstored`: one `find`, only when one was found
         passed)."""
@@ -4092,10 +4104,14 @@ def _replay(
     block: RecordedBlock,
     conversation: dict[str, Any],
     condition: Condition | None = None,
+    *,
+    passed: bool = False,
 ) -> _Reserved:
     """The block an earlier attempt of the turn reserved, if this attempt sends the same and
     no pop has removed a message of it since. One sending answers the turn was logged
-    without (`AnsweredBefore`) is told so again (`Condition.retried`)."""
+    without (`AnsweredBefore`) is told so again (`Condition.retried`). `passed`: the block
+    is older than `abandon_after`, so a fold may have passed it while it was empty
+    (`_listed_otherwise`)."""
     if block.popped:
         raise _corrected(plan)
     if block.count != plan.count or not plan.matches(block.digest):
@@ -4110,23 +4126,119 @@ def _replay(
         conversation=summary,
         assigns=_assigned_at(conversation, block.first_seq),
         pops=int(conversation.get("pops") or 0),
-        relisted=_answers_listed(plan, conversation, block.first_seq),
+        relisted=_listed_otherwise(plan, conversation, block.first_seq, passed=passed),
+        unheld=passed and _asked_again_unheld(plan, conversation, block.first_seq),
+    )
+
+
+def _listed_otherwise(
+    plan: TurnPlan, conversation: Mapping[str, Any], first_seq: int, *, passed: bool
+) -> bool:
+    """Whether `conversation`, as a replay of the turn stored at `first_seq` read it, lists
+    otherwise than the turn's stored messages leave it, as a landing's fold would list it
+    (`_fold_after_insert`): a call it answers listed (`_answers_listed`), or, its block
+    `passed` (older than `abandon_after`: a fold may have passed it empty), its own open
+    call or prompt unlisted (`_own_unlisted`), a call its prompt names held by another
+    (`_named_held_otherwise`) or an approval it asks about again free
+    (`_asked_again_unheld`). Read from the conversation the replay read, nothing more: a
+    later turn may have answered or asked since, which only the fold the replay then writes
+    tells, changing nothing where they agree."""
+    if _answers_listed(plan, conversation, first_seq):
+        return True
+    return passed and (
+        _own_unlisted(plan, conversation, first_seq)
+        or _named_held_otherwise(plan, conversation, first_seq)
+        or _asked_again_unheld(plan, conversation, first_seq)
     )
 
 
 def _answers_listed(plan: TurnPlan, conversation: Mapping[str, Any], first_seq: int) -> bool:
-    """Whether `conversation` (as read) lists in `pending_calls` a call the turn answers: one
-    of the ids it answers, made before its block (`first_seq`). A call made after it under a
-    reused id is another call, which the turn could not answer: its listing says nothing of
-    the turn's first attempt (was: it made every replay fold the whole conversation, and hold
-    again the approvals the turn's prompts asked about)."""
-    answered = set(plan.answered_calls)
-    for call in conversation.get("pending_calls") or ():
-        if isinstance(call, Mapping) and call.get("tool_call_id") in answered:
+    """Whether `conversation` (as read) lists in `pending_calls` a call the turn answers: the
+    very call its answer names (`TurnPlan.answers_named`, the message making it), else one of
+    the ids it answers made before its block (`first_seq`). Another call of the id, made
+    after the block or before the call the answer names, is not the turn's to answer: its
+    listing says nothing of the turn's first attempt (was: it made every replay fold the
+    whole conversation, and hold again the approvals the turn's prompts asked about)."""
+    answered, named = set(plan.answered_calls), dict(plan.answers_named)
+    for call in _listed_calls(conversation):
+        call_id = call.get("tool_call_id")
+        if call_id in named:
+            if call.get("message_id") == named[call_id]:
+                return True
+        elif call_id in answered:
             seq = call.get("seq")
             if not isinstance(seq, int) or seq < first_seq:
                 return True
     return False
+
+
+def _listed_calls(conversation: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The `pending_calls` entries of `conversation` as read."""
+    return [c for c in conversation.get("pending_calls") or () if isinstance(c, Mapping)]
+
+
+def _own_unlisted(plan: TurnPlan, conversation: Mapping[str, Any], first_seq: int) -> bool:
+    """Whether a call the turn leaves open (`TurnPlan.opened_calls`) is off `pending_calls`,
+    or the prompt it leaves pending (`TurnPlan.pending_hitl`) is not the pending one and no
+    answer to it came since (`_answered_since`)."""
+    listed = {(c.get("tool_call_id"), c.get("message_id")) for c in _listed_calls(conversation)}
+    if any((c.tool_call_id, c.message_id) not in listed for c in plan.opened_calls):
+        return True
+    prompt = plan.pending_hitl
+    if not isinstance(prompt, PendingHitl):
+        return False
+    pending = conversation.get("pending_hitl")
+    if isinstance(pending, Mapping) and pending.get("message_id") == prompt.message_id:
+        return False
+    return not _answered_since(plan, conversation, first_seq, prompt.message_id)
+
+
+def _named_held_otherwise(plan: TurnPlan, conversation: Mapping[str, Any], first_seq: int) -> bool:
+    """Whether the latest listed call below the block (`first_seq`) of an id a prompt of the
+    turn names (`TurnPlan.named_holds`) is held by another request than that prompt's: its
+    prompt holds it from then on (`holding_named`), unless a later one does."""
+    for call_id, request_id in plan.named_holds:
+        made = [
+            c
+            for c in _listed_calls(conversation)
+            if c.get("tool_call_id") == call_id and int(c.get("seq") or 0) < first_seq
+        ]
+        if made and made[-1].get("request_id") != request_id:
+            return True
+    return False
+
+
+def _asked_again_unheld(plan: TurnPlan, conversation: Mapping[str, Any], first_seq: int) -> bool:
+    """Whether an approved call a prompt of the turn asks about again (`TurnPlan.asked_again`)
+    is listed with its approval free (no prompt holds it, `ApprovedCall.held_by`) while no
+    answer to the turn's last prompt naming it came since (`_answered_since`)."""
+    listed = {(c.get("tool_call_id"), c.get("message_id")) for c in _listed_calls(conversation)}
+    for approval in conversation.get("approved_calls") or ():
+        if not isinstance(approval, Mapping):
+            continue
+        key = (approval.get("tool_call_id"), approval.get("message_id"))
+        if key not in listed or approval.get("held_by") or approval.get("held_again"):
+            continue
+        for call_id, prompts in plan.asked_again:
+            if call_id == key[0] and not _answered_since(
+                plan, conversation, first_seq, prompts[-1]
+            ):
+                return True
+    return False
+
+
+def _answered_since(
+    plan: TurnPlan, conversation: Mapping[str, Any], first_seq: int, prompt_id: str
+) -> bool:
+    """Whether a person answered the turn's prompt asked by its message `prompt_id` (stored
+    at `first_seq` plus its index in the turn): an answer to its request id reaching past
+    it (`answered_in`)."""
+    at = next((i for i, d in enumerate(plan.documents) if d["_id"] == prompt_id), None)
+    action = None if at is None else plan.messages[at].hitl_action
+    if at is None or action is None:
+        return True  # not a prompt of the turn's: nothing of it to list
+    answers = answered_in(conversation)
+    return any(r == action.request_id and below > first_seq + at for r, below, _ in answers)
 
 
 def _retry_refusal(

@@ -750,8 +750,9 @@ async def take_answered_off(
 async def hold_asked_again(
     conversations: Any, same: Mapping[str, Any], plan: TurnPlan, pops: int | None
 ) -> None:
-    """After the insert of a turn landing past its block (`_logger._landed_past_its_block`):
-    the approved calls its stored prompts ask about again are held by them, as its
+    """After the insert of a turn landing past its block (`_logger._landed_past_its_block`),
+    or its replay finding such an approval free (`_logger._Reserved.unheld`): the approved
+    calls its stored prompts ask about again are held by them, as its
     reservation held them (`_reservation.asked_again_where_free`, the same expression),
     where a fold that found its block passed and empty put the approvals in force again
     (DESIGN.md `approved_calls`: a later prompt naming the call holds it again; no answer

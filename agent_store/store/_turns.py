@@ -176,6 +176,11 @@ class TurnPlan:
     call's approval in its turn, as the same prompts logged a turn each do
     (`_reservation._asked_again`): the last holds it (`ApprovedCall.held_by`), the others are
     remembered before it (`held_before`)."""
+    answers_named: tuple[tuple[str, str], ...] = ()
+    """`(tool_call_id, message id)`: the call of an earlier turn each of its answers answers,
+    as `log_messages`'s `answers_to` names it (the message making it); empty when the turn
+    was logged without. A replay tells by it which listed call its stored answer pairs with
+    (`_logger._answers_listed`)."""
 
     derived_before: str | None = None
     """The id derived for the turn (no `turn_id` given) before key order stopped counting,
