@@ -8566,6 +8566,21 @@ class _CallsCounted:
         return counted
 
 
+async def _replayed_unchanged(
+    backend: Backend, cid: str, turn: list[dict[str, Any]], answers_to: dict[str, str]
+) -> list[str]:
+    """`turn` sent again as `tA` through a new logger counting its commands: a replay that
+    changes nothing of the conversation document; the commands it sent."""
+    before = await backend.db[CONVERSATIONS].find_one({"_id": cid})
+    replayer, calls = AgentMessageLogger(backend.db), list[str]()
+    replayer._messages = _CallsCounted(replayer._messages, calls)
+    replayer._conversations = _CallsCounted(replayer._conversations, calls)
+    again = await replayer.log_messages(cid, turn, turn_id="tA", answers_to=answers_to)
+    assert again.replayed
+    assert await backend.db[CONVERSATIONS].find_one({"_id": cid}) == before
+    return calls
+
+
 async def test_a_resend_whose_answered_call_id_a_later_call_reuses_reads_and_writes_nothing(
     backend: Backend,
 ) -> None:
@@ -8586,14 +8601,7 @@ async def test_a_resend_whose_answered_call_id_a_later_call_reuses_reads_and_wri
             step = [_user(f"u{n}"), _calls(f"k{n}"), _answer(f"k{n}")]
             await logger.log_messages(cid, step, turn_id=f"t-{n}")
         await logger.log_messages(cid, [_user("again"), _calls(later_call)], turn_id="tE")
-        before = await backend.db[CONVERSATIONS].find_one({"_id": cid})
-        replayer, calls = AgentMessageLogger(backend.db), list[str]()
-        replayer._messages = _CallsCounted(replayer._messages, calls)
-        replayer._conversations = _CallsCounted(replayer._conversations, calls)
-        again = await replayer.log_messages(cid, turn, turn_id="tA", answers_to=answers_to)
-        assert again.replayed
-        assert await backend.db[CONVERSATIONS].find_one({"_id": cid}) == before
-        return calls
+        return await _replayed_unchanged(backend, cid, turn, answers_to)
 
     assert await replay_calls(f"{CID}-reused", "c1") == await replay_calls(CID, "c7")
 
@@ -8947,14 +8955,7 @@ async def test_a_resend_answering_the_later_of_two_listed_calls_of_an_id_reads_a
         answers_to = {reused: made.messages[1].id}
         await logger.log_messages(cid, turn, turn_id="tA", answers_to=answers_to)
         await store.resolve_hitl(cid, "r0")
-        before = await backend.db[CONVERSATIONS].find_one({"_id": cid})
-        replayer, calls = AgentMessageLogger(backend.db), list[str]()
-        replayer._messages = _CallsCounted(replayer._messages, calls)
-        replayer._conversations = _CallsCounted(replayer._conversations, calls)
-        again = await replayer.log_messages(cid, turn, turn_id="tA", answers_to=answers_to)
-        assert again.replayed
-        assert await backend.db[CONVERSATIONS].find_one({"_id": cid}) == before
-        return calls
+        return await _replayed_unchanged(backend, cid, turn, answers_to)
 
     assert await replay_calls(f"{CID}-reused", "c1") == await replay_calls(CID, "c7")
 

@@ -542,6 +542,21 @@ async def test_a_reader_paging_back_newest_first_never_skips_a_turn_still_being_
     assert (older.pending_seq, older.has_more) == (None, False)
 
 
+async def _a_held_below_b(
+    backend: Backend,
+) -> tuple[TurnRules, LoggedTurn, SlowInsert, asyncio.Task[Any]]:
+    """`abandon_after` 2 s; `m0` logged at 0 (its turn returned), turn A reserved at 1-2 and
+    held before its insert (its writer's task), B1 logged at 3."""
+    rules = TurnRules(abandon_after=timedelta(seconds=2))
+    fast = AgentMessageLogger(backend.db, rules=rules)
+    first = await fast.log_messages(CID, [{"role": "user", "content": "m0"}], turn_id="t0")
+    held = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    writer_a = asyncio.create_task(held.logger.log_messages(CID, turn("A"), turn_id="tA"))
+    await held.reserved.wait()
+    await fast.log_messages(CID, [{"role": "user", "content": "B1"}], turn_id="tB")
+    return rules, first, held, writer_a
+
+
 @contextlib.contextmanager
 def slow_between_reads(
     store: ConversationStore, held: SlowInsert, writer: asyncio.Task[Any], late: timedelta
@@ -571,13 +586,7 @@ async def test_a_tail_reader_slower_than_abandon_after_between_its_reads_never_s
     messages were read. A holds seq 1-2 and lands (within its margin) after the reader read
     B at 3 and before it looked the blocks up, the reader's clock then past `abandon_after`:
     the page stops at 1, and the follower reads A, then B."""
-    rules = TurnRules(abandon_after=timedelta(seconds=2))
-    fast = AgentMessageLogger(backend.db, rules=rules)
-    first = await fast.log_messages(CID, [{"role": "user", "content": "m0"}], turn_id="t0")
-    held = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
-    writer_a = asyncio.create_task(held.logger.log_messages(CID, turn("A"), turn_id="tA"))
-    await held.reserved.wait()
-    await fast.log_messages(CID, [{"role": "user", "content": "B1"}], turn_id="tB")
+    rules, first, held, writer_a = await _a_held_below_b(backend)
     store = ConversationStore(backend.db, rules=rules)
 
     with slow_between_reads(store, held, writer_a, timedelta(seconds=3)):
@@ -595,13 +604,7 @@ async def test_a_reader_paging_back_slower_than_abandon_after_between_its_reads_
     """As for the ascending read: newest first, a block A landed in while the reader was
     delayed between its reads past `abandon_after` stops the page above it, and the reader
     paging back reads A."""
-    rules = TurnRules(abandon_after=timedelta(seconds=2))
-    fast = AgentMessageLogger(backend.db, rules=rules)
-    await fast.log_messages(CID, [{"role": "user", "content": "m0"}], turn_id="t0")
-    held = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
-    writer_a = asyncio.create_task(held.logger.log_messages(CID, turn("A"), turn_id="tA"))
-    await held.reserved.wait()
-    await fast.log_messages(CID, [{"role": "user", "content": "B1"}], turn_id="tB")
+    rules, _, held, writer_a = await _a_held_below_b(backend)
     store = ConversationStore(backend.db, rules=rules)
 
     with slow_between_reads(store, held, writer_a, timedelta(seconds=3)):
@@ -621,13 +624,8 @@ async def test_a_fork_slower_than_abandon_after_after_reading_never_leaves_out_a
     copies A."""
     from agent_store.store import _logger
 
-    rules = TurnRules(abandon_after=timedelta(seconds=2))
+    rules, _, held, writer_a = await _a_held_below_b(backend)
     fast = AgentMessageLogger(backend.db, rules=rules)
-    await fast.log_messages(CID, [{"role": "user", "content": "m0"}], turn_id="t0")
-    held = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
-    writer_a = asyncio.create_task(held.logger.log_messages(CID, turn("A"), turn_id="tA"))
-    await held.reserved.wait()
-    await fast.log_messages(CID, [{"role": "user", "content": "B1"}], turn_id="tB")
     read_fork = _logger.read_fork
 
     async def slow_read(*args: Any, **kwargs: Any) -> Any:
