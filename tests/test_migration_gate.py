@@ -2706,6 +2706,45 @@ def test_a_late_old_service_turn_naming_a_claimed_user_is_the_claimers(
 
 
 @pytest.mark.wire
+@pytest.mark.parametrize("by", ["delete", "erasure"])
+def test_a_late_turn_naming_a_claimed_user_goes_with_the_claimers_delete(
+    wire_uri: str, database: Database[dict[str, Any]], by: str
+) -> None:
+    """A late turn the old service logs naming the user a claim moved its conversation away
+    from, still standing in `agent_conversations`, is the claimer's to her delete and her
+    erasure: it goes with them, and the next `run` brings nothing of the conversation back,
+    to the old id least of all."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-a", 0, "A"), legacy_turn("t-2", "c-b", 0, "B") | {"user_id": "u-9"}]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    _claimed(wire_uri, database, ("u-1", "u-2"))
+    database[CONVERSATIONS].insert_one(legacy_turn("t-late", "c-a", 5, "LATE"))
+
+    async def remove() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            db = client[database.name]
+            store = ConversationStore(db, legacy=LegacyTurns(db, dual_write=True))
+            if by == "delete":
+                await store.delete("c-a", user_id="u-2")
+            else:
+                await store.erase_user("u-2")
+        finally:
+            await client.close()
+
+    asyncio.run(remove())
+    assert cli(wire_uri, database, "run") == 0
+
+    assert _served_to(database, "c-a") == {}
+    assert (
+        database[CONVERSATIONS].count_documents({"$or": [{"_id": "c-a"}, {"_id": "t-late"}]}) == 0
+    )
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
 def test_a_moved_turn_re_saved_naming_the_user_a_claim_moved_it_from_is_the_moved_turn(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:

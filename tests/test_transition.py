@@ -598,6 +598,54 @@ async def test_a_legacy_turn_naming_the_user_a_claim_moved_its_conversation_from
     assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
 
 
+@pytest.mark.parametrize("by", ["delete", "erasure"])
+async def test_a_late_turn_naming_the_user_a_claim_moved_its_conversation_from_is_the_claimers(
+    backend: Backend, by: str
+) -> None:
+    """A late turn the old service logs in `agent_conversations` (no run moved it aside yet)
+    naming the user id a claim moved its conversation away from is judged as the legacy
+    collection's turns are (`turn_users`): the claimer's delete and erasure take it, so no
+    later run brings the deleted conversation back under the old id."""
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    await log_example(AgentMessageLogger(backend.db))
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    await store.claim(EXAMPLE_USER_ID, "user-claimed")
+    late = {**example_legacy_turns()[0], "_id": "t-late", "created_at": "2030-01-01T00:00:00Z"}
+    await backend.db[CONVERSATIONS].insert_one(late)
+
+    if by == "delete":
+        await store.delete(EXAMPLE_CONVERSATION_ID, user_id="user-claimed")
+    else:
+        await store.erase_user("user-claimed")
+
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "t-late"}) is None
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
+
+
+async def test_erasing_the_user_a_claim_moved_a_conversation_from_leaves_its_claimed_turns(
+    backend: Backend,
+) -> None:
+    """A turn of a claimed conversation naming the pre-claim user id is the claimer's
+    (`turn_users`) to the erasure too, in the legacy collection and late in
+    `agent_conversations` alike: the erasure of the old id leaves them, and the read
+    fallback still serves the claimer the one in the legacy collection."""
+    turns = example_legacy_turns()
+    await backend.db[LEGACY_TURNS].insert_many(turns)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    await store.claim(EXAMPLE_USER_ID, "user-claimed")
+    late = {**turns[0], "_id": "t-late", "created_at": "2030-01-01T00:00:00Z"}
+    await backend.db[LEGACY_TURNS].insert_one(late | {"user_message": "LATE"})
+    later = late | {"_id": "t-later", "created_at": "2030-01-02T00:00:00Z"}
+    await backend.db[CONVERSATIONS].insert_one(later)
+
+    erased = await store.erase_user(EXAMPLE_USER_ID)
+
+    assert erased.legacy_turns == 0
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "t-later"}) == later
+    served = await store.transcript(EXAMPLE_CONVERSATION_ID, user_id="user-claimed")
+    assert [m.content for m in served if m.role == "user"][-1] == "LATE"
+
+
 @pytest.mark.parametrize("created_at", ["2026-03-02T09:00:00Z", datetime(2026, 3, 2, tzinfo=UTC)])
 async def test_erasing_a_user_takes_a_late_legacy_turn_of_theirs_no_run_has_moved_aside(
     backend: Backend, created_at: Any

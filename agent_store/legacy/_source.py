@@ -32,6 +32,7 @@ from agent_store.legacy._documents import (
     LegacyTurn,
     LiveConversation,
     Unnamed,
+    claimers,
     derived_user_id,
     id_filter,
     may_not_be_identifiers,
@@ -45,6 +46,7 @@ from agent_store.legacy._documents import (
     prompt_part_of,
     prompts_filter,
     reached_by,
+    reference_in,
     scalar_filter,
     tell_apart,
     turn_times,
@@ -358,7 +360,8 @@ class LegacyTurns:
         derived id reaches the turns and prompts of the id they named (one more lookup, only for
         such ids). The late legacy turns under the id no run has moved aside yet (`LATE_TURNS`)
         are read first, and those that are `owner`'s part of the conversation (`_late_parts`, as
-        an erasure tells them; those naming no user only when `owner` owns it) go before the
+        an erasure tells them, each read through the claims the conversation's turns record,
+        `_users_of`; those naming no user only when `owner` owns it) go before the
         legacy collection's, read again then: a run moving them aside meanwhile inserts its
         copies before it deletes them from `agent_conversations`, and takes back the copies of
         those deleted there since it read them, so each is taken from wherever it stands. One
@@ -375,7 +378,8 @@ class LegacyTurns:
             read = await ownership_read(self._prompts, prompts, _PROMPT_OWNERSHIP_FIELDS)
             live = await self._live(conversation_id, [*parsed, *standing, *read.owned])
             owns = owns_legacy(parsed, owner, live)
-            late = _parts_of(standing, owner, unnamed=owns)
+            beside = dict.fromkeys(names, parsed)
+            late = _parts_of(standing, owner, unnamed=owns, beside=beside)
             stranded = await self._conversations.delete_many(_late_of(late)) if late else None
             if late:  # a run may have moved some aside since the read: read them again
                 found = (await ownership_read(self._turns, turns, _OWNERSHIP_FIELDS)).owned
@@ -454,24 +458,40 @@ class LegacyTurns:
         off, as her delete of each takes them. The legacy collection is read again once the
         late turns went (a run moving them aside meanwhile: see `delete`), whether or not any
         stood, as a run may have moved them all between the two reads (an erasure is rare:
-        two reads of it)."""
+        two reads of it). Every turn is judged as its conversation's turns read it
+        (`_users_of`): one naming a user id a claim moved its conversation away from is the
+        claimer's, which the erasure of that id leaves."""
         with storage_errors("erase the user's legacy turns"):
-            late = await _ids_naming(
-                self._conversations, user_id, _OWNERSHIP_FIELDS, within=LATE_TURNS
-            )
             stored = await self._stored_lives(user_id)
-            owned, _ = await self._users_parts(user_id, await self._users_turns(user_id, stored))
-            late += await self._late_parts(user_id, sorted(owned))
+            read = await self._users_turns(user_id, stored)
+            owned, _, parsed = await self._users_parts(user_id, read)
+            late = await self._late_naming(user_id, parsed)
+            late += await self._late_parts(user_id, sorted(owned), beside=parsed)
             stranded = await self._conversations.delete_many(_late_of(late)) if late else None
             read = await self._users_turns(user_id, stored)
-            naming = read.naming
-            owned_now, part = await self._users_parts(user_id, read)
+            owned_now, part, parsed = await self._users_parts(user_id, read)
+            users = _users_of(read.naming, parsed)
+            naming = [d for d, user in zip(read.naming, users, strict=True) if user == user_id]
             turns = [d["_id"] for d in naming] + part
             deleted = await self._turns.delete_many({"_id": {"$in": turns}}) if turns else None
             prompts = await _users_prompts(self._prompts, user_id, {**owned, **owned_now})
             if prompts:
                 await self._prompts.delete_many({"_id": {"$in": prompts}})
         return _counted_once(deleted, stranded, late, turns)
+
+    async def _late_naming(self, user_id: str, beside: Mapping[str, list[LegacyTurn]]) -> list[Any]:
+        """The `_id`s of the late legacy turns (`LATE_TURNS`) naming the user as their
+        conversation's turns read them (`_users_of`): one naming a user id a claim moved its
+        conversation away from is the claimer's. The legacy turns of their conversations not
+        read already (`beside`) cost one lookup more, only when such late turns stand."""
+        found = await _naming(self._conversations, user_id, _OWNERSHIP_FIELDS, within=LATE_TURNS)
+        names = {_named_apart(d) for d in found} - {None, *beside}
+        if names:
+            query = {"$or": [named_filter("conversation_id", n) for n in sorted(map(str, names))]}
+            more = (await ownership_read(self._turns, query, _OWNERSHIP_FIELDS)).owned
+            beside = {**beside, **_parsed_by_name(more)}
+        users = _users_of(found, beside)
+        return [d["_id"] for d, user in zip(found, users, strict=True) if user == user_id]
 
     async def _users_turns(self, user_id: str, stored: dict[str, LiveConversation]) -> UsersTurns:
         """The legacy turns naming the user (`_naming`), and those under the ids of her
@@ -497,27 +517,34 @@ class LegacyTurns:
         return {str(name): LiveConversation(user_id) for name in names if name is not None}
 
     async def _late_parts(
-        self, owner: str | None, conversation_ids: Sequence[str], *, unnamed: bool = True
+        self,
+        owner: str | None,
+        conversation_ids: Sequence[str],
+        *,
+        beside: Mapping[str, list[LegacyTurn]],
     ) -> list[Any]:
         """The `_id`s of the late legacy turns (`LATE_TURNS`) under `conversation_ids` that
-        are `owner`'s part of them (`_parts_of`): the one rule the delete and the erasure
+        are `owner`'s part of them (`_parts_of`, each conversation's turns in the legacy
+        collection `beside` them, read already): the one rule the delete and the erasure
         share. One round trip, none without ids."""
-        return _parts_of(await self._late_turns(conversation_ids), owner, unnamed=unnamed)
+        late = await self._late_turns(conversation_ids)
+        return _parts_of(late, owner, unnamed=True, beside=beside)
 
     async def _late_turns(self, conversation_ids: Sequence[str]) -> list[dict[str, Any]]:
         """The late legacy turns (`LATE_TURNS`) under `conversation_ids` (each by every
-        spelling of it, `named_filter`), with the user each names. One round trip, none
-        without ids."""
+        spelling of it, `named_filter`), with the fields telling whose each is
+        (`_OWNERSHIP_FIELDS`: the user it names, a claim's `claimed_from`). One round trip,
+        none without ids."""
         if not conversation_ids:
             return []
         named = sorted(set(conversation_ids))
         held = {"$or": [named_filter("conversation_id", cid) for cid in named]}
         late = {"$and": [held, LATE_TURNS]}
-        return (await ownership_read(self._conversations, late, {"user_id": 1})).owned
+        return (await ownership_read(self._conversations, late, _OWNERSHIP_FIELDS)).owned
 
     async def _users_parts(
         self, user_id: str, read: UsersTurns
-    ) -> tuple[dict[str, LiveConversation | None], list[Any]]:
+    ) -> tuple[dict[str, LiveConversation | None], list[Any], dict[str, list[LegacyTurn]]]:
         """The conversations the user owns, each as the reader names it (`named_id`: `42` and
         `"42"`, `ObjectId(X)` and `"X"` are one), with the live conversation stored under its
         id, if any (`LiveConversation`), and the `_id`s of the user's part of them all
@@ -528,7 +555,8 @@ class LegacyTurns:
         takes another owner's part of no conversation, and the whole part of those the user
         owns; a live conversation's copies, and what names no user beside it, go with the
         erasure of its owner only. Turns naming her under other ids cost two lookups more:
-        their conversations' turns, and their live conversations (`_lives`)."""
+        their conversations' turns, and their live conversations (`_lives`). With them, the
+        turns of each conversation read, by name (whose claims `_users_of` reads)."""
         stored = read.stored
         values = [v for v in _conversations_named(read.naming) if named_id(v) not in stored]
         found = list(read.under)
@@ -548,7 +576,7 @@ class LegacyTurns:
             if owns_legacy(turns, user_id, lives.get(name)):
                 owned[name] = lives.get(name)
             part += [by_name[name][i]["_id"] for i in users_part(turns, user_id, lives.get(name))]
-        return owned, part
+        return owned, part, parsed
 
     async def _lives(
         self, conversations: dict[str, list[LegacyTurn]]
@@ -885,13 +913,65 @@ migration tells them (`TURN_FILTER`): an erasure takes those naming the user, a 
 them, as it does the legacy collection's."""
 
 
-def _parts_of(late: list[dict[str, Any]], owner: str | None, *, unnamed: bool) -> list[Any]:
+def _parts_of(
+    late: list[dict[str, Any]],
+    owner: str | None,
+    *,
+    unnamed: bool,
+    beside: Mapping[str, list[LegacyTurn]],
+) -> list[Any]:
     """The `_id`s of the `late` legacy turns that are `owner`'s part of their conversation:
-    those naming `owner`, and, where `owner` owns the conversation (`unnamed`:
-    `owns_legacy`), those naming no user, as in the legacy collection, which a later run
-    would migrate back with the owner's words; another user's stay."""
+    those naming `owner` as their conversation's turns read them (`_users_of`: a user id a
+    claim moved the conversation away from names its claimer), and, where `owner` owns the
+    conversation (`unnamed`: `owns_legacy`), those naming no user, as in the legacy
+    collection, which a later run would migrate back with the owner's words; another
+    user's stay."""
     parts = (owner, None) if unnamed else (owner,)
-    return [d["_id"] for d in late if user_named(d.get("user_id")) in parts]
+    users = _users_of(late, beside)
+    return [d["_id"] for d, user in zip(late, users, strict=True) if user in parts]
+
+
+def _parsed_by_name(documents: list[dict[str, Any]]) -> dict[str, list[LegacyTurn]]:
+    """Legacy turn documents as models (`parse_turns`), by the conversation each names
+    (`_named_apart`); those naming none left out."""
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for document in documents:
+        if (name := _named_apart(document)) is not None:
+            by_name.setdefault(name, []).append(document)
+    return {name: parse_turns(docs) for name, docs in by_name.items()}
+
+
+def _named_apart(document: Mapping[str, Any]) -> str | None:
+    """The conversation a legacy turn document names (`named_id`), None for one whose
+    `conversation_id` holds a database reference (`reference_in`), which names none to a
+    reader (`parse_turns` refuses it): judged by the user it names, never refused by an
+    erasure or a delete."""
+    conversation = document.get("conversation_id")
+    return None if reference_in(conversation) is not None else named_id(conversation)
+
+
+def _users_of(
+    documents: list[dict[str, Any]], beside: Mapping[str, list[LegacyTurn]]
+) -> list[str | None]:
+    """The user each legacy turn document names (`user_named`), read as its conversation's
+    turns read it (`turn_users`): a user id a claim moved the conversation away from names
+    its claimer (`claimers` of the conversation's turns `beside` it, by name, read already,
+    and of the documents under the same name). The one reading a delete and an erasure take
+    of a late turn and of a turn naming the user, as the read fallback and `run` take it
+    (was: the user it names, so the claimer's delete left a late turn naming the old id,
+    which the next run brought back under it, and the old id's erasure took a turn the read
+    fallback served the claimer). No round trip."""
+    users = [user_named(d.get("user_id")) for d in documents]
+    by_name: dict[str, list[int]] = {}
+    for index, document in enumerate(documents):
+        if (name := _named_apart(document)) is not None:
+            by_name.setdefault(name, []).append(index)
+    for name, indexes in by_name.items():
+        claimed = claimers([*beside.get(name, []), *parse_turns(documents[i] for i in indexes)])
+        for i in indexes:
+            if (user := users[i]) is not None:
+                users[i] = claimed.get(user, user)
+    return users
 
 
 def _counted_once(deleted: Any, stranded: Any, late: list[Any], taken: list[Any]) -> int:
