@@ -465,7 +465,8 @@ class LegacyTurns:
             stored = await self._stored_lives(user_id)
             read = await self._users_turns(user_id, stored)
             owned, _, parsed = await self._users_parts(user_id, read)
-            late = await self._late_naming(user_id, parsed)
+            read_already = {**{name: [] for name in stored}, **parsed}
+            late = await self._late_naming(user_id, read_already)
             late += await self._late_parts(user_id, sorted(owned), beside=parsed)
             stranded = await self._conversations.delete_many(_late_of(late)) if late else None
             read = await self._users_turns(user_id, stored)
@@ -483,7 +484,8 @@ class LegacyTurns:
         """The `_id`s of the late legacy turns (`LATE_TURNS`) naming the user as their
         conversation's turns read them (`_users_of`): one naming a user id a claim moved its
         conversation away from is the claimer's. The legacy turns of their conversations not
-        read already (`beside`) cost one lookup more, only when such late turns stand."""
+        read already (`beside`: those naming the user, and all under her conversations stored
+        here) cost one lookup more, only when such late turns stand."""
         found = await _naming(self._conversations, user_id, _OWNERSHIP_FIELDS, within=LATE_TURNS)
         names = {_named_apart(d) for d in found} - {None, *beside}
         if names:
