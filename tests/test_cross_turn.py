@@ -7568,7 +7568,7 @@ async def test_a_give_back_fold_missed_under_concurrent_turns_is_folded_by_the_n
     assert doc.get("refold_owed") is None  # folded: owed no more
 
 
-async def _died(fold: Callable[..., Awaitable[bool]], *args: Any) -> bool:
+async def _died(fold: Callable[..., Awaitable[bool]], *args: Any, **kwargs: Any) -> bool:
     return False  # the fold never made
 
 
@@ -8958,6 +8958,82 @@ async def test_a_resend_answering_the_later_of_two_listed_calls_of_an_id_reads_a
         return await _replayed_unchanged(backend, cid, turn, answers_to)
 
     assert await replay_calls(f"{CID}-reused", "c1") == await replay_calls(CID, "c7")
+
+
+async def _old_turn_then(
+    backend: Backend,
+    monkeypatch: pytest.MonkeyPatch,
+    cid: str,
+    turn: list[dict[str, Any]],
+    later: list[dict[str, Any]],
+) -> None:
+    """In `cid`, where the turns before are logged: tA (`turn`) logged whole with its block
+    reserved a day ago (older than `abandon_after`, so its resend is checked against the
+    listing), then tE (`later`), and her answer to the last prompt tE asks, if it asks one."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    clock = _ReservedADayAgo(monkeypatch)
+    await logger.log_messages(cid, turn, turn_id="tA")
+    clock.caught_up()
+    monkeypatch.undo()
+    await logger.log_messages(cid, later, turn_id="tE")
+    asked = [m["hitl_action"]["request_id"] for m in later if "hitl_action" in m]
+    if asked:
+        await store.resolve_hitl(cid, asked[-1])
+
+
+_APPROVED_AFTER = {
+    "asked-again": ("c2", []),
+    "first-asked": ("c4", [_user("More."), _calls("c4")]),
+}
+"""The call the old turn's prompt (r2) names, and the turn made before it: c2, approved
+before (r1), asked about again; or c4, made and never asked about before."""
+
+
+@pytest.mark.parametrize("shape", list(_APPROVED_AFTER))
+async def test_an_old_replay_holds_no_approval_given_after_its_turn(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, shape: str
+) -> None:
+    """DESIGN.md `approved_calls` (a later prompt naming the call holds it again): a prompt
+    holds only an approval given before it. tA asks r2 about a call, its block older than
+    `abandon_after`; tE asks r3 about it again and she answers r3. tA's resend is a replay
+    that changes nothing of the conversation: her approval, given after tA, stays free
+    (was: the replay held it by tA's r2, an earlier question)."""
+    call_id, before = _APPROVED_AFTER[shape]
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    asked = [_user("Go."), _calls("c2"), _asks_about("r1", "c2")]
+    await logger.log_messages(CID, asked, turn_id="t0")
+    await store.resolve_hitl(CID, "r1")
+    if before:
+        await logger.log_messages(CID, before, turn_id="t1")
+    turn = [_user("Sure?"), _asks_about("r2", call_id)]
+    await _old_turn_then(
+        backend, monkeypatch, CID, turn, [_user("Really?"), _asks_about("r3", call_id)]
+    )
+    served = await held_state(store)
+
+    await _replayed_unchanged(backend, CID, turn, {})
+
+    assert await held_state(store) == served == await _forked_whole(backend, CID)
+
+
+async def test_an_old_replay_of_a_turn_a_later_turn_asked_after_reads_twice_more(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RELIABILITY.md: a replay of a block older than `abandon_after` whose conversation only
+    looks otherwise than its stored messages leave it (a later turn asked since) folds and
+    writes nothing: two reads more than one with nothing since (was: a third command, the
+    fold written over the same state)."""
+
+    async def replay_calls(cid: str, later: list[dict[str, Any]]) -> list[str]:
+        logger = AgentMessageLogger(backend.db)
+        await logger.log_messages(cid, [_user("Go."), _calls("c1")], turn_id="t0")
+        turn = [_user("Buy."), _calls("c9"), _asks_about("r9", "c9")]
+        await _old_turn_then(backend, monkeypatch, cid, turn, later)
+        return await _replayed_unchanged(backend, cid, turn, {})
+
+    nothing_since = await replay_calls(f"{CID}-quiet", [_user("Hm.")])
+    asked_since = [_calls("c5"), _asks_about("r5", "c5")]
+    assert await replay_calls(CID, asked_since) == [*nothing_since, "find_one", "find"]
 
 
 _ASKED_AGAIN = {

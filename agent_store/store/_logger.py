@@ -2136,11 +2136,13 @@ class AgentMessageLogger:
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
         )
 
-    async def _settle(self, conversation_id: str, moved: Mapping[str, Any] | None) -> bool:
+    async def _settle(
+        self, conversation_id: str, moved: Mapping[str, Any] | None, *, quiet: bool = False
+    ) -> bool:
         """The conversation's pending state folded from its stored messages and written
         (`_relocated.settle`: from `moved`, the conversation as a move left it, else read),
         after a move or for a fold owed (`REFOLD_OWED`); False, the fold owed, when it could
-        not be written."""
+        not be written. `quiet`: a replay's, written only where it changes something."""
         return await settle(
             self._conversations,
             self._messages,
@@ -2148,6 +2150,7 @@ class AgentMessageLogger:
             moved,
             abandon_after=self.rules.abandon_after,
             name_chars=self.rules.name_chars,
+            quiet=quiet,
         )
 
     async def _refuse_unless_met(
@@ -2813,7 +2816,7 @@ class AgentMessageLogger:
         same = _same_as_reserved(plan.conversation_id, reserved)
         if landed or reserved.unheld:
             await hold_asked_again(self._conversations, same, plan, reserved.pops)
-        if await self._settle(plan.conversation_id, reserved.moved):
+        if await self._settle(plan.conversation_id, reserved.moved, quiet=reserved.relisted):
             return
         if landed or reserved.relisted:
             first = reserved.first_seq
@@ -4210,14 +4213,19 @@ def _named_held_otherwise(plan: TurnPlan, conversation: Mapping[str, Any], first
 
 def _asked_again_unheld(plan: TurnPlan, conversation: Mapping[str, Any], first_seq: int) -> bool:
     """Whether an approved call a prompt of the turn asks about again (`TurnPlan.asked_again`)
-    is listed with its approval free (no prompt holds it, `ApprovedCall.held_by`) while no
-    answer to the turn's last prompt naming it came since (`_answered_since`)."""
+    is listed with its approval free (no prompt holds it, `ApprovedCall.held_by`), that
+    approval given before the turn's block (`_approved_after`: one a person gave since, to
+    a later prompt, is never the turn's to hold), while no answer to the turn's last prompt
+    naming it came since (`_answered_since`)."""
     listed = {(c.get("tool_call_id"), c.get("message_id")) for c in _listed_calls(conversation)}
+    answers = answered_in(conversation)
     for approval in conversation.get("approved_calls") or ():
         if not isinstance(approval, Mapping):
             continue
         key = (approval.get("tool_call_id"), approval.get("message_id"))
         if key not in listed or approval.get("held_by") or approval.get("held_again"):
+            continue
+        if _approved_after(approval, answers, first_seq):
             continue
         for call_id, prompts in plan.asked_again:
             if call_id == key[0] and not _answered_since(
@@ -4225,6 +4233,23 @@ def _asked_again_unheld(plan: TurnPlan, conversation: Mapping[str, Any], first_s
             ):
                 return True
     return False
+
+
+def _approved_after(approval: Mapping[str, Any], answers: Sequence[Answer], first_seq: int) -> bool:
+    """Whether the approval (an `approved_calls` entry) was given after the block at
+    `first_seq` was reserved: the latest answer to its request id that released its call
+    (`answered_in`: one naming it, by id alone too, or naming none) reaches past the block's
+    first `seq`. One whose answer is no longer kept, or recorded without its request id,
+    counts as given before, as the turn's reservation found it."""
+    request_id = approval.get("request_id")
+    call_id, made_by = approval.get("tool_call_id"), approval.get("message_id")
+    reaches = [
+        below
+        for r, below, calls in answers
+        if r == request_id
+        and (calls is None or (call_id, made_by) in calls or (call_id, None) in calls)
+    ]
+    return request_id is not None and bool(reaches) and max(reaches) > first_seq
 
 
 def _answered_since(

@@ -595,6 +595,7 @@ async def settle(
     name_chars: int,
     given_up: bool = False,
     own: range = range(0),
+    quiet: bool = False,
 ) -> bool:
     """After a moved turn's insert: its conversation's pending state (and the approvals a fork
     of all of it keeps: `Refold.withdrawn`) folded from the stored messages and written
@@ -617,7 +618,9 @@ async def settle(
     the conversation as the retry read it (every field), else None: the turn is never
     stored, so the fold leaves out what its first reservation changed (a prompt it asked
     again under an answered id is resolved again; `own`, the `seq`s of the block given
-    up, not stored); written only when the summary says otherwise."""
+    up, not stored); written only when the summary says otherwise. `quiet`: a replay's fold
+    (`_logger._Reserved.relisted`), written only where it changes what was read
+    (`_writes_nothing`): what a later turn answered or asked since only looks otherwise."""
     for _ in range(_FOLD_ATTEMPTS):
         fold = await refold(
             conversations,
@@ -634,17 +637,24 @@ async def settle(
         if not fold.folded and not names and await _changed(conversations, fold):
             moved = None  # a pop (or a turn) ran between its two reads: read again
             continue
-        if not names and (not fold.folded or (given_up and _already(fold))):
+        unchanged = (given_up and _already(fold)) or (quiet and _writes_nothing(fold))
+        if not names and (not fold.folded or unchanged):
             return fold.folded or await _owe(conversations, conversation_id)
-        query, update = refolded(fold)
-        update = update if fold.folded else [{"$set": {}}]  # else the name alone, guarded
-        update[0]["$set"].update(names)
-        with storage_errors("set what the moved turn leaves pending"):
-            result = await conversations.update_one(query, update)
-        if result.matched_count:
+        if await _written(conversations, fold, names):
             return fold.folded or await _owe(conversations, conversation_id)
         moved = None
     return await _owe(conversations, conversation_id)
+
+
+async def _written(conversations: Any, fold: Refold, names: Mapping[str, Any]) -> bool:
+    """Whether the fold (`refolded`; not folded, the name alone, under the same guard) and
+    the `names` were written: its guard matched."""
+    query, update = refolded(fold)
+    update = update if fold.folded else [{"$set": {}}]
+    update[0]["$set"].update(names)
+    with storage_errors("set what the moved turn leaves pending"):
+        result = await conversations.update_one(query, update)
+    return bool(result.matched_count)
 
 
 async def _owe(conversations: Any, conversation_id: str) -> bool:
@@ -681,6 +691,14 @@ def _already(fold: Refold) -> bool:
     owed = conversation.get(REFOLD_OWED) is not None  # written, to clear the mark
     kept = now_calls == list(fold.calls) and now_prompt == prompt
     return same and kept and not fold.withdrawn and not fold.unstored and not owed
+
+
+def _writes_nothing(fold: Refold) -> bool:
+    """Whether writing the fold (`refolded`) leaves the conversation as it was read: its
+    pending state and resolutions stand already (`_already`), and so do its marks of the
+    calls listed again (`relisted`)."""
+    marks = [m for m in fold.conversation.get(RELISTED) or () if isinstance(m, Mapping)]
+    return _already(fold) and marks == relisted(fold)
 
 
 def stored_at(plan: TurnPlan, stored: Sequence[Mapping[str, Any]]) -> int | None:
