@@ -8835,6 +8835,102 @@ async def test_a_prompt_holding_a_call_listed_again_whose_answer_never_landed_is
     assert (await pending_state(store))[1] is None
 
 
+async def _own_call_landed(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, cut: str | None
+) -> tuple[AgentMessageLogger, ConversationStore]:
+    """t0 makes c1; tA answers c1 (naming it) and makes c2 in its own block, reserving a day
+    ago, its insert stalled; tB finds tA's block passed and empty (c1 listed again, c2 not
+    listed). tA's insert then lands: with no `cut`, its writer alive, finishing its fold;
+    else cut right there while tC is being written (`_answered_then_listed_again`), a
+    second answer to c1 refused (its look owes or writes the fold) and tC landing. tD
+    follows. Returns a logger and the store."""
+    if cut is not None:
+        logger, store, made_by = await _answered_then_listed_again(backend, monkeypatch, [], cut)
+        with contextlib.suppress(Unreserved, AnsweredBefore):
+            await logger.log_messages(
+                CID, [_answer("c1", "again")], turn_id="tR", answers_to={"c1": made_by}
+            )
+        await logger.log_messages(CID, [_say("...")], turn_id="tC")  # lands: the fold owed
+    else:
+        logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+        made = await logger.log_messages(
+            CID, [_user("Search."), _book("c1", "search")], turn_id="t0"
+        )
+        writer = AgentMessageLogger(backend.db)
+        stall, clock = _StalledInsert(writer, monkeypatch), _ReservedADayAgo(monkeypatch)
+        late = await stall.start(
+            writer.log_messages(
+                CID,
+                [_answer("c1", "found"), _book("c2")],
+                turn_id="tA",
+                answers_to={"c1": made.messages[1].id},
+            )
+        )
+        clock.caught_up()  # tA's insert is sent, and stalls
+        await logger.log_messages(CID, [_user("hello?")], turn_id="tB")
+        stall.release()
+        await late
+        monkeypatch.undo()
+    await logger.log_messages(CID, [_user("still there?")], turn_id="tD")
+    assert await _answers_to_c1(backend) == ["found"]
+    return logger, store
+
+
+async def _marked_listed_again(backend: Backend) -> list[str]:
+    """The tool call ids the conversation marks listed again (`calls_relisted`)."""
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    return [mark["c"] for mark in doc.get("calls_relisted") or ()]
+
+
+@pytest.mark.parametrize("cut", [None, *_LANDING_CUT])
+async def test_a_stalled_writer_landing_past_its_passed_block_marks_none_of_its_own_calls(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, cut: str | None
+) -> None:
+    """DESIGN.md `calls_relisted`: a fold marks a call it lists again only where a turn
+    answering it took it off. tA's own call c2, made in its block, went off the list when tB
+    passed that block empty, no answer taking it; once tA's insert landed (its writer alive,
+    or cut after it: `_LANDING_CUT`), the folds list c2 unmarked, and the first answer to
+    it, naming it, costs the reservation and the insert, as with no stall (was: c2 marked,
+    that answer looked first whether another had landed: 9 commands on the wire)."""
+    _, store = await _own_call_landed(backend, monkeypatch, cut)
+    assert await pending_state(store) == (["c2"], None)
+    assert await _marked_listed_again(backend) == []
+    answering = AgentMessageLogger(backend.db, rules=COUNTED)
+    if backend.commands is not None:
+        backend.commands.clear()
+
+    await answering.log_messages(
+        CID, [_answer("c2", "booked")], turn_id="tE", answers_to={"c2": message_id(CID, "tA", 1)}
+    )
+
+    if backend.commands is not None:
+        assert backend.commands.names == ["findAndModify", "insert"]
+    assert [m.content for m in await store.transcript(CID) if m.tool_call_id == "c2"] == ["booked"]
+    assert await pending_state(store) == ([], None)
+
+
+async def test_a_persons_answer_after_a_stalled_writers_own_call_was_answered_costs_one_update(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RELIABILITY.md (the ordinary path has no command more): after tA's stalled insert
+    landed past its passed block, its own call c2 is answered by a turn not naming it (no
+    `answers_to`), and a later turn asks r5 about c5. Her answer to r5 is the one guarded
+    update, c5 approved, no mark left to look at (was: c2 stayed marked until a fold, so
+    every answer of hers read and updated again: `update, find, update`)."""
+    logger, store = await _own_call_landed(backend, monkeypatch, None)
+    await logger.log_messages(CID, [_answer("c2", "booked")], turn_id="tE")
+    await logger.log_messages(CID, [_calls("c5"), _asks_about("r5", "c5")], turn_id="tG")
+    if backend.commands is not None:
+        backend.commands.clear()
+
+    await store.resolve_hitl(CID, "r5")
+
+    if backend.commands is not None:
+        assert backend.commands.names == ["update"]
+    assert await _approved_calls(backend) == ["c5"]
+    assert await _marked_listed_again(backend) == []
+
+
 async def _landing_cut_before_its_fold_then_resent(
     backend: Backend,
     monkeypatch: pytest.MonkeyPatch,

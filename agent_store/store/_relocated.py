@@ -569,9 +569,12 @@ def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 def relisted(fold: Refold) -> list[dict[str, str]]:
     """The marks of the calls listed again (`_reservation.RELISTED`) the fold leaves: of the
     calls it lists, those marked as read, and those the conversation as read (with its
-    `pending_calls`) did not list: a turn answering them took them off, and its block, found
+    `pending_calls`) did not list that a block the fold finds unstored follows
+    (`_answerable_unstored`): a turn answering them took them off, and its block, found
     passed and empty, answers none. Its insert may still land (a writer stalled past
-    `abandon_after`), so an answer to one looks first whether one did (`looked_again`)."""
+    `abandon_after`), so an answer to one looks first whether one did (`looked_again`).
+    A call no unstored block follows went off the list with no answer taking it (made in
+    a block a fold passed empty, whose stalled insert landed since): listed, unmarked."""
     conversation = fold.conversation
     listed = {
         (call.get("tool_call_id"), call.get("message_id"))
@@ -581,8 +584,25 @@ def relisted(fold: Refold) -> list[dict[str, str]]:
     calls = [(c.tool_call_id, c.message_id) for c in fold.calls]
     marked = set(relisted_among(conversation, calls))
     read = "pending_calls" in conversation
-    again = [(c, m) for c, m in calls if (c, m) in marked or (read and (c, m) not in listed)]
+    answerable = _answerable_unstored(fold) if read else set()
+    again = [
+        (c, m) for c, m in calls if (c, m) in marked or ((c, m) not in listed and m in answerable)
+    ]
     return [{"c": c, "m": m} for c, m in dict.fromkeys(again) if m is not None]
+
+
+def _answerable_unstored(fold: Refold) -> set[str]:
+    """The ids of the messages making the fold's calls that a `seq` the fold finds no stored
+    message at follows, below the conversation's end as read: only a turn reserved there,
+    its insert not stored (its block passed empty, given up or still being written), can
+    have taken such a call off answering it. With such a `seq`, a making message the fold
+    did not read counts as followed by one."""
+    stored = {m.id: m.seq for m in fold.stored if m.seq is not None}
+    count = int(fold.conversation.get("message_count") or 0)
+    last = max(set(range(count)).difference(stored.values()), default=None)
+    if last is None:
+        return set()
+    return {c.message_id for c in fold.calls if stored.get(c.message_id, -1) < last}
 
 
 async def settle(
