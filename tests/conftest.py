@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import bson
@@ -25,6 +27,7 @@ import pytest
 from pymongo import AsyncMongoClient, monitoring
 
 from agent_store import TurnRules
+from agent_store.core import utc_now
 
 MONGODB_URI = os.environ.get("MONGODB_URI")
 
@@ -268,6 +271,52 @@ async def wire_backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]
     """Backends that speak the wire protocol, where round trips can be counted."""
     async for opened in _open(request.param, request):
         yield opened
+
+
+class StoreClocks:
+    """Every clock the store reads (`utc_now()` and `time.monotonic()` in each of its modules)
+    moved on at once by `wait(seconds)`: what a real wait that long does to its judgments
+    (a block passing `abandon_after`, a writer stalled past its margin), without the wait.
+    Default factories keep the real time: a message's `created_at` when the caller gives none,
+    and a fork's `read_at` (`ForkRead`), which judges blocks: a test forking after the time
+    passed waits for it instead."""
+
+    def __init__(self, patch: pytest.MonkeyPatch) -> None:
+        self.ahead = 0.0
+        clocks = self
+
+        class _Time:
+            """The `time` module, its `monotonic()` moved on."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(time, name)
+
+            @staticmethod
+            def monotonic() -> float:
+                return time.monotonic() + clocks.ahead
+
+        def now() -> datetime:
+            return utc_now() + timedelta(seconds=clocks.ahead)
+
+        for name, module in list(sys.modules.items()):
+            if name.split(".")[0] != "agent_store":
+                continue
+            if getattr(module, "utc_now", None) is utc_now:
+                patch.setattr(module, "utc_now", now)
+            if getattr(module, "time", None) is time:
+                patch.setattr(module, "time", _Time())
+
+    def wait(self, seconds: float) -> None:
+        """Let `seconds` pass on every clock of the store."""
+        self.ahead += seconds
+
+
+@pytest.fixture
+def clocks() -> Iterator[StoreClocks]:
+    """The store's clocks, moved on by `clocks.wait(seconds)` instead of sleeping; patched apart
+    from `monkeypatch`, so a test's `monkeypatch.undo()` keeps the time that passed."""
+    with pytest.MonkeyPatch.context() as patch:
+        yield StoreClocks(patch)
 
 
 def count_documents_read(monkeypatch: pytest.MonkeyPatch, collection: Any) -> list[int]:

@@ -24,7 +24,7 @@ from agent_store import (
 )
 from agent_store.store import CONVERSATIONS, MESSAGES
 from agent_store.store._logger import OtherContent
-from tests.conftest import Backend
+from tests.conftest import Backend, StoreClocks
 from tests.test_write_integrity import SlowInsert, check_conversation
 from tests.test_write_integrity import turn as exchange
 
@@ -1107,7 +1107,7 @@ def stall_after_reserving(logger: AgentMessageLogger, released: asyncio.Event) -
 
 
 async def test_a_writer_slower_than_abandon_after_stores_its_turn_past_what_readers_passed(
-    backend: Backend,
+    backend: Backend, clocks: StoreClocks
 ) -> None:
     """DESIGN §3 "Tail reads never skip": a block older than `abandon_after` is passed by tail
     readers and never written. A live writer that stalls that long between its reservation and
@@ -1127,7 +1127,7 @@ async def test_a_writer_slower_than_abandon_after_stores_its_turn_past_what_read
 
     writer = asyncio.create_task(slow.log_messages(CID, [user("t1?"), answer("t1!")], turn_id="t1"))
     await reserved.wait()  # t1 holds seq 2-3
-    await asyncio.sleep(0.4)
+    clocks.wait(0.4)
     await fast.log_messages(CID, [user("t2?"), answer("t2!")], turn_id="t2")  # seq 4-5
     page = await store.messages_page(CID, after=after)  # passes 2-3, older than abandon_after
     seen += [m.seq for m in page.data]
@@ -1147,7 +1147,7 @@ async def test_a_writer_slower_than_abandon_after_stores_its_turn_past_what_read
 
 
 async def test_a_late_turn_whose_move_keeps_losing_to_busy_writers_is_sent_again_as_it_is(
-    backend: Backend,
+    backend: Backend, clocks: StoreClocks
 ) -> None:
     """A writer slower than `abandon_after` moves its turn to the end (above), guarded by the
     conversation as it read it. Another writer logging a turn before each of its moves (a busy
@@ -1166,7 +1166,7 @@ async def test_a_late_turn_whose_move_keeps_losing_to_busy_writers_is_sent_again
         commands += 1
         if commands == 1:  # its reservation's reply comes back past `abandon_after`
             reserved = await command(*args, **kwargs)
-            await asyncio.sleep(0.4)
+            clocks.wait(0.4)
             return reserved
         if commands <= 5:  # each move: another writer logged a turn just before it
             turn = [user(f"o{commands}?"), answer(f"o{commands}!")]
@@ -1191,7 +1191,7 @@ async def test_a_late_turn_whose_move_keeps_losing_to_busy_writers_is_sent_again
 
 
 async def test_a_first_attempt_whose_neighbouring_record_the_window_dropped_is_stored_as_sent(
-    backend: Backend,
+    backend: Backend, clocks: StoreClocks
 ) -> None:
     """DESIGN.md §2, `turns`: a record says how many `seq`s its turn reserved (`l`), so the
     turn's block is known exactly whatever records the window dropped. Turn "x" reserves 2-3
@@ -1224,7 +1224,7 @@ async def test_a_first_attempt_whose_neighbouring_record_the_window_dropped_is_s
     kept = [(r["f"], r["m"]) for r in found["turns"]]
     assert kept == [(2, False), (6, False), (8, True), (10, False)]  # the move's at 4 dropped
 
-    await asyncio.sleep(0.3)
+    clocks.wait(0.3)
     released.set()  # x goes on, older than its `abandon_after`
     logged = await first
 
@@ -1239,7 +1239,7 @@ async def test_a_first_attempt_whose_neighbouring_record_the_window_dropped_is_s
 
 
 async def test_a_delivery_slower_than_abandon_after_is_stored_past_what_readers_passed(
-    backend: Backend,
+    backend: Backend, clocks: StoreClocks
 ) -> None:
     """As a turn (above): a steering delivery whose sender stalls past `abandon_after` after
     reserving its `seq` moves to the end before its insert; the inbox follows it there, and a
@@ -1260,7 +1260,7 @@ async def test_a_delivery_slower_than_abandon_after_is_stored_past_what_readers_
     steer = {"role": "user", "content": "in metric, please"}
     sender = asyncio.create_task(SteeringInbox(slow).try_deliver(CID, "t-running", steer))
     await reserved.wait()  # the delivery holds seq 1
-    await asyncio.sleep(0.4)
+    clocks.wait(0.4)
     await fast.log_messages(CID, [user("elsewhere?"), answer("there")], turn_id="t2")  # seq 2-3
     page = await store.messages_page(CID, after=after)  # passes seq 1
     seen += [m.seq for m in page.data]

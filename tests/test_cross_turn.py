@@ -57,7 +57,7 @@ from agent_store.store._logger import Corrected, OtherContent, Unreserved
 from agent_store.store._reservation import DELETING, BeingDeleted
 from agent_store.store._turns import answered_in, message_id, pending_after
 from tests.api_harness import auth_headers, digest, reserved_insert_lost, serve
-from tests.conftest import COUNTED, Backend
+from tests.conftest import COUNTED, Backend, StoreClocks
 
 STREAMS = Path(__file__).parent / "streams"
 CID = "conv-cross"
@@ -2712,7 +2712,11 @@ async def test_a_stale_tabs_answer_to_a_call_answered_first_is_answered_before(
 @pytest.mark.parametrize("in_flight", [False, True], ids=["", "another turn in flight"])
 @pytest.mark.parametrize("stale", _STALE_ANSWERS)
 async def test_a_stale_tabs_answer_once_the_unstored_call_turn_is_passed_is_answered_before(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch, stale: dict[str, Any], in_flight: bool
+    backend: Backend,
+    monkeypatch: pytest.MonkeyPatch,
+    clocks: StoreClocks,
+    stale: dict[str, Any],
+    in_flight: bool,
 ) -> None:
     """The turn making c0 never stored it (its writer died); tab A answered c0 as
     `pending_calls` served it. Past `abandon_after` readers pass that turn, and a stale tab's
@@ -2726,7 +2730,7 @@ async def test_a_stale_tabs_answer_once_the_unstored_call_turn_is_passed_is_answ
     before, late = await store.transcript(CID), _late_logger(backend)
     if in_flight:  # t0's block passed (1 s), t9's still being written
         late = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(seconds=1)))
-        await asyncio.sleep(1.2)
+        clocks.wait(1.2)
         with monkeypatch.context() as lost:
             lost.setattr(logger._messages, "insert_many", _lost_insert)
             with contextlib.suppress(ConnectionError):
@@ -8177,7 +8181,8 @@ async def test_a_bridges_logged_answer_retried_once_its_call_left_pending_calls_
 # -- a turn that died before its insert ---------------------------------------------------
 
 _SHORT = TurnRules(abandon_after=timedelta(seconds=2))
-"""Rules under which a block reserved and not stored is passed two seconds on."""
+"""Rules under which a block reserved and not stored is passed two seconds on (which tests let
+pass on the store's clocks, `clocks.wait`, rather than wait for)."""
 
 
 async def _asked_and_died(runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> PendingCall:
@@ -8207,7 +8212,7 @@ async def _person_denies(runtime: Runtime, listed: PendingCall) -> LoggedTurn:
 
 
 async def test_a_dead_turns_call_and_prompt_are_pending_no_more_once_its_block_is_passed(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks
 ) -> None:
     """RELIABILITY.md, "A writer that died before its insert": once its block is passed
     (`abandon_after`), the next turn folds the pending state from the stored messages, which
@@ -8215,7 +8220,7 @@ async def test_a_dead_turns_call_and_prompt_are_pending_no_more_once_its_block_i
     the call is then refused as one naming a message that makes no call (API.md: 422)."""
     runtime = Runtime(backend, rules=_SHORT)
     listed = await _asked_and_died(runtime, monkeypatch)
-    await asyncio.sleep(_SHORT.abandon_after.total_seconds() + 0.2)
+    clocks.wait(_SHORT.abandon_after.total_seconds() + 0.2)
 
     await runtime.logger.log_messages(CID, [_user("hello?")], turn_id="later")
 
@@ -8244,13 +8249,13 @@ async def test_a_turn_still_in_flight_keeps_its_call_and_prompt_pending_and_answ
 
 
 async def test_a_late_retry_of_a_dead_turn_after_its_block_was_passed_makes_it_pending_again(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks
 ) -> None:
     """The dead turn's call and prompt, pending no more once its block was passed and a later
     turn logged, are pending again when its retry lands: moved to the end, as stored."""
     runtime = Runtime(backend, rules=_SHORT)
     await _asked_and_died(runtime, monkeypatch)
-    await asyncio.sleep(_SHORT.abandon_after.total_seconds() + 0.2)
+    clocks.wait(_SHORT.abandon_after.total_seconds() + 0.2)
     await runtime.logger.log_messages(CID, [_user("hello?")], turn_id="later")
     assert await pending_state(runtime.store) == ([], None)
 
@@ -8268,7 +8273,7 @@ async def test_a_late_retry_of_a_dead_turn_after_its_block_was_passed_makes_it_p
 
 
 async def test_a_stalled_writer_landing_in_its_passed_block_makes_its_call_pending_again(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks
 ) -> None:
     """A writer stalled inside its insert past `abandon_after` (past the margin its check
     before the insert keeps) looks dead to the turn that finds its block passed and empty:
@@ -8280,7 +8285,7 @@ async def test_a_stalled_writer_landing_in_its_passed_block_makes_its_call_pendi
     late = await stall.start(
         writer.log_messages(CID, [_user("Book it."), _book("c2")], turn_id="tA")
     )
-    await asyncio.sleep(_SHORT.abandon_after.total_seconds() + 0.2)
+    clocks.wait(_SHORT.abandon_after.total_seconds() + 0.2)
     await AgentMessageLogger(backend.db, rules=_SHORT).log_messages(
         CID, [_user("hello?")], turn_id="tB"
     )
@@ -8295,7 +8300,7 @@ async def test_a_stalled_writer_landing_in_its_passed_block_makes_its_call_pendi
 
 
 async def test_a_call_being_answered_is_never_listed_again(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks
 ) -> None:
     """A stalled writer's call, off `pending_calls` once its block was passed as dead, is not
     put back when its insert lands while an answer to it, sent without `answers_to`, is
@@ -8308,7 +8313,7 @@ async def test_a_call_being_answered_is_never_listed_again(
     late = await stall.start(
         writer.log_messages(CID, [_user("Book it."), _book("c2")], turn_id="tA")
     )
-    await asyncio.sleep(_SHORT.abandon_after.total_seconds() + 0.2)
+    clocks.wait(_SHORT.abandon_after.total_seconds() + 0.2)
     other = AgentMessageLogger(backend.db, rules=_SHORT)
     await other.log_messages(CID, [_user("hello?")], turn_id="tB")
     answer = partial(other.log_messages, CID, [_answer("c2", "first")], turn_id="tR")
@@ -8325,7 +8330,7 @@ async def test_a_call_being_answered_is_never_listed_again(
 
 
 async def test_a_stalled_writer_landing_takes_the_calls_it_answered_off_the_list(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks
 ) -> None:
     """A writer answering a call, stalled inside its insert past `abandon_after`, looks dead
     to the turn that finds its block passed and empty: the call it answered is listed
@@ -8345,7 +8350,7 @@ async def test_a_stalled_writer_landing_takes_the_calls_it_answered_off_the_list
             answers_to={"c1": c1.message_id},
         )
     )
-    await asyncio.sleep(_SHORT.abandon_after.total_seconds() + 0.2)
+    clocks.wait(_SHORT.abandon_after.total_seconds() + 0.2)
     other = AgentMessageLogger(backend.db, rules=_SHORT)
     await other.log_messages(CID, [_user("hello?")], turn_id="tB")
     assert await pending_state(store) == (["c1"], None)
@@ -9246,15 +9251,20 @@ async def _asked_and_approved(logger: AgentMessageLogger, store: ConversationSto
     return logged.messages[0].id
 
 
-async def _passed_and_folded(logger: AgentMessageLogger) -> None:
+async def _passed_and_folded(logger: AgentMessageLogger, clocks: StoreClocks | None) -> None:
     """The dead turn's block passed (`abandon_after`), and a later turn's reservation finds it
-    so (`pending_blocks`): the pending state is folded from the stored messages."""
-    await asyncio.sleep(_SHORT.abandon_after.total_seconds() + 0.2)
+    so (`pending_blocks`): the pending state is folded from the stored messages. The time
+    passes on the store's `clocks`, or, without them, is waited for (a fork judges blocks at
+    its own `read_at`, which the clocks do not move)."""
+    if clocks is None:
+        await asyncio.sleep(_SHORT.abandon_after.total_seconds() + 0.2)
+    else:
+        clocks.wait(_SHORT.abandon_after.total_seconds() + 0.2)
     await logger.log_messages(CID, [_user("hello?")], turn_id="later")
 
 
 async def test_a_dead_turn_asking_an_answered_id_again_leaves_the_approval_once_folded(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks
 ) -> None:
     """RELIABILITY.md, "A writer that died before its insert": the fold takes back what the
     dead turn's reservation did as a whole. Its question under r1, answered already, is never
@@ -9266,7 +9276,7 @@ async def test_a_dead_turn_asking_an_answered_id_again_leaves_the_approval_once_
     await _reserved_only(logger, monkeypatch, [_asks_about("r1", "c1")], "dies")
     assert [c.request_id for c in await store.pending_calls(CID)] == ["r1"]
 
-    await _passed_and_folded(logger)
+    await _passed_and_folded(logger, clocks)
 
     assert [(c.tool_call_id, c.request_id) for c in await store.pending_calls(CID)] == [
         ("c1", None)
@@ -9283,7 +9293,7 @@ async def test_a_dead_turn_asking_an_answered_id_again_leaves_the_approval_once_
 
 
 async def test_a_dead_turns_late_retry_denying_a_call_approved_after_the_fold_is_refused(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks
 ) -> None:
     """The dead turn denied c1 and asked about c9; folded, c1 is pending under r1 again and
     the person approves it. The turn's late retry moves to the end, after her approval, and
@@ -9302,7 +9312,7 @@ async def test_a_dead_turns_late_retry_denying_a_call_approved_after_the_fold_is
     with pytest.raises(ConnectionError):
         await logger.log_messages(CID, turn, turn_id="dies", answers_to=answers)
     monkeypatch.undo()
-    await _passed_and_folded(logger)
+    await _passed_and_folded(logger, clocks)
     assert await pending_state(store) == (["c1"], "r1")
     await store.resolve_hitl(CID, "r1")
     before = await store.transcript(CID)
@@ -9333,7 +9343,7 @@ async def test_a_pop_after_a_dead_turn_withdraws_the_approval_of_the_question_it
     await store.resolve_hitl(CID, "r3")
     await logger.log_messages(CID, [_asks_about("r12", "c2", "c1")], turn_id="t2")
     await _reserved_only(logger, monkeypatch, [_calls("c14"), _asks_about("r16", "c14")], "dies")
-    await _passed_and_folded(logger)
+    await _passed_and_folded(logger, None)
     await logger.log_messages(CID, [_asks_about("r3", "c1", "c2")], turn_id="t5")
     await store.resolve_hitl(CID, "r3")
 

@@ -51,7 +51,7 @@ from agent_store.integrations.exports import chat_completions, check_chat_comple
 from agent_store.integrations.langchain import ConversationChatHistory, message_from_langchain
 from agent_store.store import CONVERSATIONS, MESSAGES
 from tests.api_harness import STALE_RESUMES, another_users_legacy_turn, deleted_while_paused
-from tests.conftest import COUNTED, Backend, CommandLog
+from tests.conftest import COUNTED, Backend, CommandLog, StoreClocks
 
 pytestmark = [
     # RunnableWithMessageHistory is what the issue asks to drop the history into; LangChain
@@ -1262,7 +1262,7 @@ async def test_a_chain_run_again_with_a_regenerated_answer_after_a_lost_insert_c
 
 
 async def test_a_regenerated_answer_while_the_lost_insert_may_still_land_waits_for_it(
-    backend: Backend,
+    backend: Backend, clocks: StoreClocks
 ) -> None:
     """Within `abandon_after` of the failed add the first attempt may still be writing: the
     regenerated add is `StorageUnavailable`, nothing written; repeated once that has
@@ -1278,7 +1278,7 @@ async def test_a_regenerated_answer_while_the_lost_insert_may_still_land_waits_f
     with pytest.raises(StorageUnavailable, match="nothing of turn"):
         await history.aadd_messages(regenerated)
     assert await history.aget_messages() == []
-    await asyncio.sleep(1.1)
+    clocks.wait(1.1)
     await history.aadd_messages(regenerated)
 
     assert [m.content for m in await history.aget_messages()] == [ASKED.content, "It is 4."]
