@@ -90,32 +90,47 @@ async def check_conversation(db: Any, cid: str = CID, *, gaps: bool = False) -> 
 # -- 1. replays of any age ---------------------------------------------------------------
 
 
-async def test_a_retry_after_more_than_64_later_turns_is_recognised_as_a_replay(
+# The conversation keeps the records of its last `turns_recorded` turns; these tests keep
+# four and log six later turns, so the retried turn's record is gone when it comes back.
+FEW_RECORDS = TurnRules(turns_recorded=4)
+LATER_TURNS = 6
+
+
+async def _first_record_dropped(db: Any) -> bool:
+    """Whether the record of the turn stored at `seq` 0 is gone from the conversation."""
+    conversation = await db[CONVERSATIONS].find_one({"_id": CID})
+    return 0 not in {record.get("f") for record in conversation.get("turns", [])}
+
+
+async def test_a_retry_after_more_later_turns_than_the_records_keep_is_recognised_as_a_replay(
     backend: Backend,
 ) -> None:
-    logger = AgentMessageLogger(backend.db)
+    logger = AgentMessageLogger(backend.db, rules=FEW_RECORDS)
     await logger.ensure_indexes()
     await logger.log_messages(CID, turn("first"), turn_id="t-first")
-    for n in range(70):
+    for n in range(LATER_TURNS):
         await logger.log_messages(CID, turn(f"later {n}"), turn_id=f"t-{n}")
+    assert await _first_record_dropped(backend.db)
 
     retried = await logger.log_messages(CID, turn("first"), turn_id="t-first")
 
     assert retried.replayed
     assert [m.seq for m in retried.messages] == [0, 1]
     conversation = await check_conversation(backend.db)
-    assert (conversation["turn_count"], conversation["message_count"]) == (71, 142)
+    assert (conversation["turn_count"], conversation["message_count"]) == (7, 14)
 
 
-async def test_a_turn_whose_insert_never_happened_is_stored_in_its_own_block_however_late(
+async def test_a_turn_whose_insert_never_happened_is_stored_in_its_own_block_while_recorded(
     backend: Backend,
 ) -> None:
-    """A crash between the two writes, and a retry only after 70 later turns: no hole."""
-    logger = AgentMessageLogger(backend.db)
+    """A crash between the two writes, and a retry only after as many later turns as the
+    records keep but one: no hole. (One more, and the record is gone: RELIABILITY.md.)"""
+    logger = AgentMessageLogger(backend.db, rules=FEW_RECORDS)
     await logger.ensure_indexes()
     await logger.log_messages(CID, turn("lost"), turn_id="t-lost")
     await backend.db[MESSAGES].delete_many({"turn_id": "t-lost"})  # as if never inserted
-    for n in range(70):
+    kept_but_one = FEW_RECORDS.turns_recorded - 1
+    for n in range(kept_but_one):
         await logger.log_messages(CID, turn(f"later {n}"), turn_id=f"t-{n}")
 
     retried = await logger.log_messages(CID, turn("lost"), turn_id="t-lost")
@@ -123,20 +138,21 @@ async def test_a_turn_whose_insert_never_happened_is_stored_in_its_own_block_how
     assert retried.replayed
     assert [m.seq for m in retried.messages] == [0, 1]
     conversation = await check_conversation(backend.db)
-    assert conversation["turn_count"] == 71
+    assert conversation["turn_count"] == kept_but_one + 1
 
 
 # -- 2. a replay must match --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("age", [0, 70], ids=["recent", "after-70-turns"])
+@pytest.mark.parametrize("age", [0, LATER_TURNS], ids=["recent", "record-dropped"])
 async def test_a_retry_with_other_content_is_a_conflict_and_writes_nothing(
     backend: Backend, age: int
 ) -> None:
-    logger = AgentMessageLogger(backend.db)
+    logger = AgentMessageLogger(backend.db, rules=FEW_RECORDS)
     await logger.log_messages(CID, turn("original"), turn_id="t1")
     for n in range(age):
         await logger.log_messages(CID, turn(f"later {n}"), turn_id=f"t-{n}")
+    assert await _first_record_dropped(backend.db) == (age > 0)
     before = await digest(backend.db)
 
     with pytest.raises(Conflict, match="turn 't1' was logged with other content"):
