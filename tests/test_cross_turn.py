@@ -8733,11 +8733,13 @@ async def test_a_call_listed_again_whose_answer_landed_takes_no_second_answer(
     looks whether an answer landed (the fold marked c1 as listed again): `AnsweredBefore`,
     nothing stored, c1 taken off the list, and the fold tA's writer did not write owed (tC
     is being written): once tC lands it lists tA's own call c2. While a fold is owed (tA's writer
-    reached it, or a look owed it), the turn is `Unreserved` (send it again), as before,
-    then `AnsweredBefore`. tA sent again afterwards is a replay, c1 answered once."""
+    reached it, a look owed it, or a read of the summary found tA's messages in the block the
+    fold passing it watches), the turn is `Unreserved` (send it again), as before, then
+    `AnsweredBefore`. tA sent again afterwards is a replay, c1 answered once."""
     logger, store, made_by = await _answered_then_listed_again(backend, monkeypatch, [], cut)
     second = [_answer("c1", "again")]
-    owed = cut != "died-before-fold"  # its writer reached its fold: owed while tC is written
+    # Its writer reached its fold, or this read of the summary found tA's messages in the
+    # block the fold watches (`pending_blocks`): the fold is owed while tC is written.
     streamed = turn_from_metadata(
         [{"type": "tool_end", "tool_name": "search", "tool_call_id": "c1", "result": "again"}],
         complete=True,
@@ -8754,12 +8756,11 @@ async def test_a_call_listed_again_whose_answer_landed_takes_no_second_answer(
     if route == "check_turn":
         with pytest.raises(AnsweredBefore):
             await logger.check_turn(CID, second, turn_id="tR", answers_to={"c1": made_by})
-    # the look owes the fold the landed writer did not write (tC is being written)
-    with pytest.raises(Unreserved if owed or route == "check_turn" else AnsweredBefore):
-        await answer_again()  # Unreserved: send it again
+    with pytest.raises(Unreserved):
+        await answer_again()  # send it again
 
     assert await _answers_to_c1(backend) == ["found"]
-    if owed and route != "check_turn":  # the owed fold, once tC lands, takes c1 off
+    if route != "check_turn":  # the owed fold, once tC lands, takes c1 off
         assert "c1" in [c.tool_call_id for c in await store.pending_calls(CID)]
         await logger.log_messages(CID, [_say("...")], turn_id="tC")
         with pytest.raises(AnsweredBefore):
@@ -8951,9 +8952,33 @@ async def _landing_cut_before_its_fold_then_resent(
     before its fold (`_LANDING_CUT`'s "died-before-fold"); tA is sent again, and that
     acknowledgement is returned. With `owed`, tC then lands and tD folds what is owed."""
     logger = AgentMessageLogger(backend.db)
+    await _landed_and_cut_before_its_fold(backend, monkeypatch, cid, turn, owed=owed)
+    again = await AgentMessageLogger(backend.db).log_messages(cid, turn, turn_id="tA")
+    if owed:
+        await logger.log_messages(cid, [_say("...")], turn_id="tC")  # lands: nothing being written
+        await logger.log_messages(cid, [_user("still there?")], turn_id="tD")  # folds what is owed
+    return again
+
+
+async def _landed_and_cut_before_its_fold(
+    backend: Backend,
+    monkeypatch: pytest.MonkeyPatch,
+    cid: str,
+    turn: list[dict[str, Any]],
+    *,
+    owed: bool = False,
+    answers_to: dict[str, str] | None = None,
+) -> None:
+    """In `cid`, where the turns before are logged: tA (`turn`, answering `answers_to`)
+    reserves a day ago, its insert stalled; tB, another process's turn, finds its block
+    passed and empty and folds the pending state without it; with `owed`, tC reserves and
+    loses its insert (the fold waits on it) and tE makes c5 and asks r5 about it. tA's
+    insert lands and its writer dies before its fold (`_LANDING_CUT`'s
+    "died-before-fold"), never to send it again."""
+    logger = AgentMessageLogger(backend.db)
     writer = AgentMessageLogger(backend.db)
     stall, clock = _StalledInsert(writer, monkeypatch), _ReservedADayAgo(monkeypatch)
-    late = await stall.start(writer.log_messages(cid, turn, turn_id="tA"))
+    late = await stall.start(writer.log_messages(cid, turn, turn_id="tA", answers_to=answers_to))
     clock.caught_up()  # tA's insert is sent, and stalls
     await logger.log_messages(cid, [_user("hello?")], turn_id="tB")
     if owed:
@@ -8968,11 +8993,6 @@ async def _landing_cut_before_its_fold_then_resent(
     with pytest.raises(asyncio.CancelledError):
         await late
     monkeypatch.undo()
-    again = await AgentMessageLogger(backend.db).log_messages(cid, turn, turn_id="tA")
-    if owed:
-        await logger.log_messages(cid, [_say("...")], turn_id="tC")  # lands: nothing being written
-        await logger.log_messages(cid, [_user("still there?")], turn_id="tD")  # folds what is owed
-    return again
 
 
 async def _forked_whole(
@@ -9005,6 +9025,72 @@ async def test_a_replay_lists_the_pause_its_first_attempt_stored_though_its_writ
     assert await held_state(store) == ([("c1", None), ("c9", "r9")], "r9")
     await logger.log_messages(CID, [_user("still there?")], turn_id="tD")
     assert await held_state(store) == await _forked_whole(backend, CID)
+
+
+_NEVER_SENT_AGAIN = {
+    "question": ([_user("Pay."), _calls("c1")], False),
+    "answer-and-question": ([_user("Pay."), _calls("c1")], True),
+    "nothing-else-pending": ([_user("Hi."), _say("Hello.")], False),
+}
+"""What t0 logs, and whether tA answers t0's c1 before it makes c9 and asks r9 about it."""
+
+
+async def _never_sent_again(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, case: str
+) -> AgentMessageLogger:
+    """t0 (`_NEVER_SENT_AGAIN`), then tA making c9 and asking r9 about it (answering c1
+    first, named, for "answer-and-question"), landed past its passed, folded block, its
+    writer dead before its fold and the turn never sent again."""
+    logger = AgentMessageLogger(backend.db)
+    first, answers = _NEVER_SENT_AGAIN[case]
+    made = await logger.log_messages(CID, first, turn_id="t0")
+    turn = [_calls("c9"), _asks_about("r9", "c9")]
+    answers_to = {"c1": made.messages[1].id} if answers else None
+    turn = [_answer("c1", "paid"), *turn] if answers else turn
+    await _landed_and_cut_before_its_fold(backend, monkeypatch, CID, turn, answers_to=answers_to)
+    return logger
+
+
+@pytest.mark.parametrize("case", list(_NEVER_SENT_AGAIN))
+async def test_a_landing_whose_writer_died_unfolded_is_folded_by_the_next_turn(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """DESIGN.md `pending_blocks` (a block found passed and empty is watched for its late
+    insert): tA makes c9 and asks r9 about it (after answering c1, in one case); its writer
+    stalls inside its insert past `abandon_after`, tB folds the passed, empty block, and
+    tA's insert lands, its writer dying before its fold, the turn never sent again. The
+    next turn finds tA's messages in the block watched and folds them: c9 held by r9, r9
+    pending and c1 off the list, as a fork of the same messages serves them, through later
+    turns (was: r9 never pending and c9 never listed, c1 listed though answered, for good)."""
+    logger = await _never_sent_again(backend, monkeypatch, case)
+    store = ConversationStore(backend.db)
+
+    await logger.log_messages(CID, [_user("still there?")], turn_id="tD")
+
+    calls, prompt = await held_state(store)
+    assert ("c9", "r9") in calls
+    assert prompt == "r9"
+    assert (calls, prompt) == await _forked_whole(backend, CID)
+    await logger.log_messages(CID, [_user("and now?")], turn_id="tE")
+    assert await held_state(store) == (calls, prompt)
+
+
+@pytest.mark.parametrize("case", list(_NEVER_SENT_AGAIN))
+async def test_a_landing_whose_writer_died_unfolded_is_served_by_the_next_read(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """The same landing, no turn logged after it: the next read of the summary
+    (`pending_calls`, `pending_hitl`) finds tA's messages in the block watched and folds
+    them before it answers, so the person is asked r9 and c9 is held by it (was: served
+    without them until a resend of tA)."""
+    await _never_sent_again(backend, monkeypatch, case)
+    store = ConversationStore(backend.db)
+
+    calls, prompt = await held_state(store)
+
+    assert ("c9", "r9") in calls
+    assert prompt == "r9"
+    assert (calls, prompt) == await _forked_whole(backend, CID)
 
 
 async def test_a_replay_holds_again_the_approved_call_its_first_attempt_asked_about_again(

@@ -1151,6 +1151,10 @@ class PendingBlock(_Model):
     passed: bool = Field(default=False, alias="d")
     """The last reservation found it older than `TurnRules.abandon_after`: that turn looks
     whether it holds a message, and the next reservation drops it."""
+    watched: UtcDatetime | None = Field(default=None, alias="w")
+    """When a fold found it passed and holding no message: its turn's insert may still land
+    (a writer stalled inside it), so every later turn and read of the summary looks whether
+    one did and folds it in, for a day at most; null while never found so."""
 
 
 class CallRelisted(_Model):

@@ -133,6 +133,7 @@ from agent_store.store._relocated import (
     lookup,
     refold,
     settle,
+    stored_among,
     stored_at,
     take_answered_off,
     unchanged,
@@ -193,6 +194,7 @@ from agent_store.store._reservation import (
     unfinished_fork,
     unmarked,
     updated_at_left,
+    watched_blocks,
     with_none_of,
 )
 from agent_store.store._tail import preview_of
@@ -365,6 +367,10 @@ class _Reserved:
     (`PENDING_BLOCKS`, older than `abandon_after`): a turn that stored nothing there leaves
     calls or a prompt no stored message makes, and the pending state is folded again after
     the insert (`AgentMessageLogger._left_unstored`)."""
+    watched: tuple[int, ...] = ()
+    """The first `seq`s of the blocks the conversation watches (`watched_blocks`: a fold found
+    them passed and empty, their turn's insert may still land): one holding a message now
+    is folded again after the insert (`AgentMessageLogger._left_unstored`)."""
     relisted: bool = False
     """A replay's: the conversation as it read it lists otherwise than the turn's stored
     messages leave it (`_listed_otherwise`), as a fold that passed the block of its first
@@ -2860,20 +2866,16 @@ class AgentMessageLogger:
         """Whether a block listing pending state that the reservation found passed
         (`_Reserved.passed`) holds no message: its turn died before its insert (or a pop
         took it), so its calls and prompt, listed pending by its reservation, are made by no
-        stored message and the pending state is folded again (`_relocated.settle`). One
-        `find` of the blocks' first messages, only when the reservation found such a block;
-        none on the common path."""
-        if not reserved.passed:
-            return False
-        query: dict[str, Any] = {
-            "conversation_id": plan.conversation_id,
-            "seq": {"$in": [Int64(f) for f in reserved.passed]},
-        }
-        if reserved.epoch is not None:
-            query["epoch"] = {"$in": [reserved.epoch, None]}
-        with storage_errors("read the messages of the blocks passed"):
-            found = await self._messages.find(query, {"_id": 0, "seq": 1}).to_list(None)
-        return len({int(d["seq"]) for d in found}) < len(set(reserved.passed))
+        stored message and the pending state is folded again (`_relocated.settle`); or
+        whether a block the conversation watches (`_Reserved.watched`: a fold found it so)
+        holds one now: its turn's insert landed after that fold, its writer gone before its
+        own fold, and what it stores is folded in. One `find` of the blocks' first messages,
+        only when the reservation found such a block; none on the common path."""
+        passed, watched = set(reserved.passed), set(reserved.watched)
+        found = await stored_among(
+            self._messages, plan.conversation_id, reserved.epoch, passed | watched
+        )
+        return bool(passed - found or watched & found)
 
     async def _past_what_readers_passed(
         self, plan: TurnPlan, reserved: _Reserved, started: float, writer: _Writer | None
@@ -4069,8 +4071,9 @@ def _reserved(plan: TurnPlan, conversation: dict[str, Any], *, observed: bool) -
         passed=tuple(
             int(b["f"])
             for b in conversation.get(PENDING_BLOCKS) or ()
-            if b.get("d") and int(b["f"]) < first_seq
+            if b.get("d") and b.get("w") is None and int(b["f"]) < first_seq
         ),
+        watched=tuple(f for f in watched_blocks(conversation, utc_now()) if f < first_seq),
     )
 
 

@@ -78,7 +78,7 @@ from agent_store.store._pop import (
     finish_marked,
     popped_since_read,
 )
-from agent_store.store._relocated import looked_again, settle
+from agent_store.store._relocated import looked_again, settle, stored_among
 from agent_store.store._reservation import (
     CONVERSATION_DOCUMENT,
     DELETING,
@@ -86,6 +86,7 @@ from agent_store.store._reservation import (
     MIGRATING,
     NONE_RELISTED,
     NOT_BEING_DELETED,
+    PENDING_BLOCKS,
     REFOLD_OWED,
     RELISTED,
     STANDING,
@@ -106,6 +107,7 @@ from agent_store.store._reservation import (
     same_as_read,
     same_conversation,
     seen_by_caller,
+    watched_blocks,
     with_none_of,
 )
 from agent_store.store._tail import LEFT_BEFORE_READ, LeftBefore, settled
@@ -638,20 +640,34 @@ class ConversationStore:
         so no read serves the summary of a message a pop removed. Only one `fence` matches
         (`STANDING`; `LISTED` takes one being migrated too). One lookup; three more only when
         a mark is found. So too once no fold of its pending state is owed (`REFOLD_OWED`,
-        read with it): the fold is written (`_relocated.settle`) and the conversation read
-        again, three or four lookups more, only while one is owed."""
+        read with it) and no block it watches holds a message (`_landed_unfolded`): the fold
+        is written (`_relocated.settle`) and the conversation read again, three or four
+        lookups more, only while one is owed or has landed."""
         query = self._scope(conversation_id, user_id) | fence
         included = any(on for name, on in projection.items() if name != "_id")
-        marks = {"popping": 1, REFOLD_OWED: 1}
+        marks = {"popping": 1, REFOLD_OWED: 1, PENDING_BLOCKS: 1, "epoch": 1}
         projection = {**projection, **marks} if included else {**projection}
         with storage_errors(what):
             doc: dict[str, Any] | None = await self._conversations.find_one(query, projection)
             if await finish_marked(self._messages, self._conversations, doc):
                 doc = await self._conversations.find_one(query, projection)
-        if doc is not None and doc.get(REFOLD_OWED) is not None and await self._folded(doc):
+        if doc is None:
+            return None
+        owed = doc.get(REFOLD_OWED) is not None or await self._landed_unfolded(doc)
+        if owed and await self._folded(doc):
             with storage_errors(what):
                 doc = await self._conversations.find_one(query, projection)
         return doc
+
+    async def _landed_unfolded(self, conversation: Mapping[str, Any]) -> bool:
+        """Whether a block the conversation watches (`watched_blocks`: a fold found it passed
+        and empty) holds a message now: its turn's insert landed after that fold, its
+        writer gone before folding it in. One `find`, only while a block is watched."""
+        watched = watched_blocks(conversation, utc_now())
+        found = await stored_among(
+            self._messages, str(conversation["_id"]), conversation.get("epoch"), watched
+        )
+        return bool(found)
 
     async def _folded(self, conversation: Mapping[str, Any]) -> bool:
         """Whether the fold of the pending state `conversation` is owed is written now."""

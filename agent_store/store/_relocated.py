@@ -60,6 +60,7 @@ from agent_store.store._fork import (
 from agent_store.store._naming import first_named, renamed
 from agent_store.store._reservation import (
     ANSWERS_READ,
+    PENDING_BLOCKS,
     REFOLD_OWED,
     RELISTED,
     RESERVED,
@@ -418,6 +419,11 @@ class Refold:
     block passed. They hold nothing, as a pop of each leaves them
     (`_reservation.approvals_unstored`): the fold takes back what that turn's reservation
     did to the approvals as a whole."""
+    unlanded: frozenset[int] = frozenset()
+    """The first `seq`s of the blocks listing pending state (`PENDING_BLOCKS`) the fold found
+    passed and holding no message, no pop or give-back having made them gaps: their turn's
+    insert may still land (a writer stalled inside it), so the fold's write keeps them
+    watched (`watched_after`) and a later turn or read folds again once one landed."""
 
     def summary(self) -> dict[str, Any]:
         """The conversation as read with its pending state, resolutions and approvals the
@@ -496,7 +502,68 @@ async def refold(
         stored,
         withdrawn=withdrawn,
         unstored=unstored,
+        unlanded=_passed_empty(conversation, set(missing) - gaps.popped - set(own)),
     )
+
+
+def _passed_empty(conversation: Mapping[str, Any], unstored: Collection[int]) -> frozenset[int]:
+    """The first `seq`s of `conversation`'s blocks listing pending state (`PENDING_BLOCKS`)
+    that are among `unstored` (`seq`s below the end with no message, none a gap no turn
+    holds): passed and empty as the fold read them (`Refold.unlanded`)."""
+    return frozenset(
+        int(block["f"])
+        for block in conversation.get(PENDING_BLOCKS) or ()
+        if isinstance(block, Mapping) and int(block["f"]) in unstored
+    )
+
+
+def watched_after(fold: Refold) -> dict[str, Any]:
+    """`PENDING_BLOCKS` as the fold's write leaves it, as an expression: the blocks it found
+    passed and empty (`Refold.unlanded`) watched (`w`: since when, the time now unless
+    watched already), those watched that it found holding messages dropped (it folded
+    them), the others as they stand; absent while absent."""
+    found = {"$in": ["$$b.f", literal(sorted(fold.unlanded))]}
+    unwatched = {"$eq": [{"$ifNull": ["$$b.w", None]}, None]}
+    kept = {
+        "$filter": {
+            "input": f"${PENDING_BLOCKS}",
+            "as": "b",
+            "cond": {"$or": [found, unwatched]},
+        }
+    }
+    since = {"$ifNull": ["$$b.w", literal(utc_now())]}
+    entry = {"f": "$$b.f", "l": "$$b.l", "a": "$$b.a", "d": literal(False), "w": since}
+    watched = {"$map": {"input": kept, "as": "b", "in": {"$cond": [found, entry, "$$b"]}}}
+    return absent_stays(PENDING_BLOCKS, watched)
+
+
+async def stored_among(
+    messages: Any, conversation_id: str, epoch: str | None, seqs: Collection[int]
+) -> frozenset[int]:
+    """Those of `seqs` that hold a message of the conversation's life (its `epoch`, or none):
+    one `find`, none for no `seqs`."""
+    if not seqs:
+        return frozenset()
+    query: dict[str, Any] = {
+        "conversation_id": conversation_id,
+        "seq": {"$in": [Int64(s) for s in sorted(seqs)]},
+    }
+    if epoch is not None:
+        query["epoch"] = {"$in": [epoch, None]}
+    with storage_errors("read the messages of the blocks passed"):
+        found = await messages.find(query, {"_id": 0, "seq": 1}).to_list(None)
+    return frozenset(int(d["seq"]) for d in found)
+
+
+def _watch_kept(fold: Refold) -> bool:
+    """Whether the fold leaves `PENDING_BLOCKS` as read (`watched_after`): it watches the
+    blocks it found passed and empty already, and no other."""
+    watched = {
+        int(block["f"])
+        for block in fold.conversation.get(PENDING_BLOCKS) or ()
+        if isinstance(block, Mapping) and block.get("w") is not None
+    }
+    return watched == set(fold.unlanded)
 
 
 def _named_unstored(approved: Iterable[Any], stored: Collection[str | None]) -> frozenset[str]:
@@ -529,7 +596,8 @@ def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     pending unless among them, the whole update matching only while no answer came since;
     else a prompt resolved by request id, even meanwhile, stays resolved. A fold owed as read
     (`REFOLD_OWED`) is cleared (null), unless marked again since. The calls it lists again
-    are marked so (`relisted`)."""
+    are marked so (`relisted`), and the blocks it found passed and empty are watched
+    (`watched_after`, when `PENDING_BLOCKS` was read)."""
     conversation = fold.conversation
     pops = int(conversation.get("pops") or 0)
     query: dict[str, Any] = {
@@ -562,6 +630,8 @@ def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     if (owed := conversation.get(REFOLD_OWED)) is not None:  # the mark read, and no later one
         read = {"$eq": [f"${REFOLD_OWED}", literal(owed)]}
         stage[REFOLD_OWED] = {"$cond": [read, literal(None), f"${REFOLD_OWED}"]}
+    if PENDING_BLOCKS in conversation:  # read: the blocks watched are the fold's
+        stage[PENDING_BLOCKS] = watched_after(fold)
     unstored = approvals_unstored(None, fold.unstored) if fold.unstored else []
     return query, [{"$set": stage}, *unstored]
 
@@ -700,8 +770,8 @@ async def _changed(conversations: Any, fold: Refold) -> bool:
 def _already(fold: Refold) -> bool:
     """Whether the conversation's summary lists the fold's calls pending and its prompt
     already (or no prompt, when a person resolved it by request id), and the fold's
-    resolutions; never while a fold is owed (`REFOLD_OWED`): the fold is written, clearing
-    the mark."""
+    resolutions, and watches the blocks it found passed and empty (`_watch_kept`); never
+    while a fold is owed (`REFOLD_OWED`): the fold is written, clearing the mark."""
     conversation, prompt = fold.conversation, fold.prompt
     now_calls, now_prompt = pending_now(conversation)
     resolved = conversation.get("resolved_hitl") or ()
@@ -709,7 +779,7 @@ def _already(fold: Refold) -> bool:
         prompt = None
     same = fold.resolved is None or set(resolved) == set(fold.resolved)
     owed = conversation.get(REFOLD_OWED) is not None  # written, to clear the mark
-    kept = now_calls == list(fold.calls) and now_prompt == prompt
+    kept = now_calls == list(fold.calls) and now_prompt == prompt and _watch_kept(fold)
     return same and kept and not fold.withdrawn and not fold.unstored and not owed
 
 

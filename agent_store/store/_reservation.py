@@ -9,7 +9,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from functools import cache
 from typing import Any
 
@@ -33,6 +33,7 @@ from agent_store.core import (
     approval_held_again,
     conversation_version,
     shown,
+    to_utc,
 )
 from agent_store.store._turns import (
     PENDING_CALLS_KEPT,
@@ -73,6 +74,11 @@ it leaves open, a prompt it raises) until a later turn's reservation finds them 
 PENDING_BLOCKS_KEPT = 32
 """How many blocks still young `PENDING_BLOCKS` keeps (the newest): an older one, dropped
 before it was passed, is never looked at (its turn's pending state stays as reserved)."""
+BLOCKS_WATCHED_FOR = timedelta(days=1)
+"""How long a block a fold found passed and empty (`w`: when) stays watched for its late
+insert (`watched_blocks`): a writer stalled inside its insert that long is taken for dead."""
+_NEVER = datetime(1970, 1, 1, tzinfo=UTC)
+"""Older than every time a block is found passed and empty: `w` of a block never watched."""
 _UNLISTED = {"$eq": [{"$ifNull": [f"${PENDING_BLOCKS}", None]}, None]}
 """Whether the conversation lists no `PENDING_BLOCKS` (absent), as an expression."""
 REFOLD_OWED = "refold_owed"
@@ -1478,16 +1484,22 @@ def _pending_blocks(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str
     its logger looks whether their turns stored anything, `AgentMessageLogger._left_unstored`);
     the others stay, with the turn's own block when its reservation lists pending state
     (calls it leaves open, a prompt it raises), the newest `PENDING_BLOCKS_KEPT` of them.
+    The blocks a fold found passed and empty stay watched (`w`, `watched_blocks`) for
+    `BLOCKS_WATCHED_FOR`, the newest `PENDING_BLOCKS_KEPT` of them.
     Not kept with an `abandon_after` of zero (a setting for tests): every block not yet
     written would be passed at once, a turn still being written folded away."""
     passed_by = literal(now - rules.abandon_after)
-    unseen = {"$ne": [{"$ifNull": ["$$b.d", False]}, True]}
+    since = literal(now - BLOCKS_WATCHED_FOR)
+    unwatched = {"$eq": [{"$ifNull": ["$$b.w", None]}, None]}
+    unseen = {"$and": [{"$ne": [{"$ifNull": ["$$b.d", False]}, True]}, unwatched]}
     listed = {"$filter": {"input": _kept(PENDING_BLOCKS, []), "as": "b", "cond": unseen}}
+    still = {"$gt": [{"$ifNull": ["$$b.w", literal(_NEVER)]}, since]}
+    watched = {"$filter": {"input": _kept(PENDING_BLOCKS, []), "as": "b", "cond": still}}
 
     def marked(passed: bool) -> dict[str, Any]:
         aged = {"$lte" if passed else "$gt": ["$$b.a", passed_by]}
         chosen = {"$filter": {"input": listed, "as": "b", "cond": aged}}
-        entry = {"f": "$$b.f", "l": "$$b.l", "a": "$$b.a", "d": literal(passed)}
+        entry = {"f": "$$b.f", "l": "$$b.l", "a": "$$b.a", "d": literal(passed), "w": literal(None)}
         return {"$map": {"input": chosen, "as": "b", "in": entry}}
 
     young = marked(False)
@@ -1497,9 +1509,16 @@ def _pending_blocks(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str
             "l": literal(Int64(plan.count)),
             "a": literal(now),
             "d": literal(False),
+            "w": literal(None),
         }
         young = {"$concatArrays": [young, {"$map": {"input": [0], "in": own}}]}
-    blocks = {"$concatArrays": [marked(True), {"$slice": [young, -PENDING_BLOCKS_KEPT]}]}
+    blocks = {
+        "$concatArrays": [
+            {"$slice": [watched, -PENDING_BLOCKS_KEPT]},
+            marked(True),
+            {"$slice": [young, -PENDING_BLOCKS_KEPT]},
+        ]
+    }
     none = {"$and": [_UNLISTED, {"$eq": [{"$size": blocks}, 0]}]}
     return {"$cond": [none, "$$REMOVE", blocks]}  # absent while no turn listed pending state
 
@@ -1554,12 +1573,36 @@ _NOTHING_PENDING = {
         {"$eq": [{"$ifNull": ["$pending_hitl", None]}, None]},
     ]
 }
-_BLOCKS_KEPT = {"$cond": [_NOTHING_PENDING, literal([]), f"${PENDING_BLOCKS}"]}
+_WATCHED_ONLY = {
+    "$filter": {
+        "input": f"${PENDING_BLOCKS}",
+        "as": "b",
+        "cond": {"$ne": [{"$ifNull": ["$$b.w", None]}, None]},
+    }
+}
+_BLOCKS_KEPT = {"$cond": [_NOTHING_PENDING, _WATCHED_ONLY, f"${PENDING_BLOCKS}"]}
 BLOCKS_MOOT_DROPPED = {"$set": {PENDING_BLOCKS: {"$cond": [_UNLISTED, "$$REMOVE", _BLOCKS_KEPT]}}}
 """The stage after one that set `PENDING_BLOCKS` (`_records`): none is kept while nothing is
 pending (no call, no prompt), as a turn that died before its insert then leaves nothing to
 fold away, and the next reservation looks at nothing (absent while no turn listed pending
-state). Never changed in place."""
+state), but the blocks watched (`w`): an insert landing there lists what it stores. Never
+changed in place."""
+
+
+def watched_blocks(conversation: Mapping[str, Any], now: datetime) -> tuple[int, ...]:
+    """The first `seq`s of the blocks `conversation` watches at `now` (`PENDING_BLOCKS`
+    entries with `w`, the time a fold found them passed and empty, within
+    `BLOCKS_WATCHED_FOR`): its turn's insert may still land there, after the fold that
+    listed the pending state without it. A turn reserving, and a read of the summary, look
+    whether one did (one `find`, only while one is watched) and fold again when one did."""
+    since = now - BLOCKS_WATCHED_FOR
+    return tuple(
+        int(block["f"])
+        for block in conversation.get(PENDING_BLOCKS) or ()
+        if isinstance(block, Mapping)
+        and isinstance(block.get("w"), datetime)
+        and to_utc(block["w"]) > since
+    )
 
 
 _NAME_MESSAGE_KEPT = absent_stays("name_message_id", "$name_message_id")
