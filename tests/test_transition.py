@@ -706,13 +706,14 @@ async def test_the_old_ids_erasure_or_claim_leaves_a_claimed_conversations_turns
     assert await backend.db[CONVERSATIONS].find_one({"_id": "t-later"}) is None
 
 
+@pytest.mark.parametrize("by", ["delete", "erasure"])
 async def test_a_prompt_naming_the_user_a_claim_moved_its_conversation_from_is_the_claimers(
-    backend: Backend,
+    backend: Backend, by: str
 ) -> None:
     """A `session_hitl` prompt the old service raises after a claim naming the pre-claim user
     id in the claimed conversation is the claimer's, as a turn it logs so is (`claimers`):
     the claimer is asked it, the old id is served nothing; the old id's erasure and a second
-    claim of it leave it, the claimer's delete takes it."""
+    claim of it leave it, the claimer's delete and erasure take it."""
     turns = example_legacy_turns()
     await backend.db[LEGACY_TURNS].insert_many(turns)
     store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
@@ -731,7 +732,10 @@ async def test_a_prompt_naming_the_user_a_claim_moved_its_conversation_from_is_t
     await store.erase_user(EXAMPLE_USER_ID)
     await store.claim(EXAMPLE_USER_ID, "user-other")
     assert await backend.db[SESSION_HITL].find_one({"_id": "p-late"}) == prompt
-    await store.delete(EXAMPLE_CONVERSATION_ID, user_id="user-claimed")
+    if by == "delete":
+        await store.delete(EXAMPLE_CONVERSATION_ID, user_id="user-claimed")
+    else:
+        await store.erase_user("user-claimed")
     assert await backend.db[SESSION_HITL].count_documents({}) == 0
 
 
