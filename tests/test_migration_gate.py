@@ -2706,6 +2706,34 @@ def test_a_late_old_service_turn_naming_a_claimed_user_is_the_claimers(
 
 
 @pytest.mark.wire
+def test_a_late_prompt_naming_a_claimed_user_is_the_claimers_pending_prompt(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """The old service, which knows of no claim, raises a `session_hitl` prompt naming the user
+    a claim moved the conversation away from, with the late turn asking it: `run`, `verify`
+    and `finish` take it as the claimer's pending prompt (`owners_prompt` through the turns'
+    claims), never a prompt of another user kept in a problem."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-a", 0, "A"))
+    assert cli(wire_uri, database, "run") == 0
+    _claimed(wire_uri, database, ("u-1", "u-2"))
+    asks = {"type": "hitl", "action": "pay", "params": {}, "request_id": "r-late", "prompt": "Pay?"}
+    late = legacy_turn("t-late", "c-a", 5, "LATE") | {"response_parts": [asks]}
+    database[CONVERSATIONS].insert_one(late)
+    database[SESSION_HITL].insert_one(
+        {"conversation_id": "c-a", "user_id": "u-1", "request_id": "r-late", "action": "pay",
+         "status": "pending", "prompt": "Pay?"}
+    )  # fmt: skip
+
+    assert cli(wire_uri, database, "run") == 0
+
+    migrated = database[CONVERSATIONS].find_one({"_id": "c-a"})
+    assert (migrated["user_id"], migrated["pending_hitl"]["request_id"]) == ("u-2", "r-late")
+    assert database[PROBLEMS].count_documents({}) == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
 @pytest.mark.parametrize("by", ["delete", "erasure"])
 def test_a_late_turn_naming_a_claimed_user_goes_with_the_claimers_delete(
     wire_uri: str, database: Database[dict[str, Any]], by: str

@@ -646,6 +646,99 @@ async def test_erasing_the_user_a_claim_moved_a_conversation_from_leaves_its_cla
     assert [m.content for m in served if m.role == "user"][-1] == "LATE"
 
 
+@pytest.mark.parametrize("where", [LEGACY_TURNS, CONVERSATIONS])
+async def test_a_second_claim_of_the_user_a_claim_moved_a_conversation_from_leaves_its_turns(
+    backend: Backend, where: str
+) -> None:
+    """A turn of a claimed conversation naming the pre-claim user id is the claimer's
+    (`turn_users`) to a claim too: a second claim of the old id, to another user, leaves it,
+    in the legacy collection and late in `agent_conversations` alike, as the erasure of the
+    old id does, and moves only what is still the old id's (a conversation the old service
+    started under it after the first claim). The first claimer is still served the turn,
+    the second claimer nothing of her conversation."""
+    turns = example_legacy_turns()
+    await backend.db[LEGACY_TURNS].insert_many(turns)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    await store.claim(EXAMPLE_USER_ID, "user-claimed")
+    late = {**turns[0], "_id": "t-late", "created_at": "2030-01-01T00:00:00Z"}
+    late |= {"user_message": "LATE"}
+    await backend.db[where].insert_one(late)
+    started = {**late, "_id": "t-new", "conversation_id": "c-new", "user_message": "NEW"}
+    await backend.db[LEGACY_TURNS].insert_one(started)
+
+    claimed = await store.claim(EXAMPLE_USER_ID, "user-other")
+
+    assert claimed.legacy_turns == 1
+    assert await backend.db[where].find_one({"_id": "t-late"}) == late
+    with pytest.raises(NotFound):
+        await store.transcript(EXAMPLE_CONVERSATION_ID, user_id="user-other")
+    served = await store.transcript(EXAMPLE_CONVERSATION_ID, user_id="user-claimed")
+    if where == LEGACY_TURNS:
+        assert [m.content for m in served if m.role == "user"][-1] == "LATE"
+    new = await store.transcript("c-new", user_id="user-other")
+    assert [m.content for m in new if m.role == "user"] == ["NEW"]
+
+
+@pytest.mark.parametrize("by", ["erasure", "claim"])
+async def test_the_old_ids_erasure_or_claim_leaves_a_claimed_conversations_turns_not_moved_yet(
+    backend: Backend, by: str
+) -> None:
+    """A conversation whose every turn still stands in `agent_conversations` (the old service
+    logs there, no run moved them aside yet) records its claim there: a later turn there
+    naming the pre-claim user id is the claimer's, so the old id's erasure, or a second
+    claim of it, leaves it, and the claimer's erasure takes it."""
+    turns = [{**t, "conversation_id": "c-late"} for t in example_legacy_turns()]
+    await backend.db[CONVERSATIONS].insert_many(turns)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    await store.claim(EXAMPLE_USER_ID, "user-claimed")
+    later = {**turns[0], "_id": "t-later", "created_at": "2030-01-01T00:00:00Z"}
+    await backend.db[CONVERSATIONS].insert_one(later)
+
+    if by == "erasure":
+        done = await store.erase_user(EXAMPLE_USER_ID)
+    else:
+        done = await store.claim(EXAMPLE_USER_ID, "user-other")
+
+    assert done.legacy_turns == 0
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "t-later"}) == later
+    erased = await store.erase_user("user-claimed")
+    assert erased.legacy_turns == len(turns) + 1
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "t-later"}) is None
+
+
+@pytest.mark.parametrize("by", ["delete", "erasure"])
+async def test_a_prompt_naming_the_user_a_claim_moved_its_conversation_from_is_the_claimers(
+    backend: Backend, by: str
+) -> None:
+    """A `session_hitl` prompt the old service raises after a claim naming the pre-claim user
+    id in the claimed conversation is the claimer's, as a turn it logs so is (`claimers`):
+    the claimer is asked it, the old id is served nothing; the old id's erasure and a second
+    claim of it leave it, the claimer's delete and erasure take it."""
+    turns = example_legacy_turns()
+    await backend.db[LEGACY_TURNS].insert_many(turns)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    await store.claim(EXAMPLE_USER_ID, "user-claimed")
+    prompt = {"_id": "p-late", "conversation_id": EXAMPLE_CONVERSATION_ID,
+              "user_id": EXAMPLE_USER_ID, "request_id": "req-late", "action": "confirm_booking",
+              "status": "pending"}  # fmt: skip
+    await backend.db[SESSION_HITL].insert_one(prompt)
+
+    asked = await store.get_conversation(EXAMPLE_CONVERSATION_ID, user_id="user-claimed")
+
+    assert asked.pending_hitl is not None
+    assert asked.pending_hitl.request_id == "req-late"
+    with pytest.raises(NotFound):
+        await store.get_conversation(EXAMPLE_CONVERSATION_ID, user_id=EXAMPLE_USER_ID)
+    await store.erase_user(EXAMPLE_USER_ID)
+    await store.claim(EXAMPLE_USER_ID, "user-other")
+    assert await backend.db[SESSION_HITL].find_one({"_id": "p-late"}) == prompt
+    if by == "delete":
+        await store.delete(EXAMPLE_CONVERSATION_ID, user_id="user-claimed")
+    else:
+        await store.erase_user("user-claimed")
+    assert await backend.db[SESSION_HITL].count_documents({}) == 0
+
+
 @pytest.mark.parametrize("created_at", ["2026-03-02T09:00:00Z", datetime(2026, 3, 2, tzinfo=UTC)])
 async def test_erasing_a_user_takes_a_late_legacy_turn_of_theirs_no_run_has_moved_aside(
     backend: Backend, created_at: Any

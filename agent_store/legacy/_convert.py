@@ -44,6 +44,7 @@ from agent_store.legacy._documents import (
     TurnName,
     TurnTime,
     as_count,
+    claimers,
     dated_turns,
     epoch_number,
     flag,
@@ -198,6 +199,9 @@ class LegacyConversion:
     """Whole texts of the fields cut to bound the messages, to keep in GridFS."""
     owner: str | None = None
     """Who owns it (`owner_of`): the last user its turns name."""
+    claimed: dict[str, str] = field(default_factory=dict)
+    """The user ids claims moved its turns away from, each to its claimer (`claimers`): a
+    prompt naming one is the claimer's (`with_session_prompts`), as a turn naming one is."""
     users: dict[str, list[str]] = field(default_factory=dict)
     """The turns naming each user, by the name each goes by (`turn_names`): with the users
     its prompts name, whether it is a `mixed_user_ids` problem (`with_session_prompts`)."""
@@ -1301,15 +1305,8 @@ def convert(
     else:
         name = _runtime_name(converter, turns)
         conversation = _conversation(conversation_id, name, plans, messages, owner)
-        conversation = conversation.model_copy(
-            update={
-                "legacy_conversation_id": original,
-                "legacy_user_id": _legacy_user_id(turns, owner),
-                "usage": Usage.total(
-                    (conversation.usage.input_tokens, converter.unanswered_usage.input_tokens),
-                    (conversation.usage.output_tokens, converter.unanswered_usage.output_tokens),
-                ),
-            }
+        conversation = _as_recorded(
+            conversation, converter, original, _legacy_user_id(turns, owner)
         )
     return LegacyConversion(
         conversation_id=conversation_id,
@@ -1319,9 +1316,28 @@ def convert(
         turns=len(turns),
         full_texts=[full for plan in plans for full in plan.full_texts],
         owner=owner,
+        claimed=claimers(turns),
         users=_turns_by_user(converter, turns),
         history_call_ids=converter.history_ids,
         history_told_calls=converter.history_told,
+    )
+
+
+def _as_recorded(
+    conversation: Conversation, converter: _Converter, original: str | None, legacy_user: str | None
+) -> Conversation:
+    """The conversation's document with what its legacy turns record beside its messages: the
+    legacy ids its ids were derived from (`legacy_conversation_id`, `legacy_user_id`), and
+    the usage of the turns no message answers (`unanswered_usage`) in its usage."""
+    return conversation.model_copy(
+        update={
+            "legacy_conversation_id": original,
+            "legacy_user_id": legacy_user,
+            "usage": Usage.total(
+                (conversation.usage.input_tokens, converter.unanswered_usage.input_tokens),
+                (conversation.usage.output_tokens, converter.unanswered_usage.output_tokens),
+            ),
+        }
     )
 
 

@@ -955,8 +955,17 @@ def turn_users(turns: list[LegacyTurn]) -> list[str | None]:
     legacy turn's user that its conversation's ownership (`owner_of`, `users_part`) and the
     migration's conversion take."""
     claimed = claimers(turns)
-    named = [user_named(turn.user_id) for turn in turns]
-    return [claimed.get(user, user) if user is not None else None for user in named]
+    return [claimed_user(turn.user_id, claimed) for turn in turns]
+
+
+def claimed_user(value: Any, claimed: Mapping[str, str] | None) -> str | None:
+    """The user a legacy turn's or prompt's `user_id` value names (`user_named`) as its
+    conversation's turns read it: a user id a claim moved the conversation away from names
+    its claimer (`claimed`, the conversation's `claimers`; none, as stored). The one reading
+    of a user id through the claims, for turns (`turn_users`) and prompts (`owners_prompt`,
+    `part_of`) alike."""
+    user = user_named(value)
+    return (claimed or {}).get(user, user) if user is not None else None
 
 
 def named_users(turns: Iterable[LegacyTurn]) -> list[str]:
@@ -1090,24 +1099,33 @@ def users_part(
 
 
 def prompt_part_of(
-    prompt: Mapping[str, Any], user_id: str | None, live: LiveConversation | None, *, owns: bool
+    prompt: Mapping[str, Any],
+    user_id: str | None,
+    live: LiveConversation | None,
+    *,
+    owns: bool,
+    claimed: Mapping[str, str] | None = None,
 ) -> bool:
     """Whether a `session_hitl` prompt under an id is `user_id`'s part of its conversation, as
     `users_part` tells a turn: the live conversation's own record (`live_copy`: the dual write
-    marked it) its owner's alone; any other by `part_of`."""
+    marked it) its owner's alone; any other by `part_of`, read through the claims of its
+    conversation's turns (`claimed`)."""
     if live_copy(prompt.get("dual_write"), live):
         assert live is not None
         return user_id == live.user_id
-    return part_of(prompt.get("user_id"), user_id, owns=owns)
+    return part_of(prompt.get("user_id"), user_id, owns=owns, claimed=claimed)
 
 
-def part_of(value: Any, user_id: str | None, *, owns: bool) -> bool:
+def part_of(
+    value: Any, user_id: str | None, *, owns: bool, claimed: Mapping[str, str] | None = None
+) -> bool:
     """Whether a legacy turn or prompt whose `user_id` is `value` is `user_id`'s part of its
     conversation, `owns` when the user owns it (`owner_of`): it names the user, or no user
     (`user_named`: missing, null, or blank as `str.strip()` tells it, any Unicode white
-    space) and the user owns it. A filter cannot tell blank so, nor a value's text: the
+    space) and the user owns it; a user id a claim moved the conversation away from names
+    its claimer (`claimed_user`). A filter cannot tell blank so, nor a value's text: the
     delete and the erasure read the documents and keep those this says are the user's."""
-    named = user_named(value)
+    named = claimed_user(value, claimed)
     return named == user_id or (owns and named is None)
 
 

@@ -37,13 +37,13 @@ from agent_store.core import (
 from agent_store.legacy._convert import MIXED_USER_IDS, LegacyConversion, Problem
 from agent_store.legacy._documents import (
     as_time,
+    claimed_user,
     flag,
     not_json,
     read_code_as_text,
     reference_text,
     refuse_not_utf8,
     taken_time,
-    user_named,
 )
 from agent_store.legacy._parts import (
     LegacyPart,
@@ -431,12 +431,15 @@ def resolved_on_the_new_service(documents: Iterable[Mapping[str, Any]]) -> list[
 
 
 def as_resolved(
-    conversation: Conversation, owner: str | None, documents: Iterable[Mapping[str, Any]]
+    conversation: Conversation,
+    owner: str | None,
+    documents: Iterable[Mapping[str, Any]],
+    claimed: Mapping[str, str] | None = None,
 ) -> Conversation:
     """The conversation with the request ids of its owner's prompts the new service resolved
-    (`resolved_on_the_new_service`, `owners_prompt`) in `resolved_hitl`: the calls they held
-    await their results."""
-    owned = [d for d in documents if owners_prompt(owner, d)]
+    (`resolved_on_the_new_service`, `owners_prompt`, through its turns' claims `claimed`) in
+    `resolved_hitl`: the calls they held await their results."""
+    owned = [d for d in documents if owners_prompt(owner, d, claimed)]
     if not (resolved := resolved_on_the_new_service(owned)):
         return conversation
     # Validated again: the calls the resolved prompts held await their results.
@@ -444,15 +447,19 @@ def as_resolved(
     return Conversation.model_validate(dumped | {"resolved_hitl": resolved})
 
 
-def owners_prompt(owner: str | None, document: Mapping[str, Any]) -> bool:
+def owners_prompt(
+    owner: str | None, document: Mapping[str, Any], claimed: Mapping[str, str] | None = None
+) -> bool:
     """Whether a prompt is part of the owner's conversation, as its owner's token reads it
     (`users_part` for turns): it names the owner (`user_named`) or no user (a missing, null
-    or blank `user_id`). A conversation no user owns (its turns name none: the next service
-    turn naming anyone adopts it) takes only the prompts naming no user: a prompt naming a
-    user is never the pending prompt of a conversation that user does not own. The read
-    fallback, each conversion and an answer's dual write take a conversation's prompts by
-    this one rule."""
-    return user_named(document.get("user_id")) in (None, owner)
+    or blank `user_id`); one naming a user id a claim moved the conversation away from
+    names its claimer (`claimed`, the claims its turns record: `claimed_user`), as a turn
+    the old service logs after the claim does. A conversation no user owns (its turns name
+    none: the next service turn naming anyone adopts it) takes only the prompts naming no
+    user: a prompt naming a user is never the pending prompt of a conversation that user
+    does not own. The read fallback, each conversion and an answer's dual write take a
+    conversation's prompts by this one rule."""
+    return claimed_user(document.get("user_id"), claimed) in (None, owner)
 
 
 def _prompt_name(document: Mapping[str, Any]) -> str:
@@ -519,8 +526,8 @@ def with_session_prompts(
     text. A prompt it does not take holding them is no obstacle: a problem keeping it writes
     each such byte as its escape (`Problem`), as the turns' `invalid_conversation` does."""
     found = [read_code_as_text(d) for d in documents]
-    documents = [d for d in found if owners_prompt(conversion.owner, d)]
-    others = [d for d in found if not owners_prompt(conversion.owner, d)]
+    documents = [d for d in found if owners_prompt(conversion.owner, d, conversion.claimed)]
+    others = [d for d in found if not owners_prompt(conversion.owner, d, conversion.claimed)]
     _refuse_resolved_taken(documents)
     pending, notes = _pending_from(documents, conversion.messages)
     owned = "no user owns" if conversion.owner is None else f"{conversion.owner!r} owns"
@@ -536,7 +543,9 @@ def with_session_prompts(
     conversation = conversion.conversation
     if conversation is not None:
         conversation = conversation.model_copy(update={"pending_hitl": pending})
-        conversion.conversation = as_resolved(conversation, conversion.owner, documents)
+        conversion.conversation = as_resolved(
+            conversation, conversion.owner, documents, conversion.claimed
+        )
     conversion.problems += _mixed_users(conversion, others)
     conversion.problems += [
         Problem(

@@ -4,7 +4,7 @@ erasures and claims that must reach them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -32,6 +32,7 @@ from agent_store.legacy._documents import (
     LegacyTurn,
     LiveConversation,
     Unnamed,
+    claimed_user,
     claimers,
     derived_user_id,
     id_filter,
@@ -172,14 +173,16 @@ class LegacyTurns:
         conversion = convert(turns, rules=self._rules, undated_at=await self._undated_at(turns))
         if conversion.conversation is None:
             return None
-        owner = conversion.owner
+        owner, claimed = conversion.owner, conversion.claimed
 
         def taken(prompt: Mapping[str, Any]) -> bool:
             # The owner's prompts (`owners_prompt`), as the migration takes them; for a user,
-            # only her part's (`prompt_part_of`), as her delete takes them.
-            if user_id is not None and not prompt_part_of(prompt, user_id, live, owns=owns):
+            # only her part's (`prompt_part_of`), as her delete takes them; each through the
+            # claims the turns record (`claimed`).
+            part = prompt_part_of(prompt, user_id, live, owns=owns, claimed=claimed)
+            if user_id is not None and not part:
                 return False
-            return owners_prompt(owner, prompt)
+            return owners_prompt(owner, prompt, claimed)
 
         prompts = await self._prompts_taken(conversation_id, taken)
         conversion = with_session_prompts(conversion, prompts)
@@ -387,7 +390,12 @@ class LegacyTurns:
             ids = [found[i]["_id"] for i in users_part(parsed, owner, live)]
             among = {"$and": [turns, *_among_ids(ids)]}
             deleted = await self._turns.delete_many(among) if ids else None
-            theirs = [d["_id"] for d in read.owned if prompt_part_of(d, owner, live, owns=owns)]
+            claimed = claimers([*parsed, *parse_turns(standing)])
+            theirs = [
+                d["_id"]
+                for d in read.owned
+                if prompt_part_of(d, owner, live, owns=owns, claimed=claimed)
+            ]
             if theirs:
                 await self._prompts.delete_many({"$and": [prompts, *_among_ids(theirs)]})
         return _counted_once(deleted, stranded, late, ids)
@@ -475,25 +483,73 @@ class LegacyTurns:
             naming = [d for d, user in zip(read.naming, users, strict=True) if user == user_id]
             turns = [d["_id"] for d in naming] + part
             deleted = await self._turns.delete_many({"_id": {"$in": turns}}) if turns else None
-            prompts = await _users_prompts(self._prompts, user_id, {**owned, **owned_now})
+            prompts = await self._users_prompts(user_id, {**owned, **owned_now}, parsed)
             if prompts:
                 await self._prompts.delete_many({"_id": {"$in": prompts}})
         return _counted_once(deleted, stranded, late, turns)
 
     async def _late_naming(self, user_id: str, beside: Mapping[str, list[LegacyTurn]]) -> list[Any]:
-        """The `_id`s of the late legacy turns (`LATE_TURNS`) naming the user as their
-        conversation's turns read them (`_users_of`): one naming a user id a claim moved its
-        conversation away from is the claimer's. The legacy turns of their conversations not
-        read already (`beside`: those naming the user, and all under her conversations stored
-        here) cost one lookup more, only when such late turns stand."""
+        """The `_id`s of the late legacy turns (`LATE_TURNS`) that are the user's as their
+        conversation's turns read them (`_users_of`): those naming her, but one naming a user
+        id a claim moved its conversation away from, which is the claimer's; and those of the
+        same conversations naming a user id she claimed. Every turn of those conversations
+        is read for their claims (`_turns_under`: the late ones, which may hold them all, no
+        run having moved any aside yet, and those of the legacy collection not read already,
+        `beside`): a lookup or two more, only when late turns naming her stand."""
         found = await _naming(self._conversations, user_id, _OWNERSHIP_FIELDS, within=LATE_TURNS)
-        names = {_named_apart(d) for d in found} - {None, *beside}
-        if names:
-            query = {"$or": [named_filter("conversation_id", n) for n in sorted(map(str, names))]}
-            more = (await ownership_read(self._turns, query, _OWNERSHIP_FIELDS)).owned
-            beside = {**beside, **_parsed_by_name(more)}
-        users = _users_of(found, beside)
-        return [d["_id"] for d, user in zip(found, users, strict=True) if user == user_id]
+        beside, late = await self._turns_under(map(_named_apart, found), beside)
+        late += [d for d in found if _named_apart(d) is None]
+        return _theirs(late, user_id, beside)
+
+    async def _turns_under(
+        self, names: Iterable[str | None], read: Mapping[str, list[LegacyTurn]]
+    ) -> tuple[dict[str, list[LegacyTurn]], list[dict[str, Any]]]:
+        """The turns of the conversations `names` (None: naming none, left out), by name,
+        whose claims (`claimers`) tell whose each of their turns and prompts is
+        (`_users_of`): the late ones (`LATE_TURNS`), which a claim of a conversation no run
+        moved aside yet records its claims on, and those of the legacy collection, those
+        `read` already taken as read; with the late ones as read, to take. The one read of
+        a conversation's claims the claim and the erasure share. Two lookups at most, one
+        when every conversation's legacy turns were read, none for no names."""
+        wanted = sorted({name for name in names if name is not None})
+        if not wanted:
+            return {}, []
+        late = await self._late_turns(wanted)
+        unread = [name for name in wanted if name not in read]
+        found: list[dict[str, Any]] = []
+        if unread:
+            query = {"$or": [named_filter("conversation_id", name) for name in unread]}
+            found = (await ownership_read(self._turns, query, _OWNERSHIP_FIELDS)).owned
+        beside = {name: list(read.get(name, [])) for name in wanted}
+        for name, turns in _parsed_by_name([*found, *late]).items():
+            beside.setdefault(name, []).extend(turns)
+        return beside, late
+
+    async def _users_prompts(
+        self,
+        user_id: str,
+        owned: dict[str, LiveConversation | None],
+        read: Mapping[str, list[LegacyTurn]],
+    ) -> list[Any]:
+        """The `_id`s of the `session_hitl` prompts an erasure of `user_id` takes: those
+        naming the user (`_naming`), and those naming no user in a conversation the user
+        owns (`owned`, each as `prompt_conversation` names it, with its live conversation),
+        told by `prompt_part_of` over every prompt of those conversations, as the delete
+        tells them, through the claims of the conversation's turns (`_turns_under`, those
+        `read` already taken as read): a prompt naming a user id a claim moved its
+        conversation away from is the claimer's, which the erasure of that id leaves. One
+        read, and the conversations' turns (a lookup or two) only when a prompt is found."""
+        query = {"$or": [_naming_query(user_id), *(prompts_filter(name) for name in owned)]}
+        found = (await ownership_read(self._prompts, query, _PROMPT_OWNERSHIP_FIELDS)).owned
+        beside, _ = await self._turns_under(map(prompt_conversation, found), read)
+        taken = []
+        for d in found:
+            name = prompt_conversation(d)
+            live = owned.get(name) if name is not None else None
+            claimed = claimers(beside.get(name, [])) if name is not None else {}
+            if prompt_part_of(d, user_id, live, owns=name in owned, claimed=claimed):
+                taken.append(d["_id"])
+        return taken
 
     async def _users_turns(self, user_id: str, stored: dict[str, LiveConversation]) -> UsersTurns:
         """The legacy turns naming the user (`_naming`), and those under the ids of her
@@ -599,14 +655,27 @@ class LegacyTurns:
         marked them), which stay with them; how many turns moved. Each turn moved records
         the user id it moved away from (`CLAIMED_FROM`), in the same command: a turn the old
         service, which knows of no claim, logs or re-saves since naming that id in its
-        conversation is the claimer's (`claimers`), to the read fallback and the migration."""
+        conversation is the claimer's (`claimers`), to the read fallback and the migration,
+        and so is a prompt it raises so. Each turn and prompt naming the user is read as its
+        conversation's turns read it (`_users_of`, over every turn of it, `_turns_under`), as
+        the delete and the erasure read it: one naming a user id an earlier claim moved its
+        conversation away from is that claimer's, which a second claim of the id leaves (was:
+        moved, so the second claimer was served the first one's conversation, and the next
+        `run` stored it hers). A lookup or two more, only when the user is named."""
         left = [await self._kept_filters(conversation_id) for conversation_id in kept]
         with storage_errors("claim the legacy turns"):
+            turns = await _naming(self._turns, from_user_id, _OWNERSHIP_FIELDS)
+            late = await _naming(
+                self._conversations, from_user_id, _OWNERSHIP_FIELDS, within=LATE_TURNS
+            )
+            prompts = await _naming(self._prompts, from_user_id, _PROMPT_OWNERSHIP_FIELDS)
+            names = [*map(_named_apart, [*turns, *late]), *map(prompt_conversation, prompts)]
+            beside, _ = await self._turns_under(names, {})
             moved = 0
-            places = ((self._turns, 0, None), (self._conversations, 0, LATE_TURNS))
-            for collection, index, within in (*places, (self._prompts, 1, None)):
-                fields = _PROMPT_OWNERSHIP_FIELDS if index else _OWNERSHIP_FIELDS
-                ids = await _ids_naming(collection, from_user_id, fields, within=within)
+            places = ((self._turns, turns, None), (self._conversations, late, LATE_TURNS))
+            for collection, found, within in (*places, (self._prompts, prompts, None)):
+                index = int(collection is self._prompts)
+                ids = _theirs(found, from_user_id, beside, prompts=bool(index))
                 if ids:
                     query: dict[str, Any] = _late_of(ids) if within else {"_id": {"$in": ids}}
                     if left:
@@ -864,23 +933,6 @@ def _naming_query(user_id: str) -> dict[str, Any]:
     return query
 
 
-async def _users_prompts(
-    prompts: Any, user_id: str, owned: dict[str, LiveConversation | None]
-) -> list[Any]:
-    """The `_id`s of the `session_hitl` prompts an erasure of `user_id` takes, in one read:
-    those naming the user (`_naming`), and those naming no user in a conversation the user
-    owns (`owned`, each as `prompt_conversation` names it, with its live conversation), told
-    by `prompt_part_of` over every prompt of those conversations, as the delete tells them."""
-    query = {"$or": [_naming_query(user_id), *(prompts_filter(name) for name in owned)]}
-    taken = []
-    for d in (await ownership_read(prompts, query, _PROMPT_OWNERSHIP_FIELDS)).owned:
-        name = prompt_conversation(d)
-        live = owned.get(name) if name is not None else None
-        if prompt_part_of(d, user_id, live, owns=name in owned):
-            taken.append(d["_id"])
-    return taken
-
-
 class UsersTurns(NamedTuple):
     """The legacy turns an erasure starts from (`LegacyTurns._users_turns`)."""
 
@@ -896,15 +948,6 @@ def _among_ids(ids: list[Any]) -> list[dict[str, Any]]:
     """A filter of the documents whose `_id` is one of `ids`, in a list (empty for none: a
     query never sends an empty `$in`)."""
     return [{"_id": {"$in": ids}}] if ids else []
-
-
-async def _ids_naming(
-    collection: Any, user_id: str, fields: dict[str, Any], *, within: dict[str, Any] | None = None
-) -> list[Any]:
-    """The `_id`s of `_naming`'s documents, read with their ownership `fields`, so one whose
-    conversation id cannot be read is set apart as nobody's (`ownership_read`) there too
-    (was: read by `user_id` alone, a claim moved it to the new owner)."""
-    return [d["_id"] for d in await _naming(collection, user_id, fields, within=within)]
 
 
 LATE_TURNS: dict[str, Any] = {field: {"$exists": False} for field in CONVERSATION_COUNTERS}
@@ -953,7 +996,10 @@ def _named_apart(document: Mapping[str, Any]) -> str | None:
 
 
 def _users_of(
-    documents: list[dict[str, Any]], beside: Mapping[str, list[LegacyTurn]]
+    documents: list[dict[str, Any]],
+    beside: Mapping[str, list[LegacyTurn]],
+    *,
+    prompts: bool = False,
 ) -> list[str | None]:
     """The user each legacy turn document names (`user_named`), read as its conversation's
     turns read it (`turn_users`): a user id a claim moved the conversation away from names
@@ -962,18 +1008,33 @@ def _users_of(
     of a late turn and of a turn naming the user, as the read fallback and `run` take it
     (was: the user it names, so the claimer's delete left a late turn naming the old id,
     which the next run brought back under it, and the old id's erasure took a turn the read
-    fallback served the claimer). No round trip."""
+    fallback served the claimer). `prompts`: the documents are `session_hitl` prompts, each
+    of the conversation `prompt_conversation` names, recording no claim. No round trip."""
     users = [user_named(d.get("user_id")) for d in documents]
+    name_of = prompt_conversation if prompts else _named_apart
     by_name: dict[str, list[int]] = {}
     for index, document in enumerate(documents):
-        if (name := _named_apart(document)) is not None:
+        if (name := name_of(document)) is not None:
             by_name.setdefault(name, []).append(index)
     for name, indexes in by_name.items():
-        claimed = claimers([*beside.get(name, []), *parse_turns(documents[i] for i in indexes)])
+        own = [] if prompts else parse_turns(documents[i] for i in indexes)
+        claimed = claimers([*beside.get(name, []), *own])
         for i in indexes:
-            if (user := users[i]) is not None:
-                users[i] = claimed.get(user, user)
+            users[i] = claimed_user(documents[i].get("user_id"), claimed)
     return users
+
+
+def _theirs(
+    documents: list[dict[str, Any]],
+    user_id: str,
+    beside: Mapping[str, list[LegacyTurn]],
+    *,
+    prompts: bool = False,
+) -> list[Any]:
+    """The `_id`s of the `documents` that are `user_id`'s as their conversations' turns read
+    them (`_users_of`): what a claim moves and an erasure takes as naming the user."""
+    users = _users_of(documents, beside, prompts=prompts)
+    return [d["_id"] for d, user in zip(documents, users, strict=True) if user == user_id]
 
 
 def _counted_once(deleted: Any, stranded: Any, late: list[Any], taken: list[Any]) -> int:
