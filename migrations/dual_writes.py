@@ -20,9 +20,9 @@ name the latest of them gives its conversation, when it is the last turn naming 
 document's (but a person's rename since). Anything else (the legacy service edited it after
 a rollback) is a difference for `verify` and work left for `finish` (`differences`): its
 stored messages are the live service's, which the migration never rewrites, so the turn is
-restored, or its `dual_write` mark removed so `run` migrates it. So is a live turn stored
-before the legacy turns were last moved aside whose copy is gone (`deleted`): logged with
-the dual write on, its copy is one the legacy service deleted after a rollback.
+restored, or its `dual_write` mark removed so `run` migrates it. So is a live turn the dual
+write recorded copying (`COPY_RECORD`) whose copy is gone (`deleted`): the legacy service
+deleted it after a rollback; a turn with no such record had no copy to lose.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pymongo.database import Database
 
 from agent_store.core import AgentMessage, InvalidInput, Usage, to_utc_millis, utc_now
 from agent_store.legacy import (
+    COPY_RECORD,
     CUT_FIELD,
     DUAL_WRITE_NOT_EXACT,
     NATIVE_FIELD,
@@ -45,6 +46,7 @@ from agent_store.legacy import (
     LegacyTurn,
     Problem,
     convert,
+    copy_record_id,
     legacy_turn_id,
     normalize_part,
     parse_turns,
@@ -57,7 +59,6 @@ from agent_store.store import (
     MESSAGES,
     RuntimeContextMarkers,
     TurnRules,
-    turn_key,
 )
 from migrations import full_texts
 from migrations.lease import STATE, STATE_ID, Lease
@@ -450,13 +451,12 @@ def _latency(messages: Sequence[AgentMessage]) -> int:
 
 @dataclass(frozen=True)
 class Moves:
-    """When the legacy turns were moved aside (`record_move`)."""
+    """When the legacy turns were moved aside (`record_move`), as the state records them for
+    an operator: the gate reads no time of a move to tell whether a live turn had a copy
+    (`deleted` reads the dual write's record of each copy)."""
 
     first: datetime
-    """The first move: a live turn stored before it was logged before any attempt, while no
-    dual write copied anything (a writer without the legacy reader started its conversation
-    live: `conversation_already_live`), so it never had a copy to lose. `UNKNOWN` for a
-    state recorded before the first move was: every turn is then taken for a copied one."""
+    """The first move. `UNKNOWN` for a state recorded before the first move was."""
     last: datetime
     """The last move: an attempt's start (the first, or a second one after a rollback put
     them back)."""
@@ -468,9 +468,7 @@ UNKNOWN = datetime(1970, 1, 1, tzinfo=UTC)
 
 def record_move(db: Database[dict[str, Any]], held: Lease | None) -> None:
     """Record when the legacy turns were moved aside: the last move (`moved_at`), and the
-    first (`first_moved_at`, kept). Every live turn stored between the two was logged during
-    an earlier attempt, with the dual write on (the runbook's rule), so its copy is in the
-    legacy collection unless the old service deleted it (`deleted`)."""
+    first (`first_moved_at`, kept)."""
     now = utc_now()
     state = db[STATE].find_one({"_id": STATE_ID}, {"moved_at": 1, "first_moved_at": 1}) or {}
     # Moved before the first move was recorded: unknown (`$min` keeps a first one recorded).
@@ -498,41 +496,30 @@ def deleted(
     held: Iterable[Mapping[str, Any]],
     stored: Mapping[str, Sequence[AgentMessage]],
     conversations: Mapping[str, Mapping[str, Any]],
-    since: Moves | None,
     *,
     source: str,
 ) -> dict[str, list[str]]:
     """The live turns stored in these conversations (`stored`, their messages by conversation)
-    before the legacy turns were last moved aside (`since`, `moved_at`) whose dual-written
-    copy is gone: logged with the dual write on during an earlier attempt, so the old service
-    deleted the copy after a rollback (a person deleted the exchange), while the new store
-    still serves it. A turn stored since is not (the dual write is unset at the end of the
-    rollback window, and turns go on), nor one stored before the first move (no attempt had
-    begun, so no dual write copied it: its conversation was live before its migration, which
-    the run records as `conversation_already_live`), nor one of another `epoch` than its
-    conversation's (a late insert of a conversation deleted under the id). When a turn was
-    stored is read from
-    its turn record on the conversation's document (`conversations`, with `epoch` and
-    `turns`), else its first message's time. A copy among the `held` ones is
+    that the dual write copied (`copied`: its record of the copy) whose copy is gone: the old
+    service deleted it after a rollback (a person deleted the exchange), while the new store
+    still serves it. A turn with no record of a copy is never one (logged with the dual write
+    off: after the rollback window, before the first move, or by a writer without it; or a
+    copy an earlier release wrote, which recorded none), whenever the legacy turns were moved
+    (was: judged by the times of the moves, so a late legacy turn moved aside made every turn
+    logged after the window a copy gone), nor one of another `epoch` than its conversation's
+    (a late insert of a conversation deleted under the id). A copy among the `held` ones is
     there; the others are looked up in `source` (where the legacy turns are,
     `relocate.turns_at`) by the `_id` every dual write of a turn gives one of its
     documents (`legacy_turn_id`: a batch reading one spelling of a conversation stored under
     a derived id holds only the copies naming it so): one read, only when there are any."""
-    if since is None:
-        return {}
     copies = {key for d in held if (key := _turn(d)) is not None}
     uncopied = [
-        (cid, turn_id, first)
+        (cid, turn_id)
         for cid, messages in stored.items()
-        for turn_id, first in _live_turns(messages, conversations.get(cid, {}).get("epoch")).items()
+        for turn_id in _live_turns(messages, conversations.get(cid, {}).get("epoch"))
         if (cid, turn_id) not in copies
     ]
-    reserved = {cid: _reserved_at(conversations.get(cid, {})) for cid, _, _ in uncopied}
-    wanted = [
-        (cid, turn_id)
-        for cid, turn_id, first in uncopied
-        if since.first <= reserved[cid].get(turn_key(turn_id), first.created_at) < since.last
-    ]
+    wanted = copied(db, uncopied, conversations)
     if not wanted:
         return {}
     ids = {legacy_turn_id(cid, turn_id): (cid, turn_id) for cid, turn_id in wanted}
@@ -552,15 +539,28 @@ def deleted(
     return found
 
 
-def _reserved_at(conversation: Mapping[str, Any]) -> dict[int, datetime]:
-    """When each turn the conversation document still records was reserved, by turn key
-    (`turn_key`): the logger's clock, where its messages' times may be their caller's."""
-    records = conversation.get("turns")
-    return {
-        int(record["k"]): to_utc_millis(record["a"])
-        for record in (records if isinstance(records, list) else ())
-        if isinstance(record, Mapping) and "k" in record and isinstance(record.get("a"), datetime)
-    }
+COPY_RECORDS_READ = 1000
+"""The most copy records one read asks for (`copied`)."""
+
+
+def copied(
+    db: Database[dict[str, Any]],
+    turns: Sequence[tuple[str, str]],
+    conversations: Mapping[str, Mapping[str, Any]],
+) -> list[tuple[str, str]]:
+    """Of these live turns (conversation id, turn id), those the dual write recorded copying
+    (`COPY_RECORD`, by `copy_record_id` in their conversation document's `epoch`, among
+    `conversations`): one read per `COPY_RECORDS_READ` turns, none when there are none."""
+    found: list[tuple[str, str]] = []
+    for start in range(0, len(turns), COPY_RECORDS_READ):
+        chunk = turns[start : start + COPY_RECORDS_READ]
+        ids = {
+            copy_record_id(cid, turn_id, conversations.get(cid, {}).get("epoch")): (cid, turn_id)
+            for cid, turn_id in chunk
+        }
+        query = {"_id": {"$in": sorted(ids)}, "kind": COPY_RECORD}
+        found += [ids[d["_id"]] for d in db[STATE].find(query, {"_id": 1})]
+    return found
 
 
 def _live_turns(messages: Sequence[AgentMessage], epoch: str | None) -> dict[str, AgentMessage]:

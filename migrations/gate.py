@@ -474,10 +474,9 @@ def check(
     read where they are (`relocate.turns_at`)."""
     gate = Gate()
     accepted = problem_report.accepted(db)
-    moved_at = dual_writes.moved_at(db)
     source = turns_at(db)
     for ids in batches(conversation_ids(db, source=source), batch_size):
-        _check_batch(db, gate, ids, accepted, undated_at, moved_at, source=source, rules=rules)
+        _check_batch(db, gate, ids, accepted, undated_at, source=source, rules=rules)
         renew()
     _check_orphan_prompts(db, gate, accepted, renew, source=source)
     listed = {left.conversation_id: left for left in gate.left}
@@ -538,13 +537,11 @@ def _check_batch(
     ids: list[Any],
     accepted: dict[str, list[str]],
     undated_at: datetime | None,
-    moved_at: dual_writes.Moves | None,
     *,
     source: str,
     rules: TurnRules,
 ) -> None:
-    """Check one batch of legacy conversations (`moved_at`: when the legacy turns were first
-    and last moved aside, `dual_writes.moved_at`; `source`: where they are now)."""
+    """Check one batch of legacy conversations (`source`: where they are now)."""
     held: list[dict[str, Any]] = []
     converted, failed, _ = convert_batch(
         db, ids, rules, source=source, undated_at=undated_at, held=held
@@ -556,7 +553,7 @@ def _check_batch(
     stored = _stored(db, converted, messages)
     dual = dual_writes.differences(db, held, legacy, stored.conversations, rules)
     for cid, found in dual_writes.deleted(
-        db, held, messages, stored.conversations, moved_at, source=source
+        db, held, messages, stored.conversations, source=source
     ).items():
         dual.setdefault(cid, []).extend(found)
     for item in converted:

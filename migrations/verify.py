@@ -291,7 +291,7 @@ def verify(
         ids = conversation_ids(db, source=source)
     if undated_at is None:  # the run's time for undated conversations
         undated_at = undated_time(db, record=False)
-    read = (dual_writes.moved_at(db), problem_report.accepted(db), held_back(db))
+    read = (problem_report.accepted(db), held_back(db))
     for batch in batches(ids, batch_size):
         _verify_batch(db, result, batch, undated_at, read, source=source, rules=rules)
         if on_batch is not None:
@@ -328,16 +328,16 @@ def _verify_batch(
     result: Verification,
     batch: list[Any],
     undated_at: datetime | None,
-    read: tuple[dual_writes.Moves | None, dict[str, list[str]], set[str]],
+    read: tuple[dict[str, list[str]], set[str]],
     *,
     source: str,
     rules: TurnRules,
 ) -> None:
-    """Compare one batch of conversations, adding what it finds to `result` (`read`: when
-    the legacy turns were moved, the acceptances recorded, and the conversations held back,
-    `relocate.held_back`; `source`: where they are). Only a conversation document is read
-    as one (`CONVERSATION_FILTER`): a legacy turn standing under a conversation's id is not."""
-    moved_at, accepted, held_back_now = read
+    """Compare one batch of conversations, adding what it finds to `result` (`read`: the
+    acceptances recorded, and the conversations held back, `relocate.held_back`; `source`:
+    where they are). Only a conversation document is read as one (`CONVERSATION_FILTER`): a
+    legacy turn standing under a conversation's id is not."""
+    accepted, held_back_now = read
     held: list[dict[str, Any]] = []
     converted, failed, _ = convert_batch(
         db, batch, rules, source=source, undated_at=undated_at, held=held
@@ -353,7 +353,7 @@ def _verify_batch(
     documents = {d["_id"]: d for d in db[CONVERSATIONS].find(query, _DOCUMENT_READ)}
     recorded = problem_report.records(db, checked, placed=None)
     dual = dual_writes.differences(db, held, legacy, documents, rules)
-    copies_gone = dual_writes.deleted(db, held, stored, documents, moved_at, source=source)
+    copies_gone = dual_writes.deleted(db, held, stored, documents, source=source)
     for cid, deleted in copies_gone.items():
         dual.setdefault(cid, []).extend(deleted)
     for item in converted:

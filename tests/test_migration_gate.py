@@ -7452,6 +7452,140 @@ def test_a_turn_logged_after_the_move_dated_earlier_by_its_caller_needs_no_copy(
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
 
 
+def _late_legacy_turn(database: Database[dict[str, Any]], cid: str) -> None:
+    """An old-service writer never stopped logs a turn into `cid` after the move: the next
+    `run` moves it aside (a later move than every live turn before it)."""
+    database[CONVERSATIONS].insert_one(legacy_turn("late-1", cid, 9, "«LATE»"))
+
+
+def _no_copy_gone(out: str) -> None:
+    assert "is gone from the legacy collection" not in out
+    assert "pop_last_message" not in out
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("late_into", ["c-2", "c-1"])
+def test_a_turn_logged_after_the_window_is_no_copy_gone_once_a_late_legacy_turn_is_moved(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    late_into: str,
+) -> None:
+    """The runbook: a live turn dual-written, `finish` 0, the rollback window over and the
+    dual write unset, a turn logged without a copy; then an old-service writer never stopped
+    logs a turn (into another conversation, or this one) and `run` moves it aside. The turn
+    logged after the window was never copied, so no copy of it went missing: the gate never
+    advises popping it (was: "the dual-written copy of the live turn 'live-1' is gone",
+    and following the advice deleted the person's turn)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-0", "c-1", 0, "OLD"), legacy_turn("t-2", "c-2", 0, "OTHER")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "live-0", "«COPIED»", dual_write=True)
+    assert cli(wire_uri, database, "finish") == 0
+    log_live(wire_uri, database, "c-1", "live-1", "«AFTER THE WINDOW»")
+    _late_legacy_turn(database, late_into)
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == (0 if late_into == "c-2" else 1)
+    assert cli(wire_uri, database, "finish") == (0 if late_into == "c-2" else 1)
+    _no_copy_gone(capsys.readouterr().out)
+    if late_into == "c-1":  # a late turn beside live ones: `conversation_changed_since`
+        assert cli(wire_uri, database, "finish", "--accept", "c-1", "--note", "kept") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert database[MESSAGES].count_documents({"turn_id": "live-1"}) == 2
+
+
+@pytest.mark.wire
+def test_a_turn_of_a_conversation_started_live_in_the_window_logged_after_it_is_no_copy_gone(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A conversation the new service started during the rollback window (its turns
+    dual-written, no legacy turn of its own): a turn logged in it after the window, once a
+    late legacy turn is moved aside, is no copy gone."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-2", "c-2", 0, "OTHER"))
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "new-1", "w-0", "«COPIED»", dual_write=True)
+    assert cli(wire_uri, database, "finish") == 0
+    log_live(wire_uri, database, "new-1", "w-1", "«AFTER THE WINDOW»")
+    _late_legacy_turn(database, "c-2")
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    _no_copy_gone(capsys.readouterr().out)
+    assert database[MESSAGES].count_documents({"turn_id": "w-1"}) == 2
+
+
+@pytest.mark.wire
+def test_a_turn_logged_with_the_dual_write_off_throughout_is_no_copy_gone(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The dual write off from the start (its default): a live turn has no copy, and a late
+    legacy turn moved aside after it makes none go missing."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-0", "c-1", 0, "OLD"), legacy_turn("t-2", "c-2", 0, "OTHER")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "live-1", "«NEVER COPIED»")
+    _late_legacy_turn(database, "c-2")
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    _no_copy_gone(capsys.readouterr().out)
+
+
+@pytest.mark.wire
+def test_a_dual_written_copy_gone_is_work_left_whenever_the_legacy_turns_were_moved(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The check the gate keeps: a turn the dual write copied whose copy is gone while its
+    messages are stored is work left, whether or not a move came after it (a late legacy
+    turn moved aside): the record of its copy says so, not the time of a move."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-0", "c-1", 0, "OLD"), legacy_turn("t-2", "c-2", 0, "OTHER")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "live-0", "«COPIED»", dual_write=True)
+    database[LEGACY_TURNS].delete_one({"dual_write": True})
+
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish") == 1
+    assert "copy of the live turn 'live-0' is gone" in capsys.readouterr().out
+    _late_legacy_turn(database, "c-2")
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 1
+    assert "copy of the live turn 'live-0' is gone" in capsys.readouterr().out
+
+
+@pytest.mark.wire
+def test_a_copy_of_a_conversation_started_live_deleted_after_a_rollback_is_work_left(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A conversation the new service started in the window: after a rollback the old
+    service deletes one of its copies, and the second attempt's run writes its document
+    with the life its live turns carry, in which the copy was recorded: the copy gone is
+    work left, the other turn's is there."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-2", "c-2", 0, "OTHER"))
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "new-1", "w-0", "«KEPT»", dual_write=True)
+    log_live(wire_uri, database, "new-1", "w-1", "«DELETED»", dual_write=True)
+    roll_back(database, clear_messages=False)
+    database[CONVERSATIONS].delete_one({"dual_write": True, "turn_id": "w-1"})
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish") == 1
+    out = capsys.readouterr().out
+    assert "copy of the live turn 'w-1' is gone" in out
+    assert "'w-0' is gone" not in out
+
+
 @pytest.mark.wire
 def test_a_copy_its_dual_write_mark_removed_as_finish_advises_is_no_copy_gone(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]

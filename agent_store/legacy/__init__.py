@@ -58,7 +58,9 @@ from agent_store.legacy._documents import (
     user_named,
 )
 from agent_store.legacy._dual_write import (
+    COPY_RECORD,
     NATIVE_FIELD,
+    copy_record_id,
     exact_form,
     legacy_turn_document,
     legacy_turn_documents,
@@ -93,6 +95,7 @@ __all__ = [
     "AMBIGUOUS_TOOL_RESULT",
     "CLAIMED_FROM",
     "CONVERSATION_COUNTERS",
+    "COPY_RECORD",
     "CUT_FIELD",
     "DUAL_WRITE_NOT_EXACT",
     "GUESSED_PAIRINGS",
@@ -123,6 +126,7 @@ __all__ = [
     "as_text",
     "call_arguments",
     "convert",
+    "copy_record_id",
     "dated_turns",
     "derived_conversation_id",
     "derived_user_id",

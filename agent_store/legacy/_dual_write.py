@@ -28,6 +28,21 @@ def legacy_turn_id(conversation_id: str, turn_id: str) -> str:
     return "dual-" + digest[:32]
 
 
+COPY_RECORD = "dual_write_copy"
+"""The `kind` of the record the dual write keeps, in the migration's collection
+(`MIGRATION_STATE`), of each turn it copied (`copy_record_id`): the one evidence of a copy
+the legacy service cannot take away with the copy, so a copy gone is told from a turn never
+copied (logged with the dual write off, or by a service without it)."""
+
+
+def copy_record_id(conversation_id: str, turn_id: str, epoch: str | None) -> str:
+    """The `_id` of the record that the dual write copied a turn of a conversation in the life
+    `epoch` (its document's): a digest, naming no one, and another for a conversation started
+    again under the id, whose turns may reuse the ids."""
+    named = f"{conversation_id}\0{turn_id}\0{epoch or ''}"
+    return f"{COPY_RECORD}|{hashlib.sha256(named.encode()).hexdigest()[:32]}"
+
+
 def _as_found(text: str | None, *, compact: bool) -> Any:
     """JSON text as a value when BSON holds that value (`encodes`: no integer past int64, no
     key holding NUL) and the converter turns it back into the very same text, else the text

@@ -55,7 +55,12 @@ from agent_store.legacy._documents import (
     user_values,
     users_part,
 )
-from agent_store.legacy._dual_write import legacy_turn_documents, legacy_turn_id
+from agent_store.legacy._dual_write import (
+    COPY_RECORD,
+    copy_record_id,
+    legacy_turn_documents,
+    legacy_turn_id,
+)
 from agent_store.legacy._session_hitl import (
     answer_record,
     owners_prompt,
@@ -750,9 +755,11 @@ class LegacyTurns:
         bound is written whole (two more lookups, for such a turn only). Then the
         conversation is looked up (one more round trip): when it was deleted meanwhile, the
         turns just written go again, so a delete finishing before the dual write lands does
-        not bring it back. Every document fits in `MAX_LEGACY_DOCUMENT_BYTES` (texts cut
-        further when the cut ones do not: `legacy_turn_documents`), so the copy is written; a
-        copy still refused is a StorageFailure, never InvalidInput: the turn is stored by now.
+        not bring it back. Once written, the copy is recorded in the migration's collection
+        (`_record_copy`, one more round trip). Every document fits in
+        `MAX_LEGACY_DOCUMENT_BYTES` (texts cut further when the cut ones do not:
+        `legacy_turn_documents`), so the copy is written; a copy still refused is a
+        StorageFailure, never InvalidInput: the turn is stored by now.
         """
         if not self.dual_write:
             return
@@ -780,10 +787,21 @@ class LegacyTurns:
             with storage_errors("write the legacy turn (dual write)"):
                 for document in documents:
                     await self._turns.replace_one({"_id": document["_id"]}, document, upsert=True)
+                await self._record_copy(turn, conversation)
                 await self._unless_deleted(conversation, documents)
         except InvalidInput as exc:
             # The turn is stored by now: a copy refused is no fault of the caller's input.
             raise StorageFailure(f"{exc.message}; the turn itself is stored") from exc
+
+    async def _record_copy(self, turn: LoggedTurn, conversation: Conversation) -> None:
+        """Record that the turn was copied (`COPY_RECORD`, by `copy_record_id`: no name, no
+        content), where the legacy service never writes and a rollback moves nothing: the
+        gate expects a copy of a live turn so recorded only (`migrations.dual_writes.
+        deleted`); one never copied (the dual write off) has no copy to lose. A retry
+        rewrites the same record."""
+        record_id = copy_record_id(turn.conversation_id, turn.turn_id, conversation.epoch)
+        record = {"kind": COPY_RECORD, "at": utc_now()}
+        await self._migration.replace_one({"_id": record_id}, record, upsert=True)
 
     async def _unless_deleted(
         self, conversation: Conversation, written: Sequence[dict[str, Any]]

@@ -486,7 +486,7 @@ class AgentMessageLogger:
         legacy: LegacySource | None = None,
     ) -> None:
         """Log into `db`. `observers` are told of each stored turn (e.g. the legacy dual write,
-        which costs two more round trips per turn while it is on). With `legacy`, a new
+        which costs three more round trips per turn while it is on). With `legacy`, a new
         conversation is first checked against the legacy turns: an id that exists only there
         is refused until it is migrated (two more round trips, on a conversation's first turn
         only)."""
