@@ -9203,6 +9203,132 @@ async def test_an_old_replay_holds_no_approval_given_after_its_turn(
     assert await held_state(store) == served == await _forked_whole(backend, CID)
 
 
+async def _approve(store: ConversationStore, cid: str, request_id: str, call_id: str) -> None:
+    """Her answer to `request_id` approving its call `call_id` alone (`calls=`)."""
+    listed = await store.pending_calls(cid)
+    chosen = [c for c in listed if c.request_id == request_id and c.tool_call_id == call_id]
+    await store.resolve_hitl(cid, request_id, calls=chosen)
+
+
+async def _approved_partly_then_asked(
+    logger: AgentMessageLogger, store: ConversationStore, cid: str, log_ta: Callable[[], Any]
+) -> None:
+    """In `cid`: t0 makes c1 and c2 and asks r2 about both; she approves c1 alone; t1 makes
+    another c1; tA asks r3 about c1 and c2 (`log_ta`); tB asks r2 about both again and she
+    approves c2 alone, to that question."""
+    await logger.log_messages(
+        cid, [_user("Go."), _calls("c1", "c2"), _asks_about("r2", "c1", "c2")], turn_id="t0"
+    )
+    await _approve(store, cid, "r2", "c1")
+    await logger.log_messages(cid, [_user("More."), _calls("c1")], turn_id="t1")
+    await log_ta()
+    await logger.log_messages(cid, [_user("Really?"), _asks_about("r2", "c1", "c2")], turn_id="tB")
+    await _approve(store, cid, "r2", "c2")
+
+
+async def _denial_refused(logger: AgentMessageLogger, cid: str, call_id: str, made_by: str) -> None:
+    with pytest.raises(AnsweredBefore):
+        await logger.log_messages(
+            cid, [_denial_of(call_id)], turn_id="tD", answers_to={call_id: made_by}
+        )
+
+
+async def test_an_old_replay_holds_no_approval_given_after_its_turn_among_others_of_its_ids(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md `approved_calls` (a later prompt naming the call holds it again): a replay
+    holds again only the approvals its own prompt asked about that were given before its
+    block. tA's r3 asks about c1 (t1's, not approved) and c2 (t0's, approved after tA, to
+    tB's r2). tA's resend a day later is a replay that changes nothing: c2 stays served
+    released and its denial refused (was: t0's approved c1, of an id tA names, made the
+    replay hold again every free approval of its ids, her later one of c2 too)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    turn = [_user("Sure?"), _asks_about("r3", "c1", "c2")]
+
+    async def old_turn() -> None:
+        clock = _ReservedADayAgo(monkeypatch)
+        await logger.log_messages(CID, turn, turn_id="tA")
+        clock.caught_up()
+        monkeypatch.undo()
+
+    await _approved_partly_then_asked(logger, store, CID, old_turn)
+    served = await held_state(store)
+    assert ("c2", None) in served[0]
+
+    await _replayed_unchanged(backend, CID, turn, {})
+
+    assert await held_state(store) == served == await _forked_whole(backend, CID)
+    made_by = (await store.transcript(CID))[1].id
+    await _denial_refused(logger, CID, "c2", made_by)
+
+
+async def test_an_old_replay_holds_no_approval_of_an_earlier_call_of_the_id_it_asked_about(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md `approved_calls`: a prompt naming an id holds the latest call of it, never an
+    older approved one. t0's c1 is asked about (r1); t1 makes another c1; she approves t0's
+    c1; tA's r2 asks about c1, t1's; t1's c1 is answered, and tC asks r1 anew about c5. tA's
+    resend a day later is a replay that changes nothing: t0's approved c1 stays released and
+    its denial refused (was: the replay matched approvals by call id alone and held t0's c1
+    by tA's question, which never asked about it)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    first = await logger.log_messages(
+        CID, [_user("Pay."), _calls("c1"), _asks_about("r1", "c1")], turn_id="t0"
+    )
+    second = await logger.log_messages(CID, [_user("More."), _calls("c1")], turn_id="t1")
+    await store.resolve_hitl(CID, "r1")
+    turn = [_user("Sure?"), _asks_about("r2", "c1")]
+    clock = _ReservedADayAgo(monkeypatch)
+    await logger.log_messages(CID, turn, turn_id="tA")
+    clock.caught_up()
+    monkeypatch.undo()
+    answered = {"c1": second.messages[1].id}
+    await logger.log_messages(CID, [_answer("c1")], turn_id="tB", answers_to=answered)
+    asked = [_user("And?"), _calls("c5"), _asks_about("r1", "c5")]
+    await logger.log_messages(CID, asked, turn_id="tC")
+    served = await held_state(store)
+
+    await _replayed_unchanged(backend, CID, turn, {})
+
+    assert await held_state(store) == served == await _forked_whole(backend, CID)
+    await _denial_refused(logger, CID, "c1", first.messages[1].id)
+
+
+async def test_a_stalled_writer_landing_holds_no_approval_given_after_its_block(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md `approved_calls` and RELIABILITY.md (a landing holds again only what its
+    reservation held): tA's r3 asks about c1 and c2, its writer stalled inside its insert
+    past `abandon_after`; another logger's turn passes its block; tB asks r2 again and she
+    approves c2 to it. When tA's insert lands, c2 stays released as in the same turns
+    logged with no stall (the control): served with no request id, its denial refused
+    (was: the landing held again every free approval of its ids, hers given after it)."""
+    turn, control = [_user("Sure?"), _asks_about("r3", "c1", "c2")], f"{CID}-control"
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _approved_partly_then_asked(
+        logger, store, control, partial(logger.log_messages, control, turn, turn_id="tA")
+    )
+    writer = AgentMessageLogger(backend.db)
+    stall, late = _StalledInsert(writer, monkeypatch), list[asyncio.Task[LoggedTurn]]()
+
+    async def stalled() -> None:
+        clock = _ReservedADayAgo(monkeypatch)
+        late.append(await stall.start(writer.log_messages(CID, turn, turn_id="tA")))
+        clock.caught_up()  # tA's insert is sent, and stalls
+        await AgentMessageLogger(backend.db).log_messages(CID, [_user("hello?")], turn_id="tP")
+
+    await _approved_partly_then_asked(logger, store, CID, stalled)
+    stall.release()
+    await late[0]
+    monkeypatch.undo()
+
+    served = await held_state(store)
+    assert ("c2", None) in served[0]
+    assert served == await held_state(store, control) == await _forked_whole(backend, CID)
+    made_by = (await store.transcript(CID))[1].id
+    await _denial_refused(logger, CID, "c2", made_by)
+
+
 async def test_an_old_replay_of_a_turn_a_later_turn_asked_after_reads_twice_more(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

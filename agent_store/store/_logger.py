@@ -60,7 +60,9 @@ from agent_store.core import (
     TurnRecord,
     VersionMismatch,
     answers_instead,
+    approval_held_again,
     awaiting_results,
+    calls_answered,
     conversation_version,
     listed,
     messages_adapter,
@@ -378,10 +380,11 @@ class _Reserved:
     writer did not fold (its command dropped, its process gone). The replay folds, and takes
     the calls its stored messages answer off, before it is acknowledged
     (`_fold_after_insert`)."""
-    unheld: bool = False
-    """A replay's: an approved call the turn's stored prompts ask about again is free, no
-    answer to them come since (`_asked_again_unheld`): the replay holds it again before it
-    is acknowledged (`_relocated.hold_asked_again`), as the landing it repeats does."""
+    unheld: tuple[tuple[str, str], ...] = ()
+    """A replay's: the approved calls (id, message making it) the turn's stored prompts asked
+    about that are free, given before its block, no answer to them come since
+    (`_held_again`): the replay holds them again before it is acknowledged
+    (`_relocated.hold_asked_again`), as the landing it repeats does."""
 
 
 @dataclass(frozen=True)
@@ -2410,7 +2413,13 @@ class AgentMessageLogger:
         age = None if block.reserved_at is None else utc_now() - block.reserved_at
         after = self.rules.abandon_after
         passed = bool(after) and (age is None or age >= after)
-        reserved = _replay(plan, block, conversation, condition, passed=passed)
+        asked_about = None
+        if passed and _held_again(plan, conversation, block.first_seq, None):
+            epoch = conversation.get("epoch")
+            asked_about = await _asked_about(self._messages, plan, block.first_seq, epoch)
+        reserved = _replay(
+            plan, block, conversation, condition, passed=passed, asked_about=asked_about
+        )
         checked = time.monotonic()
         grace = self.rules.claim_grace
         if age is not None and age < grace:  # the earlier attempt may still be inserting
@@ -2820,8 +2829,9 @@ class AgentMessageLogger:
             return
         landed = self._landed_past_its_block(plan, started)
         same = _same_as_reserved(plan.conversation_id, reserved)
-        if landed or reserved.unheld:
-            await hold_asked_again(self._conversations, same, plan, reserved.pops)
+        held = await self._held_on_landing(plan, reserved, same) if landed else reserved.unheld
+        if held:
+            await hold_asked_again(self._conversations, same, plan, reserved.pops, held)
         if await self._settle(plan.conversation_id, reserved.moved, quiet=reserved.relisted):
             return
         if landed or reserved.relisted:
@@ -2835,6 +2845,23 @@ class AgentMessageLogger:
                 epoch=reserved.epoch,
                 pops=reserved.pops,
             )
+
+    async def _held_on_landing(
+        self, plan: TurnPlan, reserved: _Reserved, same: Mapping[str, Any]
+    ) -> tuple[tuple[str, str], ...]:
+        """The approvals a turn landing past its block holds again (`_held_again`, the rule a
+        replay of it applies), from the conversation as it stands: one read more, and one of
+        the calls its prompts asked about (`_asked_about`) when an approval of their ids is
+        free; none for a turn asking about no approved call."""
+        if not plan.asked_again:
+            return ()
+        with storage_errors("read the approvals the turn asks about again"):
+            conversation = await self._conversations.find_one(same, _APPROVALS_READ)
+        first = reserved.first_seq
+        if conversation is None or not _held_again(plan, conversation, first, None):
+            return ()
+        asked_about = await _asked_about(self._messages, plan, first, reserved.epoch)
+        return _held_again(plan, conversation, first, asked_about)
 
     async def _to_fold(self, plan: TurnPlan, reserved: _Reserved, started: float) -> bool:
         """Whether the pending state is folded from the stored messages after the turn's
@@ -4112,12 +4139,15 @@ def _replay(
     condition: Condition | None = None,
     *,
     passed: bool = False,
+    asked_about: Mapping[str, str] | None = None,
 ) -> _Reserved:
     """The block an earlier attempt of the turn reserved, if this attempt sends the same and
     no pop has removed a message of it since. One sending answers the turn was logged
     without (`AnsweredBefore`) is told so again (`Condition.retried`). `passed`: the block
     is older than `abandon_after`, so a fold may have passed it while it was empty
-    (`_listed_otherwise`)."""
+    (`_listed_otherwise`); `asked_about`: the calls its prompts asked about (`_asked_about`,
+    read only when an approval of their ids is free: `_held_again`)."""
+    held = _held_again(plan, conversation, block.first_seq, asked_about or {}) if passed else ()
     if block.popped:
         raise _corrected(plan)
     if block.count != plan.count or not plan.matches(block.digest):
@@ -4132,21 +4162,26 @@ def _replay(
         conversation=summary,
         assigns=_assigned_at(conversation, block.first_seq),
         pops=int(conversation.get("pops") or 0),
-        relisted=_listed_otherwise(plan, conversation, block.first_seq, passed=passed),
-        unheld=passed and _asked_again_unheld(plan, conversation, block.first_seq),
+        relisted=_listed_otherwise(plan, conversation, block.first_seq, passed=passed, held=held),
+        unheld=held,
     )
 
 
 def _listed_otherwise(
-    plan: TurnPlan, conversation: Mapping[str, Any], first_seq: int, *, passed: bool
+    plan: TurnPlan,
+    conversation: Mapping[str, Any],
+    first_seq: int,
+    *,
+    passed: bool,
+    held: Collection[tuple[str, str]] = (),
 ) -> bool:
     """Whether `conversation`, as a replay of the turn stored at `first_seq` read it, lists
     otherwise than the turn's stored messages leave it, as a landing's fold would list it
     (`_fold_after_insert`): a call it answers listed (`_answers_listed`), or, its block
     `passed` (older than `abandon_after`: a fold may have passed it empty), its own open
     call or prompt unlisted (`_own_unlisted`), a call its prompt names held by another
-    (`_named_held_otherwise`) or an approval it asks about again free
-    (`_asked_again_unheld`). Read from the conversation the replay read, nothing more: a
+    (`_named_held_otherwise`) or an approval it asks about again free (`held`, as
+    `_held_again` found them). Read from the conversation the replay read, nothing more: a
     later turn may have answered or asked since, which only the fold the replay then writes
     tells, changing nothing where they agree."""
     if _answers_listed(plan, conversation, first_seq):
@@ -4154,7 +4189,7 @@ def _listed_otherwise(
     return passed and (
         _own_unlisted(plan, conversation, first_seq)
         or _named_held_otherwise(plan, conversation, first_seq)
-        or _asked_again_unheld(plan, conversation, first_seq)
+        or bool(held)
     )
 
 
@@ -4214,28 +4249,73 @@ def _named_held_otherwise(plan: TurnPlan, conversation: Mapping[str, Any], first
     return False
 
 
-def _asked_again_unheld(plan: TurnPlan, conversation: Mapping[str, Any], first_seq: int) -> bool:
-    """Whether an approved call a prompt of the turn asks about again (`TurnPlan.asked_again`)
-    is listed with its approval free (no prompt holds it, `ApprovedCall.held_by`), that
-    approval given before the turn's block (`_approved_after`: one a person gave since, to
-    a later prompt, is never the turn's to hold), while no answer to the turn's last prompt
-    naming it came since (`_answered_since`)."""
+_APPROVALS_READ: dict[str, Any] = {"pending_calls": 1, "approved_calls": 1, **ANSWERED_READ}
+"""What `_held_again` reads of a conversation: its calls, its approvals and her answers."""
+
+
+def _held_again(
+    plan: TurnPlan,
+    conversation: Mapping[str, Any],
+    first_seq: int,
+    asked_about: Mapping[str, str] | None,
+) -> tuple[tuple[str, str], ...]:
+    """The approvals (call id, message making it) a replay or a landing of the turn stored at
+    `first_seq` holds again by its stored prompts, as its reservation held them: of the very
+    call a prompt of the turn asked about (`asked_about`: by id, the message making it,
+    `_asked_about`; None: any call of the id, only to tell whether those are worth reading),
+    listed with its approval free (no prompt holds it, `ApprovedCall.held_by`), that approval
+    given before the turn's block (`_approved_after`: one a person gave since, to a later
+    prompt, is never the turn's to hold), while no answer to the turn's last prompt naming
+    it came since (`_answered_since`). The one rule a replay checks (`_Reserved.unheld`) and
+    what it or a landing writes (`_relocated.hold_asked_again`): they cannot differ (was: the
+    write held every free approval of the ids, an earlier call's and hers given since)."""
     listed = {(c.get("tool_call_id"), c.get("message_id")) for c in _listed_calls(conversation)}
-    answers = answered_in(conversation)
+    answers, asking = answered_in(conversation), dict(plan.asked_again)
+    held: list[tuple[str, str]] = []
     for approval in conversation.get("approved_calls") or ():
         if not isinstance(approval, Mapping):
             continue
-        key = (approval.get("tool_call_id"), approval.get("message_id"))
-        if key not in listed or approval.get("held_by") or approval.get("held_again"):
+        call_id, made_by = approval.get("tool_call_id"), approval.get("message_id")
+        if not isinstance(call_id, str) or not isinstance(made_by, str):
             continue
-        if _approved_after(approval, answers, first_seq):
+        if call_id not in asking or (call_id, made_by) not in listed:
             continue
-        for call_id, prompts in plan.asked_again:
-            if call_id == key[0] and not _answered_since(
-                plan, conversation, first_seq, prompts[-1]
-            ):
-                return True
-    return False
+        if asked_about is not None and asked_about.get(call_id) != made_by:
+            continue
+        if approval_held_again(approval) or _approved_after(approval, answers, first_seq):
+            continue
+        if not _answered_since(plan, conversation, first_seq, asking[call_id][-1]):
+            held.append((call_id, made_by))
+    return tuple(held)
+
+
+async def _asked_about(
+    messages: Any, plan: TurnPlan, first_seq: int, epoch: str | None
+) -> dict[str, str]:
+    """The call each id the turn's prompts ask about again (`TurnPlan.asked_again`) named when
+    the turn reserved its block at `first_seq`, as its reservation took it
+    (`_turns.asked_again`): the message making the latest call of the id stored below the
+    block that no message below it answers (`calls_answered`), by id; none for an id no
+    such call has. One find of the messages of the conversation's life (`epoch`) below the
+    block making or answering a call of those ids."""
+    ids = sorted(call_id for call_id, _ in plan.asked_again)
+    life = {} if epoch is None else {"epoch": {"$in": [epoch, None]}}
+    query: dict[str, Any] = {
+        "conversation_id": plan.conversation_id,
+        "seq": {"$lt": first_seq},
+        "$or": [{"tool_calls.id": {"$in": ids}}, {"tool_call_id": {"$in": ids}}],
+        **life,
+    }
+    with storage_errors("read the calls the turn asked about again"):
+        docs = await messages.find(query).sort("seq", 1).to_list(None)
+    found = messages_adapter.validate_python(docs)
+    answered = set(calls_answered(found).values())
+    latest: dict[str, str] = {}
+    for at, message in enumerate(found):
+        for call in getattr(message, "tool_calls", None) or ():
+            if call.id in ids and (at, call.id) not in answered:
+                latest[call.id] = str(message.id)
+    return latest
 
 
 def _approved_after(approval: Mapping[str, Any], answers: Sequence[Answer], first_seq: int) -> bool:

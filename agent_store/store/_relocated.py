@@ -856,11 +856,16 @@ async def take_answered_off(
 
 
 async def hold_asked_again(
-    conversations: Any, same: Mapping[str, Any], plan: TurnPlan, pops: int | None
+    conversations: Any,
+    same: Mapping[str, Any],
+    plan: TurnPlan,
+    pops: int | None,
+    held: Collection[tuple[str, str]],
 ) -> None:
     """After the insert of a turn landing past its block (`_logger._landed_past_its_block`),
     or its replay finding such an approval free (`_logger._Reserved.unheld`): the approved
-    calls its stored prompts ask about again are held by them, as its
+    calls its stored prompts ask about again, `held` (id, message making it: those
+    `_logger._held_again` found, given before its block), are held by them, as its
     reservation held them (`_reservation.asked_again_where_free`, the same expression),
     where a fold that found its block passed and empty put the approvals in force again
     (DESIGN.md `approved_calls`: a later prompt naming the call holds it again; no answer
@@ -868,12 +873,12 @@ async def hold_asked_again(
     holds, or whose call is off `pending_calls`, stays as it is. One guarded update,
     matching the conversation the turn reserved on (`same`) while no pop ran since its
     reservation (`pops`) nor runs; none for a turn asking about no approved call."""
-    held = asked_again_where_free(plan)
-    if not held or pops is None:
+    stage = asked_again_where_free(plan, held)
+    if not stage or pops is None:
         return
     query = {**same, "pops": pops if pops else {"$in": [None, 0]}, "popping": None}
     with storage_errors("hold again the approved calls the turn asks about"):
-        await conversations.update_one(query, [{"$set": held}])
+        await conversations.update_one(query, [{"$set": stage}])
 
 
 def answered_calls_off(

@@ -1798,19 +1798,28 @@ def _asked_again(plan: TurnPlan) -> dict[str, Any]:
     return approvals_held_by(held_by, held_before, bound=bound)
 
 
-def asked_again_where_free(plan: TurnPlan) -> dict[str, Any]:
+def asked_again_where_free(plan: TurnPlan, held: Collection[tuple[str, str]]) -> dict[str, Any]:
     """`_asked_again` (what the turn's reservation did to the approvals of the calls its
-    prompts ask about again) for the entries no prompt holds whose call is pending: where a
+    prompts ask about again) for the entries of `held` (id, message making the call: those
+    found free and given before the turn's block, `_logger._held_again`) no prompt holds
+    whose call is pending: where a
     turn stalled past its block lands (`_relocated.hold_asked_again`), after a fold that
     found the block passed and empty took its holds back (`approvals_unstored`: its prompts
     were not stored then). An entry another prompt holds since, or whose call is answered
     since (off `pending_calls`), is left as it is: no call is held again past its answer.
     Applied twice, it changes nothing more."""
-    if not plan.asked_again:
+    if not plan.asked_again or not held:
         return {}
     held_by, held_before, bound = _asked_again_parts(plan)
     pending = {"$map": {"input": _kept("pending_calls", []), "as": "c", "in": _call_key("c")}}
-    free = {"$and": [{"$eq": [held_by_a_prompt("a"), False]}, {"$in": [_call_key("a"), pending]}]}
+    keys = literal([{"tool_call_id": c, "message_id": m} for c, m in sorted(held)])
+    free = {
+        "$and": [
+            {"$eq": [held_by_a_prompt("a"), False]},
+            {"$in": [_call_key("a"), pending]},
+            {"$in": [_call_key("a"), keys]},
+        ]
+    }
     held_before = {"$cond": [free, held_before, held_before_of("a")]}
     return approvals_held_by({"$cond": [free, held_by, held_by_of("a")]}, held_before, bound=bound)
 
