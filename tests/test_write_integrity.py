@@ -852,6 +852,90 @@ async def test_a_stalled_first_insert_landing_after_its_retry_stored_the_turn_an
     assert conversation["message_count"] == 5
 
 
+_GIVE_UP_AFTER = TurnRules(abandon_after=timedelta(seconds=0.4))
+"""Rules under which a block reserved and not stored is passed 0.4 seconds on."""
+
+
+async def _a_twin_gives_up_a_stalled_call_turn(
+    backend: Backend, landing_rules: TurnRules
+) -> tuple[AgentMessageLogger, SlowInsert, asyncio.Task[Any], LoggedTurn]:
+    """Turn "t0" at 0-1, then "late" making "c-T" reserves 2-3 (its reservation lists the
+    call) and its insert stalls between its writer's check and the server, longer than the
+    margin. Another turn answers "c-T" as listed, at 4-5; past `abandon_after` the twin of
+    "late" (its same content, sent again) finds 2-3 empty, its call answered later: refused
+    `Unmovable`, the block given up (its `seq`s gaps, its count taken back). `landing_rules`:
+    the stalled writer's. Returns a logger, the held writer, its call and the answer."""
+    logger = AgentMessageLogger(backend.db, rules=_GIVE_UP_AFTER)
+    await logger.log_messages(CID, turn("t0"), turn_id="t0")
+    held = SlowInsert(AgentMessageLogger(backend.db, rules=landing_rules))
+    first = asyncio.create_task(held.logger.log_messages(CID, call_turn(), turn_id="late"))
+    await held.reserved.wait()
+    (listed,) = await ConversationStore(backend.db).pending_calls(CID)
+    result = {"role": "tool", "tool_call_id": "c-T", "content": "found"}
+    answer = await logger.log_messages(
+        CID,
+        [result, {"role": "assistant", "content": "done"}],
+        turn_id="answer",
+        answers_to={"c-T": listed.message_id},
+    )
+    await asyncio.sleep(_GIVE_UP_AFTER.abandon_after.total_seconds() + 0.1)
+    with pytest.raises(Conflict, match="cannot move to the end") as refused:
+        await logger.log_messages(CID, call_turn(), turn_id="late")
+    assert "an earlier send of it, still in the network" in str(refused.value)
+    given_up = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert sorted(given_up["popped_seqs"]) == [2, 3]
+    return logger, held, first, answer
+
+
+async def _assert_the_give_up_undone(backend: Backend) -> None:
+    """The turn stored at 2-3 is counted again, its `seq`s gaps no more, nothing pending."""
+    conversation = await check_conversation(backend.db, CID, gaps=True)
+    assert not set(conversation.get("popped_seqs") or ()) & {2, 3}
+    assert (conversation["message_count"], conversation["turn_count"]) == (6, 2)
+    assert await ConversationStore(backend.db).pending_calls(CID) == []
+    page = await ConversationStore(backend.db, rules=_GIVE_UP_AFTER).messages_page(CID, limit=10)
+    assert [m.seq for m in page.data] == [0, 1, 2, 3, 4, 5]
+
+
+async def test_a_stalled_insert_landing_in_the_block_its_twin_gave_up_undoes_the_give_up(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3, "What remains": a writer stalled past the margin lands in a block its
+    twin gave up for good (`Unmovable`), and is acknowledged there. Its own step after the
+    insert finds the turn whole in the block the give-up recorded and undoes the give-up,
+    one update: the block's `seq`s gaps no more (a stored message's `seq` is never one), the
+    turn counted again (was: 2-3 listed in `popped_seqs` for good, `turn_count` one short)."""
+    _, held, first, _ = await _a_twin_gives_up_a_stalled_call_turn(backend, _GIVE_UP_AFTER)
+    held.release.set()
+
+    landed = await first
+
+    assert [m.seq for m in landed.messages] == [2, 3]
+    await _assert_the_give_up_undone(backend)
+
+
+async def test_a_retry_finding_the_turn_stored_whole_in_the_block_given_up_undoes_the_give_up(
+    backend: Backend,
+) -> None:
+    """The same, the landing writer's step after its insert lost (it judged its insert in
+    time, its `abandon_after` the default 5 minutes): the next retry of the turn finds it
+    whole in the block its record names given up, answers it there and undoes the give-up.
+    `check_turn` tells the twin's caller which it is, as the refusal says: refused again
+    while nothing landed, passed (a replay) once the turn is stored."""
+    logger, held, first, _ = await _a_twin_gives_up_a_stalled_call_turn(backend, TurnRules())
+    with pytest.raises(Conflict, match="cannot move to the end"):
+        await logger.check_turn(CID, call_turn(), turn_id="late")
+    held.release.set()
+    landed = await first
+    await logger.check_turn(CID, call_turn(), turn_id="late")
+
+    again = await logger.log_messages(CID, call_turn(), turn_id="late")
+
+    assert [m.seq for m in landed.messages] == [m.seq for m in again.messages] == [2, 3]
+    assert again.replayed
+    await _assert_the_give_up_undone(backend)
+
+
 async def _a_stalled_first_insert_landing_after_pops(
     backend: Backend, pops: int, later: int = 0
 ) -> tuple[AgentMessageLogger, ConversationStore, asyncio.Task[Any]]:

@@ -172,6 +172,7 @@ from agent_store.store._reservation import (
     blocks_of,
     conversation_by_id,
     denials_hold,
+    give_up_undone,
     given_back,
     given_back_abandoned,
     given_up,
@@ -385,6 +386,11 @@ class _Reserved:
     about that are free, given before its block, no answer to them come since
     (`_held_again`): the replay holds them again before it is acknowledged
     (`_relocated.hold_asked_again`), as the landing it repeats does."""
+    given_up: bool = False
+    """A retry's: a retry before it gave the turn up for good in its block
+    (`RecordedBlock.given_up`). The turn found stored whole there after all (an attempt
+    stalled past the margin landed since), the give-up is undone
+    (`AgentMessageLogger._give_up_undone`)."""
 
 
 @dataclass(frozen=True)
@@ -2795,6 +2801,7 @@ class AgentMessageLogger:
             for i, document in enumerate(plan.documents)
         ]
         found, inserted, reserved = await self._insert_into(plan, reserved, documents)
+        reserved = await self._give_up_undone(plan, reserved, found, started)
         first = reserved.first_seq
         if reserved.assigns:
             await self._hand_over_earlier(plan.conversation_id, reserved)
@@ -3026,6 +3033,39 @@ class AgentMessageLogger:
                 query, update, return_document=ReturnDocument.AFTER
             )
         return undone
+
+    async def _give_up_undone(
+        self,
+        plan: TurnPlan,
+        reserved: _Reserved,
+        found: list[AgentMessage] | None,
+        started: float,
+    ) -> _Reserved:
+        """The block the turn is stored in once a give-up of it is undone: stored whole in its
+        block (`found`, as the insert met it; None: as this attempt inserted it) after a retry
+        gave the turn up for good there (`Unmovable`: an attempt stalled between its check
+        and the server past the margin landed since). A retry knows it from its record
+        (`_Reserved.given_up`); an attempt whose insert was answered past the time its check
+        allowed (`_insert_by`) looks: one conditional update (`give_up_undone`), on those
+        paths only. Undone, the fold after a move follows (`_relocated.settle`, from the
+        conversation as the undo left it); not given up (or undone already), nothing more."""
+        by = (
+            reserved.insert_by
+            if reserved.insert_by is not None
+            else _insert_by(self.rules, started)
+        )
+        late = by is not None and time.monotonic() > by
+        first = reserved.first_seq
+        seqs = [m.seq for m in found] if found is not None else [first]
+        if not (reserved.given_up or late) or seqs != list(range(first, first + len(seqs))):
+            return reserved
+        same = _same_as_reserved(plan.conversation_id, reserved)
+        query, update = give_up_undone(plan, first, same)
+        with storage_errors("count the turn stored in the block given up"):
+            undone: dict[str, Any] | None = await self._conversations.find_one_and_update(
+                query, update, return_document=ReturnDocument.AFTER
+            )
+        return reserved if undone is None else replace(reserved, moved=undone)
 
     async def _wait_until(self, deadline: float) -> None:
         """Wait until `deadline` (`time.monotonic()`): an earlier attempt of the turn, faster
@@ -4164,6 +4204,7 @@ def _replay(
         pops=int(conversation.get("pops") or 0),
         relisted=_listed_otherwise(plan, conversation, block.first_seq, passed=passed, held=held),
         unheld=held,
+        given_up=block.given_up,
     )
 
 

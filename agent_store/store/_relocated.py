@@ -376,8 +376,11 @@ def _refusal(
         return Unmovable(
             f"turn {plan.turn_id!r} reserved seq {block.first_seq} and stored nothing; since "
             f"then a later turn answered its call {names}, so it cannot move to the end (its "
-            "call would follow its answer): it is not stored. Log what the conversation "
-            "still needs as a new turn",
+            "call would follow its answer): this send stored nothing, and the turn is not "
+            "stored unless an earlier send of it, still in the network past abandon_after, "
+            "lands in that block yet (check_turn of the turn then passes, as a replay; else "
+            "it raises this again): if none does, log what the conversation still needs as "
+            "a new turn",
             block,
         )
     error = None if landing is None else landing(others)

@@ -2418,6 +2418,41 @@ def move_undone(
     ]
 
 
+def give_up_undone(
+    plan: TurnPlan,
+    first_seq: int,
+    same: dict[str, Any],
+    taken: tuple[int, int, int] | None = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The filter and update that undo the give-up of the turn's block at `first_seq`
+    (`given_up`) once the turn is found stored whole there (an attempt stalled between its
+    check and its insert past the margin landed after a retry gave the turn up for good,
+    `Unmovable`): the turn is where its messages are. What the give-up took back (`taken`,
+    as it took it: what the record says, else what the turn counts) is counted again, the
+    block's `seq`s are gaps no more (a stored message's `seq` is never one), and its record
+    is the turn's given up no more. Matches only the conversation the turn reserved on
+    (`same`), once: while the record says given up, and no delete has begun."""
+    key, first = Int64(plan.key), Int64(first_seq)
+    query = {
+        **same,
+        **NOT_BEING_DELETED,
+        "turns": {"$elemMatch": {"k": key, "f": first, "g": True}},
+    }
+    own = {"$and": [{"$eq": ["$$record.k", literal(key)]}, {"$eq": ["$$record.f", literal(first)]}]}
+    outside = {"$or": [{"$lt": ["$$gap", first]}, {"$gte": ["$$gap", first_seq + plan.count]}]}
+    starts, input_tokens, output_tokens = taken or counted(plan)
+    stage = {
+        "turn_count": _plus("turn_count", starts),
+        "usage.input_tokens": _capped("usage.input_tokens", input_tokens),
+        "usage.output_tokens": _capped("usage.output_tokens", output_tokens),
+        "popped_seqs": {
+            "$filter": {"input": _kept("popped_seqs", []), "as": "gap", "cond": outside}
+        },
+        "turns": records_changed(own, {"g": literal(False)}),
+    }
+    return query, [{"$set": stage}]
+
+
 def _moved_reach(plan: TurnPlan, first: int, asked: Mapping[str, int]) -> dict[str, Any]:
     """`answered_prompts`, `resolved_hitl` and `approved_calls` as a move of the turn from its
     block at `first` to the end sets them. An answer to one of the turn's request ids that
