@@ -9093,6 +9093,25 @@ async def test_a_landing_whose_writer_died_unfolded_is_served_by_the_next_read(
     assert (calls, prompt) == await _forked_whole(backend, CID)
 
 
+@pytest.mark.parametrize("case", list(_NEVER_SENT_AGAIN))
+async def test_an_answer_to_the_question_of_a_landing_whose_writer_died_unfolded_is_taken(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """The same landing, no read or turn after it: the person answers r9 from the prompt
+    the agent's stream showed her. The answer matching nothing, the conversation it reads
+    to tell why is folded first when a block it watches holds a message, and the answer
+    recorded then, as on a fork of the same messages (was: `PromptNotPending` "no pending
+    prompt 'r9'" until some read of the summary folded the landing in)."""
+    await _never_sent_again(backend, monkeypatch, case)
+    store = ConversationStore(backend.db)
+
+    await store.resolve_hitl(CID, "r9", call_ids=["c9"])
+
+    calls, prompt = await held_state(store)
+    assert ("c9", None) in calls
+    assert prompt is None
+
+
 async def test_a_replay_holds_again_the_approved_call_its_first_attempt_asked_about_again(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

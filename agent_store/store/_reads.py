@@ -461,6 +461,8 @@ def _read_on_from(conversation: Mapping[str, Any], message_id: str) -> int | Non
 
 
 _PROMPTS_READ = {
+    REFOLD_OWED: 1,
+    PENDING_BLOCKS: 1,
     "pending_hitl": 1,
     "resolved_hitl": 1,
     "approved_calls": 1,
@@ -651,13 +653,20 @@ class ConversationStore:
             doc: dict[str, Any] | None = await self._conversations.find_one(query, projection)
             if await finish_marked(self._messages, self._conversations, doc):
                 doc = await self._conversations.find_one(query, projection)
-        if doc is None:
-            return None
-        owed = doc.get(REFOLD_OWED) is not None or await self._landed_unfolded(doc)
-        if owed and await self._folded(doc):
+        if doc is not None and await self._refolded(doc):
             with storage_errors(what):
                 doc = await self._conversations.find_one(query, projection)
         return doc
+
+    async def _refolded(self, conversation: Mapping[str, Any]) -> bool:
+        """Whether a fold of the pending state `conversation` (read with `REFOLD_OWED`,
+        `PENDING_BLOCKS` and `epoch`) is written now, one being owed or a block it watches
+        holding a message (`_landed_unfolded`): what a read of the summary and an answer
+        matching nothing do before they serve or refuse."""
+        owed = conversation.get(REFOLD_OWED) is not None
+        return (owed or await self._landed_unfolded(conversation)) and await self._folded(
+            conversation
+        )
 
     async def _landed_unfolded(self, conversation: Mapping[str, Any]) -> bool:
         """Whether a block the conversation watches (`watched_blocks`: a fold found it passed
@@ -1905,17 +1914,23 @@ class ConversationStore:
     ) -> dict[str, Any] | None:
         """`resolve_hitl`'s answer (`query`, `update`) recorded while no call is marked listed
         again (`RELISTED`): `{}`. Matching nothing, the conversation read (`_PROMPTS_READ`;
-        None: gone); one marking calls listed again: those the prompt holds are looked at
-        (`_relocated.looked_again`: a call whose answer landed goes off the list with the
-        prompt it clears, by the fold the landed turn owed, else the take-off, and the answer
-        is refused as one to a prompt no longer pending; the others' marks go), and the
-        answer is recorded again while none of them is marked: `{}` when it was, else the
-        conversation read again. A read, a `find` and an update more, on that path only."""
-        with storage_errors("resolve the pending prompt"):
-            unmarked = scope | query | STANDING | NONE_RELISTED
-            if (await self._conversations.update_one(unmarked, update)).matched_count:
-                return {}
-        doc = await self._prompts_read(scope)
+        None: gone), and, a fold of its pending state owed or a block it watches landed
+        (`_refolded`: a turn whose writer died before its fold asked the prompt), the fold
+        written and the answer recorded again, once; one marking calls listed again: those
+        the prompt holds are looked at (`_relocated.looked_again`: a call whose answer
+        landed goes off the list with the prompt it clears, by the fold the landed turn
+        owed, else the take-off, and the answer is refused as one to a prompt no longer
+        pending; the others' marks go), and the answer is recorded again while none of them
+        is marked: `{}` when it was, else the conversation read again. A read, a `find` and
+        an update more, on that path only."""
+        unmarked = scope | query | STANDING | NONE_RELISTED
+        for attempt in range(2):
+            with storage_errors("resolve the pending prompt"):
+                if (await self._conversations.update_one(unmarked, update)).matched_count:
+                    return {}
+            doc = await self._prompts_read(scope)
+            if attempt or doc is None or not await self._refolded(doc):
+                break
         if doc is None or not doc.get(RELISTED):
             return doc
         marked = relisted_held(doc, request_id)
