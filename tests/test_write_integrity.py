@@ -936,6 +936,37 @@ async def test_a_retry_finding_the_turn_stored_whole_in_the_block_given_up_undoe
     await _assert_the_give_up_undone(backend)
 
 
+@pytest.mark.parametrize("pops", [2, 3], ids=["answer-popped", "down-past-the-block"])
+async def test_a_give_up_is_undone_only_while_its_block_lies_below_the_end_pops_left(
+    backend: Backend, pops: int
+) -> None:
+    """The same give-up, then pops take the answer (5, 4), the end staying at 4 past the
+    gaps at 2-3, and, with a third, t0's reply (1): the end then at 1, the block given up
+    past it. The stalled insert landing in a block still below the end is the turn found
+    whole there: counted again. One past the end the pops left is no such turn: its
+    give-up stays, nothing counted, `turn_count` and usage those the pops left (was: the
+    undo counted it, `turn_count` 2 beside a `message_count` of 1)."""
+    _, held, first, _ = await _a_twin_gives_up_a_stalled_call_turn(backend, _GIVE_UP_AFTER)
+    store = ConversationStore(backend.db, rules=_GIVE_UP_AFTER)
+    for _ in range(pops):
+        await store.pop_last_message(CID)
+    before = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    held.release.set()
+
+    with contextlib.suppress(Conflict):
+        await first
+
+    after = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    counted = ("message_count", "turn_count")
+    if pops == 2:
+        assert [after[k] for k in counted] == [4, 2]
+        assert not set(after.get("popped_seqs") or ()) & {2, 3}
+    else:
+        assert {k: after.get(k) for k in (*counted, "usage")} == {
+            k: before.get(k) for k in (*counted, "usage")
+        }
+
+
 async def _a_stalled_first_insert_landing_after_pops(
     backend: Backend, pops: int, later: int = 0
 ) -> tuple[AgentMessageLogger, ConversationStore, asyncio.Task[Any]]:

@@ -2431,12 +2431,18 @@ def give_up_undone(
     as it took it: what the record says, else what the turn counts) is counted again, the
     block's `seq`s are gaps no more (a stored message's `seq` is never one), and its record
     is the turn's given up no more. Matches only the conversation the turn reserved on
-    (`same`), once: while the record says given up, and no delete has begun."""
+    (`same`), once: while the record says given up, and no delete has begun; and only
+    while the block is still what the give-up left, its `seq`s gaps below the end: pops
+    since (which pass the gaps and give them back, `popped_seqs`) leave the block at or
+    past the end, so a turn landing there is past what they left, never counted again."""
     key, first = Int64(plan.key), Int64(first_seq)
+    block = [Int64(seq) for seq in range(first_seq, first_seq + plan.count)]
     query = {
         **same,
         **NOT_BEING_DELETED,
         "turns": {"$elemMatch": {"k": key, "f": first, "g": True}},
+        "popped_seqs": {"$all": block},
+        "message_count": {"$gte": Int64(first_seq + plan.count)},
     }
     own = {"$and": [{"$eq": ["$$record.k", literal(key)]}, {"$eq": ["$$record.f", literal(first)]}]}
     outside = {"$or": [{"$lt": ["$$gap", first]}, {"$gte": ["$$gap", first_seq + plan.count]}]}
