@@ -864,15 +864,18 @@ async def _a_twin_gives_up_a_stalled_call_turn(
     margin. Another turn answers "c-T" as listed, at 4-5; past `abandon_after` the twin of
     "late" (its same content, sent again) finds 2-3 empty, its call answered later: refused
     `Unmovable`, the block given up (its `seq`s gaps, its count taken back). `landing_rules`:
-    the stalled writer's. Returns a logger, the held writer, its call and the answer."""
+    the stalled writer's; t0 and the answer are logged under the default rules, so a slow
+    machine never moves them past their own margin. Returns the twin's logger, the held
+    writer, its call and the answer."""
     logger = AgentMessageLogger(backend.db, rules=_GIVE_UP_AFTER)
-    await logger.log_messages(CID, turn("t0"), turn_id="t0")
+    answering = AgentMessageLogger(backend.db)
+    await answering.log_messages(CID, turn("t0"), turn_id="t0")
     held = SlowInsert(AgentMessageLogger(backend.db, rules=landing_rules))
     first = asyncio.create_task(held.logger.log_messages(CID, call_turn(), turn_id="late"))
     await held.reserved.wait()
     (listed,) = await ConversationStore(backend.db).pending_calls(CID)
     result = {"role": "tool", "tool_call_id": "c-T", "content": "found"}
-    answer = await logger.log_messages(
+    answer = await answering.log_messages(
         CID,
         [result, {"role": "assistant", "content": "done"}],
         turn_id="answer",
