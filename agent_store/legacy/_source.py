@@ -1038,7 +1038,8 @@ def _users_of(
         own = [] if prompts else parse_turns(documents[i] for i in indexes)
         claimed = claimers([*beside.get(name, []), *own])
         for i in indexes:
-            users[i] = claimed_user(documents[i].get("user_id"), claimed)
+            document = documents[i]
+            users[i] = claimed_user(document.get("user_id"), claimed, document.get(CLAIMED_FROM))
     return users
 
 
