@@ -793,6 +793,40 @@ async def test_a_prompt_naming_the_user_a_claim_moved_its_conversation_from_is_t
     assert await backend.db[SESSION_HITL].count_documents({}) == 0
 
 
+async def test_the_claimers_answer_marks_resolved_a_prompt_naming_the_user_a_claim_moved_from(
+    backend: Backend,
+) -> None:
+    """The dual write of the claimer's answer (`prompt_resolved`) reads the conversation's
+    prompts through the claims its turns record, as the read fallback and `run` do: a
+    `session_hitl` prompt the old service raised after the claim naming the pre-claim user
+    id is marked resolved, so after a rollback the old service asks it no more; another
+    user's prompt of the same request id stays pending (was: read as stored, the prompt left
+    pending and an answer record written beside it)."""
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    await store.claim(EXAMPLE_USER_ID, "user-claimed")
+    await AgentMessageLogger(backend.db).log_messages(
+        EXAMPLE_CONVERSATION_ID, [{"role": "user", "content": "pay?"}], user_id="user-claimed"
+    )
+    await backend.db[SESSION_HITL].insert_many(
+        [
+            {"_id": f"p-{user}", "conversation_id": EXAMPLE_CONVERSATION_ID, "user_id": user,
+             "request_id": "req-late", "action": "confirm_booking", "status": "pending"}
+            for user in (EXAMPLE_USER_ID, "user-other")
+        ]
+    )  # fmt: skip
+
+    await LegacyTurns(backend.db, dual_write=True).prompt_resolved(
+        EXAMPLE_CONVERSATION_ID, "req-late"
+    )
+
+    prompts = await backend.db[SESSION_HITL].find({}, {"status": 1}).to_list(None)
+    assert {p["_id"]: p["status"] for p in prompts} == {
+        f"p-{EXAMPLE_USER_ID}": "resolved",
+        "p-user-other": "pending",
+    }
+
+
 @pytest.mark.parametrize("created_at", ["2026-03-02T09:00:00Z", datetime(2026, 3, 2, tzinfo=UTC)])
 async def test_erasing_a_user_takes_a_late_legacy_turn_of_theirs_no_run_has_moved_aside(
     backend: Backend, created_at: Any
