@@ -578,12 +578,24 @@ def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         f"{len(result.differences)} differ; {result.unplaced} legacy parts were recorded as "
         f"problems and left out (see {problem_report.PROBLEMS})"
     )
+    _report_unrecorded(db)
     unread = _report_unread(db)
     if _not_moved(db, "`verify`"):
         print("\n".join(_said_of_turns_in_place(db)))
         return 1
     other_rules = _other_rules(db, args.rules)
     return 0 if result.ok and not unread and not other_rules else 1
+
+
+def _report_unrecorded(db: Database[dict[str, Any]]) -> None:
+    """Name the conversations whose dual-written copies recorded nothing
+    (`dual_writes.unrecorded`: an earlier release's), whose deletion by the old service the
+    gate cannot check; said only, the exit code unchanged."""
+    found = dual_writes.unrecorded(db, source=relocate.turns_at(db))
+    for conversation_id, count in list(found.items())[:MAX_LISTED]:
+        print(f"{conversation_id}: {dual_writes.UNRECORDED.format(count=count)}")
+    if len(found) > MAX_LISTED:
+        print(f"  … and {len(found) - MAX_LISTED} more conversations so")
 
 
 def _other_rules(db: Database[dict[str, Any]], rules: TurnRules) -> bool:
@@ -705,6 +717,7 @@ def _finish(
         rules=args.rules,
     )
     _report(found)
+    _report_unrecorded(db)
     problem_report.print_summary(db, sys.stdout)
     if _other_rules(db, args.rules) or not found.open:
         if args.drop_legacy:

@@ -55,6 +55,7 @@ from agent_store.legacy import (
     stored_conversation_id,
 )
 from agent_store.store import (
+    CONVERSATIONS,
     DEFAULT_MARKERS,
     MESSAGES,
     RuntimeContextMarkers,
@@ -62,6 +63,7 @@ from agent_store.store import (
 )
 from migrations import full_texts
 from migrations.lease import STATE, STATE_ID, Lease
+from migrations.relocate import CONVERSATION_FILTER
 from migrations.settings import SERVICE_DEFAULTS
 from migrations.transcript import (
     NO_CALL,
@@ -537,6 +539,33 @@ def deleted(
             "a delete by hand leaves them counted), or put its copy back"
         )
     return found
+
+
+UNRECORDED = (
+    "its dual-written copies recorded nothing ({count} of them), so their deletion by the "
+    "old service cannot be checked: written before this release recorded copies (upgrade "
+    "before turning the dual write on; the gate checks the copies written since)"
+)
+"""What `verify` and `finish` say of a conversation holding copies with no record (`unrecorded`)."""
+
+
+def unrecorded(db: Database[dict[str, Any]], *, source: str) -> dict[str, int]:
+    """The conversations (by the id they are stored under) holding dual-written copies in
+    `source` (`dual_write: true`) whose writing the dual write did not record (`copied`, in
+    the `epoch` of the conversation document standing under the id), with how many: an
+    earlier release recorded none, so `deleted` cannot tell the old service deleted one of
+    its copies. Said, never work left. Reads every copy's ids (one query on `dual_write`),
+    the conversations' epochs (one), the records (one per `COPY_RECORDS_READ`)."""
+    fields = {"conversation_id": 1, "turn_id": 1, "dual_write": 1}
+    copies = {key for d in db[source].find({"dual_write": True}, fields) if (key := _turn(d))}
+    if not copies:
+        return {}
+    cids = sorted({cid for cid, _ in copies})
+    query = {"_id": {"$in": cids}, **CONVERSATION_FILTER}
+    conversations = {d["_id"]: d for d in db[CONVERSATIONS].find(query, {"epoch": 1})}
+    standing = sorted((cid, t) for cid, t in copies if cid in conversations)
+    left = Counter(cid for cid, _ in set(standing) - set(copied(db, standing, conversations)))
+    return dict(sorted(left.items()))
 
 
 COPY_RECORDS_READ = 1000

@@ -3597,7 +3597,9 @@ def test_a_dual_written_turn_its_stored_messages_do_not_hold_is_work_left(
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
     out = capsys.readouterr().out
     assert "c-dual" in out
-    assert "c-held" not in out
+    # Copies written by hand record nothing, as an earlier release's: said, no difference.
+    said = [line for line in out.splitlines() if "c-held" in line]
+    assert all(dual_writes.UNRECORDED.format(count=1) in line for line in said)
     assert database[LEGACY_TURNS].count_documents({}) == 3
 
 
@@ -7561,6 +7563,33 @@ def test_a_dual_written_copy_gone_is_work_left_whenever_the_legacy_turns_were_mo
     capsys.readouterr()
     assert cli(wire_uri, database, "verify") == 1
     assert "copy of the live turn 'live-0' is gone" in capsys.readouterr().out
+
+
+@pytest.mark.wire
+def test_the_gate_names_the_conversations_whose_dual_written_copies_recorded_nothing(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Copies an earlier release dual-wrote recorded nothing (no `dual_write_copy`), so the
+    gate cannot tell the old service deleted one: `verify` and `finish` say so, naming the
+    conversation, their exit codes unchanged (was: silent, `finish` saying every legacy
+    conversation is migrated while a deleted exchange was still served)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-0", "c-1", 0, "OLD"), legacy_turn("t-2", "c-2", 0, "OTHER")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "live-0", "«GONE»", dual_write=True)
+    log_live(wire_uri, database, "c-1", "live-1", "«KEPT»", dual_write=True)
+    database[lease.STATE].delete_many({"kind": dual_writes.COPY_RECORD})
+    database[LEGACY_TURNS].delete_one({"dual_write": True, "turn_id": "live-0"})
+
+    said = "c-1: its dual-written copies recorded nothing"
+    for command in ("verify", "finish"):
+        capsys.readouterr()
+        assert cli(wire_uri, database, command) == 0
+        out = capsys.readouterr().out
+        assert said in out
+        assert "written before this release recorded copies" in out
+        assert "c-2:" not in out
 
 
 @pytest.mark.wire

@@ -680,6 +680,59 @@ async def test_a_second_claim_of_the_user_a_claim_moved_a_conversation_from_leav
     assert [m.content for m in new if m.role == "user"] == ["NEW"]
 
 
+def _mixed_turn(turn_id: str, user_id: str, minutes: int, text: str) -> dict[str, Any]:
+    """A legacy turn of the mixed conversation `c-mixed` naming `user_id`, asking `text`."""
+    at = datetime(2026, 3, 2, 9, 0, tzinfo=UTC) + timedelta(minutes=minutes)
+    reply = [{"type": "text", "content": f"{text} a"}]
+    return {
+        "_id": turn_id,
+        "conversation_id": "c-mixed",
+        "user_id": user_id,
+        "created_at": at,
+        "user_message": f"{text} q",
+        "response_parts": reply,
+    }
+
+
+@pytest.mark.parametrize("dan_first", [False, True])
+@pytest.mark.parametrize(
+    ("claims", "ann", "dan"),
+    [
+        ((("a", "b"), ("b", "a"), ("d", "b")), "a", "b"),
+        ((("a", "b"), ("d", "a")), "b", "a"),
+    ],
+    ids=["undone", "swapped"],
+)
+async def test_a_turn_a_claim_moved_is_its_claimers_whatever_other_claims_of_its_conversation(
+    backend: Backend,
+    claims: tuple[tuple[str, str], ...],
+    ann: str,
+    dan: str,
+    dan_first: bool,
+) -> None:
+    """A mixed conversation holds Ann's turn (`a`) and Dan's (`d`); claims move them, one user
+    id both moved from and moved to (`a` claimed to `b` by mistake, undone, then `d` to `b`;
+    or `a` to `b`, then `d` to `a`). A turn a claim moved names the user the claim wrote: the
+    read fallback serves the owner (who names the last turn) her own words alone, the other
+    nothing, and Ann's erasure leaves Dan's turn (was: read through another turn's claim, so
+    Ann was served Dan's words and her erasure took his turn)."""
+    turns = [_mixed_turn("t-ann", "a", int(dan_first), "ANN")]
+    turns.append(_mixed_turn("t-dan", "d", int(not dan_first), "DAN"))
+    await backend.db[LEGACY_TURNS].insert_many(turns)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    for from_user_id, to_user_id in claims:
+        await store.claim(from_user_id, to_user_id)
+
+    (owner, words), other = ((ann, "ANN q"), dan) if dan_first else ((dan, "DAN q"), ann)
+    served = await store.transcript("c-mixed", user_id=owner)
+    assert [m.content for m in served if m.role == "user"] == [words]
+    with pytest.raises(NotFound):
+        await store.transcript("c-mixed", user_id=other)
+    erased = await store.erase_user(ann)
+    assert erased.legacy_turns == 1
+    assert [d["_id"] for d in await backend.db[LEGACY_TURNS].find({}).to_list(None)] == ["t-dan"]
+
+
 @pytest.mark.parametrize("by", ["erasure", "claim"])
 async def test_the_old_ids_erasure_or_claim_leaves_a_claimed_conversations_turns_not_moved_yet(
     backend: Backend, by: str
@@ -738,6 +791,40 @@ async def test_a_prompt_naming_the_user_a_claim_moved_its_conversation_from_is_t
     else:
         await store.erase_user("user-claimed")
     assert await backend.db[SESSION_HITL].count_documents({}) == 0
+
+
+async def test_the_claimers_answer_marks_resolved_a_prompt_naming_the_user_a_claim_moved_from(
+    backend: Backend,
+) -> None:
+    """The dual write of the claimer's answer (`prompt_resolved`) reads the conversation's
+    prompts through the claims its turns record, as the read fallback and `run` do: a
+    `session_hitl` prompt the old service raised after the claim naming the pre-claim user
+    id is marked resolved, so after a rollback the old service asks it no more; another
+    user's prompt of the same request id stays pending (was: read as stored, the prompt left
+    pending and an answer record written beside it)."""
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    await store.claim(EXAMPLE_USER_ID, "user-claimed")
+    await AgentMessageLogger(backend.db).log_messages(
+        EXAMPLE_CONVERSATION_ID, [{"role": "user", "content": "pay?"}], user_id="user-claimed"
+    )
+    await backend.db[SESSION_HITL].insert_many(
+        [
+            {"_id": f"p-{user}", "conversation_id": EXAMPLE_CONVERSATION_ID, "user_id": user,
+             "request_id": "req-late", "action": "confirm_booking", "status": "pending"}
+            for user in (EXAMPLE_USER_ID, "user-other")
+        ]
+    )  # fmt: skip
+
+    await LegacyTurns(backend.db, dual_write=True).prompt_resolved(
+        EXAMPLE_CONVERSATION_ID, "req-late"
+    )
+
+    prompts = await backend.db[SESSION_HITL].find({}, {"status": 1}).to_list(None)
+    assert {p["_id"]: p["status"] for p in prompts} == {
+        f"p-{EXAMPLE_USER_ID}": "resolved",
+        "p-user-other": "pending",
+    }
 
 
 @pytest.mark.parametrize("created_at", ["2026-03-02T09:00:00Z", datetime(2026, 3, 2, tzinfo=UTC)])

@@ -955,17 +955,25 @@ def turn_users(turns: list[LegacyTurn]) -> list[str | None]:
     legacy turn's user that its conversation's ownership (`owner_of`, `users_part`) and the
     migration's conversion take."""
     claimed = claimers(turns)
-    return [claimed_user(turn.user_id, claimed) for turn in turns]
+    return [claimed_user(turn.user_id, claimed, turn.claimed_from) for turn in turns]
 
 
-def claimed_user(value: Any, claimed: Mapping[str, str] | None) -> str | None:
+def claimed_user(
+    value: Any, claimed: Mapping[str, str] | None, claimed_from: Any = None
+) -> str | None:
     """The user a legacy turn's or prompt's `user_id` value names (`user_named`) as its
     conversation's turns read it: a user id a claim moved the conversation away from names
-    its claimer (`claimed`, the conversation's `claimers`; none, as stored). The one reading
-    of a user id through the claims, for turns (`turn_users`) and prompts (`owners_prompt`,
-    `part_of`) alike."""
+    its claimer (`claimed`, the conversation's `claimers`; none, as stored). A turn a claim
+    moved (its own `claimed_from`, a list: the old service never writes it) names the user
+    that claim wrote, as stored: the claims of the conversation's other turns are for the
+    turns the old service logs or re-saves naming the id it knows (was: read through them,
+    so in a mixed conversation a turn a claim moved to a user id another claim moved away
+    from was served that claimer). The one reading of a user id through the claims, for
+    turns (`turn_users`) and prompts (`owners_prompt`, `part_of`) alike."""
     user = user_named(value)
-    return (claimed or {}).get(user, user) if user is not None else None
+    if user is None or isinstance(claimed_from, list):
+        return user
+    return (claimed or {}).get(user, user)
 
 
 def named_users(turns: Iterable[LegacyTurn]) -> list[str]:

@@ -706,7 +706,9 @@ class LegacyTurns:
         them): another user's prompt of the same request id is never marked by the owner's
         answer, and stays pending, kept in its problem, and so does one whose owner cannot be
         read (`ownership_read`: nobody's). Three round trips: the conversation's owner (and
-        the legacy id a derived id names), its prompts of the id, the mark. A prompt the
+        the legacy id a derived id names), its prompts of the id, the mark; two more when a
+        prompt names another user id than the owner (the conversation's claims, which make
+        one naming the id a claim moved it from the claimer's: `_owners_prompts`). A prompt the
         owner's part of `session_hitl` does not hold (raised by a live turn: the dual write
         writes turns) gets a record of the answer instead (`answer_record`,
         one per request id, in the mark's round trip), which a second attempt after a rollback
@@ -730,8 +732,9 @@ class LegacyTurns:
             ]
         }
         with storage_errors("write the resolved prompt (dual write)"):
-            prompts = (await ownership_read(self._prompts, query, {"user_id": 1})).owned
-            ids = [d["_id"] for d in prompts if owners_prompt(owner, d)]
+            projection = {"user_id": 1, "conversation_id": 1, "session_id": 1}
+            prompts = (await ownership_read(self._prompts, query, projection)).owned
+            ids = await self._owners_prompts(owner, prompts)
             if ids:
                 mark = {"$set": resolved_by_dual_write(utc_now())}
                 await self._prompts.update_many({"_id": {"$in": ids}}, mark)
@@ -741,6 +744,19 @@ class LegacyTurns:
             record = answer_record(named, user, request_id, utc_now())
             record_id = legacy_turn_id(named, f"answer\0{request_id}")
             await self._prompts.replace_one({"_id": record_id}, record, upsert=True)
+
+    async def _owners_prompts(self, owner: str | None, prompts: list[dict[str, Any]]) -> list[Any]:
+        """The `_id`s of the `prompts` (of one conversation and request id) that are the
+        owner's (`owners_prompt`), read through the claims its turns record (`claimers`), as
+        the read fallback and `run` read them: one the old service raised after a claim
+        naming the pre-claim user id is the claimer's. The claims are read (two lookups,
+        `_turns_under`) only when some prompt is not the owner's as stored."""
+        ids = [d["_id"] for d in prompts if owners_prompt(owner, d)]
+        if len(ids) == len(prompts):
+            return ids
+        beside, _ = await self._turns_under(map(prompt_conversation, prompts), {})
+        users = _users_of(prompts, beside, prompts=True)
+        return [d["_id"] for d, user in zip(prompts, users, strict=True) if user in (None, owner)]
 
     async def turn_logged(self, turn: LoggedTurn, conversation: Conversation) -> None:
         """With `dual_write`, upsert the turn as legacy turns; a retry rewrites the same ones.
@@ -1038,7 +1054,8 @@ def _users_of(
         own = [] if prompts else parse_turns(documents[i] for i in indexes)
         claimed = claimers([*beside.get(name, []), *own])
         for i in indexes:
-            users[i] = claimed_user(documents[i].get("user_id"), claimed)
+            document = documents[i]
+            users[i] = claimed_user(document.get("user_id"), claimed, document.get(CLAIMED_FROM))
     return users
 
 
