@@ -7465,6 +7465,18 @@ def _no_copy_gone(out: str) -> None:
     assert "pop_last_message" not in out
 
 
+def _moved_aside_and_the_gate_passes(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`run` moves the late legacy turn aside; `verify` and `finish --drop-legacy` then pass,
+    naming no copy gone."""
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    _no_copy_gone(capsys.readouterr().out)
+
+
 @pytest.mark.wire
 @pytest.mark.parametrize("late_into", ["c-2", "c-1"])
 def test_a_turn_logged_after_the_window_is_no_copy_gone_once_a_late_legacy_turn_is_moved(
@@ -7513,11 +7525,7 @@ def test_a_turn_of_a_conversation_started_live_in_the_window_logged_after_it_is_
     log_live(wire_uri, database, "new-1", "w-1", "«AFTER THE WINDOW»")
     _late_legacy_turn(database, "c-2")
 
-    assert cli(wire_uri, database, "run") == 0
-    capsys.readouterr()
-    assert cli(wire_uri, database, "verify") == 0
-    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
-    _no_copy_gone(capsys.readouterr().out)
+    _moved_aside_and_the_gate_passes(wire_uri, database, capsys)
     assert database[MESSAGES].count_documents({"turn_id": "w-1"}) == 2
 
 
@@ -7534,11 +7542,7 @@ def test_a_turn_logged_with_the_dual_write_off_throughout_is_no_copy_gone(
     log_live(wire_uri, database, "c-1", "live-1", "«NEVER COPIED»")
     _late_legacy_turn(database, "c-2")
 
-    assert cli(wire_uri, database, "run") == 0
-    capsys.readouterr()
-    assert cli(wire_uri, database, "verify") == 0
-    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
-    _no_copy_gone(capsys.readouterr().out)
+    _moved_aside_and_the_gate_passes(wire_uri, database, capsys)
 
 
 @pytest.mark.wire
