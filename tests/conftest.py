@@ -113,62 +113,25 @@ WIRE_FIXTURES = {"wire_uri", "sqlite_wire_uri", "database", "running", "big_data
 """Fixtures that need a wire server: a test using one is marked `wire` by itself."""
 
 
-MOTOR_SURFACE = frozenset(
-    {
-        "test_api.py",
-        "test_api_authorization.py",
-        "test_api_client_input.py",
-        "test_api_routes.py",
-        "test_api_streaming.py",
-        "test_concurrency.py",
-        "test_conversation_tail.py",
-        "test_exports.py",
-        "test_full_texts.py",
-        "test_hidden_context.py",
-        "test_langgraph_conformance.py",
-        "test_legacy_problems.py",
-        "test_logger.py",
-        "test_names.py",
-        "test_openai_agents_replay.py",
-        "test_operator_reads.py",
-        "test_ownership.py",
-        "test_readme.py",
-        "test_reads.py",
-        "test_round_trips.py",
-        "test_schemas.py",
-        "test_stored_shapes.py",
-        "test_streams.py",
-        "test_viewer_pages.py",
-        "test_write_integrity.py",
-    }
-)
-"""The modules whose storage tests `make test` runs on `wire-motor` too: between them they
-call every driver method the store uses (writes, finds and cursors, aggregations, GridFS,
-tails, exports, the service's routes) through a Motor handle. The rule modules beyond them
-(cross-turn state, the transition, the runtime bridges, reliability) send the same commands
-through the same methods; they run on Motor in `make test-motor`, which CI runs as well.
-`MOTOR_MATRIX` chooses: `surface` (the default), `all`, or `rest` (only what `surface`
-leaves out)."""
-
-MOTOR_MATRIX = os.environ.get("MOTOR_MATRIX", "surface")
-
-
-def _runs_on_motor(item: pytest.Item) -> bool:
-    """Whether this matrix runs a `wire-motor` test."""
-    on_surface = item.path.name in MOTOR_SURFACE
-    return {"surface": on_surface, "all": True, "rest": not on_surface}[MOTOR_MATRIX]
+MOTOR_MATRIX = os.environ.get("MOTOR_MATRIX", "off")
+"""Whether the storage tests run on `wire-motor` as well: `off` (the default, what `make test`
+runs) or `all` (`make test-motor`, which CI runs after `make test`). Motor wraps PyMongo's
+synchronous driver in threads, so a Motor handle sends the same commands as the `wire`
+backend's client; what it can break is the calls (their names, what they return, how
+cursors and GridFS are driven), and every storage test checks those through Motor in its own
+run rather than doubling the time of every `make test`."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if MOTOR_MATRIX not in ("surface", "all", "rest"):
-        raise pytest.UsageError(f"MOTOR_MATRIX must be surface, all or rest, not {MOTOR_MATRIX!r}")
+    if MOTOR_MATRIX not in ("off", "all"):
+        raise pytest.UsageError(f"MOTOR_MATRIX must be off or all, not {MOTOR_MATRIX!r}")
     kept: list[pytest.Item] = []
     left: list[pytest.Item] = []
     for item in items:
         if WIRE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.wire)
         on_motor = item.get_closest_marker("motor") is not None
-        (left if on_motor and not _runs_on_motor(item) else kept).append(item)
+        (left if on_motor and MOTOR_MATRIX == "off" else kept).append(item)
     if left:
         config.hook.pytest_deselected(items=left)
         items[:] = kept
