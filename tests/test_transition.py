@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import bson
 import pytest
+from pymongo.errors import AutoReconnect
 
 from agent_store import (
     AgentMessageLogger,
@@ -20,6 +21,7 @@ from agent_store import (
     NotFound,
     SteeringInbox,
     StorageFailure,
+    StorageUnavailable,
     TurnRules,
     VersionMismatch,
 )
@@ -802,6 +804,48 @@ async def test_a_moved_turn_the_old_service_saves_again_in_place_stays_its_claim
     assert erasure.legacy_turns == 1
     left = [d["_id"] for d in await backend.db[CONVERSATIONS].find({}).to_list(None)]
     assert left == ["t-dan"]
+
+
+class _StopsMoving:
+    """A collection whose `update_many` fails (a claim stopped after recording its turns,
+    before moving them); everything else as `collection` does it."""
+
+    def __init__(self, collection: Any) -> None:
+        self._collection = collection
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._collection, name)
+
+    async def update_many(self, *args: Any, **kwargs: Any) -> Any:
+        raise AutoReconnect("stopped")
+
+
+async def test_a_claim_stopped_between_recording_its_turns_and_moving_them_moves_them_again(
+    backend: Backend,
+) -> None:
+    """A claim records each turn it moves (`CLAIM_RECORD`) before moving it: stopped between
+    the two, the turns stay the old id's (no turn of the conversation carries a claim, so no
+    read looks the records up), and the claim run again moves them, its records the same
+    (one per turn, the user id it moved them from once)."""
+    turns = [{**t, "conversation_id": "c-late"} for t in example_legacy_turns()]
+    await backend.db[CONVERSATIONS].insert_many(turns)
+    legacy = LegacyTurns(backend.db)
+    store = ConversationStore(backend.db, legacy=legacy)
+    legacy._conversations = _StopsMoving(legacy._conversations)  # type: ignore[assignment]
+    with pytest.raises(StorageUnavailable):
+        await store.claim(EXAMPLE_USER_ID, "user-claimed")
+    recorded = await backend.db[MIGRATION_STATE].find({}, {"at": 0}).to_list(None)
+    assert len(recorded) == len(turns)
+    legacy._conversations = legacy._conversations._collection  # type: ignore[attr-defined]
+
+    claimed = await store.claim(EXAMPLE_USER_ID, "user-claimed")
+
+    assert claimed.legacy_turns == len(turns)
+    assert await backend.db[MIGRATION_STATE].find({}, {"at": 0}).to_list(None) == recorded
+    assert {tuple(r["claimed_from"]) for r in recorded} == {(EXAMPLE_USER_ID,)}
+    erased = await store.erase_user("user-claimed")
+    assert erased.legacy_turns == len(turns)
+    assert await backend.db[MIGRATION_STATE].count_documents({}) == 0
 
 
 async def test_a_read_of_legacy_turns_no_claim_moved_asks_for_no_claim_record(

@@ -583,8 +583,10 @@ class LegacyTurns:
     ) -> None:
         """Record that the claim of `from_user_id` moves these legacy turns to `to_user_id`
         (`CLAIM_RECORD`, one record per turn, by `claim_record_id`), before they are moved:
-        a claim stopped between the two leaves them read as moved (`as_claims_recorded`), and
-        run again writes the same records. One round trip, none for no turn."""
+        a claim stopped between the two leaves each turn the old id's, or the claimer's once
+        a turn of its conversation moved (`as_claims_recorded`), never another's; run again,
+        it moves those still read as the old id's, writing the same records. One round trip,
+        none for no turn."""
         if not moved:
             return
         at = utc_now()
