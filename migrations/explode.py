@@ -29,7 +29,6 @@ any two writes is repaired by the next run, which recomputes the same documents.
 
 from __future__ import annotations
 
-import itertools
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -80,6 +79,7 @@ from agent_store.store import (
 from migrations import dual_writes, writes
 from migrations import problems as problem_report
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS, Bounds
+from migrations.claims import claims_recorded
 from migrations.errors import Misuse
 from migrations.keys import id_key, identity
 from migrations.lease import STATE, STATE_ID, Lease
@@ -340,7 +340,7 @@ def read_turns(
     grouped: dict[Any, tuple[Any, list[dict[str, Any]]]] = {_key(i): (i, []) for i in ids}
     sendable = [i for i in ids if not_utf8_at(i) is None]
     found: Iterable[dict[str, Any]] = db[source].find(turns_filter(sendable)) if sendable else []
-    for doc in itertools.chain(found, _not_utf8_turns(db, ids, source)):
+    for doc in claims_recorded(db, [*found, *_not_utf8_turns(db, ids, source)]):
         raw = doc.get("conversation_id")
         grouped.setdefault(_key(raw), (raw, []))[1].append(doc)
     return list(grouped.values())

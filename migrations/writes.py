@@ -41,6 +41,7 @@ from agent_store.core import (
     messages_adapter,
 )
 from agent_store.legacy import (
+    CLAIMED_FROM,
     CONVERSATION_COUNTERS,
     TURN_ONLY_FIELDS,
     LegacyConversion,
@@ -74,6 +75,7 @@ from agent_store.store import (
 )
 from migrations import full_texts, lives
 from migrations.bounds import Bounds, bounded
+from migrations.claims import claims_recorded
 from migrations.keys import id_key, identity
 from migrations.lease import STATE, STATE_ID
 from migrations.relocate import CONVERSATION_FILTER
@@ -1383,7 +1385,8 @@ def _turns_since(
     owners: dict[bytes, str | None] = {}
     for start in range(0, len(wanted), _TURNS_A_READ):
         query = {"_id": {"$in": wanted[start : start + _TURNS_A_READ]}}
-        for found in db[source].find(query, {"_id": 1, "user_id": 1}):
+        read = list(db[source].find(query, {"_id": 1, "user_id": 1, CLAIMED_FROM: 1}))
+        for found in claims_recorded(db, read):
             owner = LegacyTurn.model_validate({"user_id": found.get("user_id")}).user_id
             owners[identity(found)] = owner
     since = _Since(looked_at=set(items))

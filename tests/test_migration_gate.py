@@ -2706,6 +2706,41 @@ def test_a_late_old_service_turn_naming_a_claimed_user_is_the_claimers(
 
 
 @pytest.mark.wire
+@pytest.mark.parametrize(
+    ("claims", "resaved", "ann", "dan"),
+    [([("a", "b"), ("d", "a")], "t-ann", "b", "a"), ([("d", "b"), ("a", "d")], "t-dan", "d", "b")],
+    ids=["swapped", "dtob"],
+)
+def test_a_moved_turn_the_old_service_saves_again_in_place_stays_its_claimers_to_the_run(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    claims: list[tuple[str, str]],
+    resaved: str,
+    ann: str,
+    dan: str,
+) -> None:
+    """A mixed conversation no run moved aside yet (Ann's turn `a`, Dan's `d`), claims moving
+    one user id both away and to, then the old service saving one moved turn again in place
+    from its cache (the user id it knew, no `claimed_from`): its claim record keeps it the
+    claimer's, so `run` holds the conversation as `mixed_user_ids`, each turn named as its
+    person's, and `finish` exits 1 (was: read as the other person's, the conversation was
+    stored as one person's alone, Ann's words served to Dan or Dan's to Ann, exit 0)."""
+    turns = [legacy_turn("t-ann", "c-x", 0, "ANN") | {"user_id": "a"}]
+    turns.append(legacy_turn("t-dan", "c-x", 1, "DAN") | {"user_id": "d"})
+    database[CONVERSATIONS].insert_many([dict(t) for t in turns])
+    _claimed(wire_uri, database, *claims)
+    cached = next(t for t in turns if t["_id"] == resaved)
+    database[CONVERSATIONS].replace_one({"_id": resaved}, cached, upsert=True)
+
+    assert cli(wire_uri, database, "run") == 0
+
+    assert database[CONVERSATIONS].find_one({"_id": "c-x"})["user_id"] == dan
+    [mixed] = database[PROBLEMS].find({"kind": "mixed_user_ids"})
+    assert mixed["content"] == {ann: ["t-ann"], dan: ["t-dan"]}
+    assert cli(wire_uri, database, "finish") == 1
+
+
+@pytest.mark.wire
 def test_a_late_prompt_naming_a_claimed_user_is_the_claimers_pending_prompt(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:

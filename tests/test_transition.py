@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import bson
 import pytest
+from pymongo.errors import AutoReconnect
 
 from agent_store import (
     AgentMessageLogger,
@@ -20,12 +21,14 @@ from agent_store import (
     NotFound,
     SteeringInbox,
     StorageFailure,
+    StorageUnavailable,
     TurnRules,
     VersionMismatch,
 )
 from agent_store.core import MAX_JSON_VALUES, AgentMessage, utc_now
 from agent_store.legacy import (
     LEGACY_TURNS,
+    MIGRATION_STATE,
     MIXED_USER_IDS,
     SESSION_HITL,
     convert,
@@ -731,6 +734,138 @@ async def test_a_turn_a_claim_moved_is_its_claimers_whatever_other_claims_of_its
     erased = await store.erase_user(ann)
     assert erased.legacy_turns == 1
     assert [d["_id"] for d in await backend.db[LEGACY_TURNS].find({}).to_list(None)] == ["t-dan"]
+
+
+_RESAVE_STORIES = pytest.mark.parametrize(
+    ("claims", "resaved", "ann", "dan"),
+    [((("a", "b"), ("d", "a")), "t-ann", "b", "a"), ((("d", "b"), ("a", "d")), "t-dan", "d", "b")],
+    ids=["swapped", "dtob"],
+)
+"""A mixed conversation of Ann's turn (`a`) and Dan's (`d`), claims moving one user id both
+away and to (`a` to `b`, then `d` to `a`; or `d` to `b`, then `a` to `d`), the turn the old
+service saves again after them, and Ann's and Dan's user ids then."""
+
+
+async def _resaved_after_claims(
+    backend: Backend, claims: tuple[tuple[str, str], ...], resaved: str
+) -> ConversationStore:
+    """The mixed conversation `c-mixed` late in `agent_conversations` (no run moved it aside
+    yet), the `claims` made, then the moved turn `resaved` saved again by the old service
+    from its cache: an upsert by `_id` naming the user id it knew, no `claimed_from`."""
+    turns = [_mixed_turn("t-ann", "a", 0, "ANN"), _mixed_turn("t-dan", "d", 1, "DAN")]
+    await backend.db[CONVERSATIONS].insert_many([dict(t) for t in turns])
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    for from_user_id, to_user_id in claims:
+        await store.claim(from_user_id, to_user_id)
+    cached = next(t for t in turns if t["_id"] == resaved)
+    await backend.db[CONVERSATIONS].replace_one({"_id": resaved}, cached, upsert=True)
+    return store
+
+
+@_RESAVE_STORIES
+@pytest.mark.parametrize("erased", ["ann", "dan"])
+async def test_a_moved_turn_the_old_service_saves_again_in_place_stays_its_claimers_to_an_erasure(
+    backend: Backend,
+    claims: tuple[tuple[str, str], ...],
+    resaved: str,
+    ann: str,
+    dan: str,
+    erased: str,
+) -> None:
+    """A claim records each turn it moves where the old service never writes (`CLAIM_RECORD`):
+    the old service re-saving the moved turn in place, naming the user id it knew and no
+    `claimed_from`, leaves it the claimer's, so each person's erasure takes her own turn and
+    leaves the other's (was: the turn was the claim's only record, so it read through the
+    other claim as the other person's: Ann's erasure took Dan's turn, or left her own)."""
+    store = await _resaved_after_claims(backend, claims, resaved)
+    user_id = ann if erased == "ann" else dan
+
+    erasure = await store.erase_user(user_id)
+
+    assert erasure.legacy_turns == 1
+    left = [d["_id"] for d in await backend.db[CONVERSATIONS].find({}).to_list(None)]
+    assert left == (["t-dan"] if erased == "ann" else ["t-ann"])
+    assert await backend.db[MIGRATION_STATE].count_documents({"user_id": user_id}) == 0
+
+
+@_RESAVE_STORIES
+async def test_a_moved_turn_the_old_service_saves_again_in_place_stays_its_claimers_to_a_claim(
+    backend: Backend, claims: tuple[tuple[str, str], ...], resaved: str, ann: str, dan: str
+) -> None:
+    """A claim of the user a re-saved moved turn is the claimer's (its claim record) moves it,
+    its record with it, and a claim of the user id it names as stored leaves it: Ann's
+    claim to `ann-new` takes her turn alone, whichever was saved again."""
+    store = await _resaved_after_claims(backend, claims, resaved)
+
+    claimed = await store.claim(ann, "ann-new")
+    erasure = await store.erase_user("ann-new")
+
+    assert claimed.legacy_turns == 1
+    assert erasure.legacy_turns == 1
+    left = [d["_id"] for d in await backend.db[CONVERSATIONS].find({}).to_list(None)]
+    assert left == ["t-dan"]
+
+
+class _StopsMoving:
+    """A collection whose `update_many` fails (a claim stopped after recording its turns,
+    before moving them); everything else as `collection` does it."""
+
+    def __init__(self, collection: Any) -> None:
+        self._collection = collection
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._collection, name)
+
+    async def update_many(self, *args: Any, **kwargs: Any) -> Any:
+        raise AutoReconnect("stopped")
+
+
+async def test_a_claim_stopped_between_recording_its_turns_and_moving_them_moves_them_again(
+    backend: Backend,
+) -> None:
+    """A claim records each turn it moves (`CLAIM_RECORD`) before moving it: stopped between
+    the two, the turns stay the old id's (no turn of the conversation carries a claim, so no
+    read looks the records up), and the claim run again moves them, its records the same
+    (one per turn, the user id it moved them from once)."""
+    turns = [{**t, "conversation_id": "c-late"} for t in example_legacy_turns()]
+    await backend.db[CONVERSATIONS].insert_many(turns)
+    legacy = LegacyTurns(backend.db)
+    store = ConversationStore(backend.db, legacy=legacy)
+    legacy._conversations = _StopsMoving(legacy._conversations)  # type: ignore[assignment]
+    with pytest.raises(StorageUnavailable):
+        await store.claim(EXAMPLE_USER_ID, "user-claimed")
+    recorded = await backend.db[MIGRATION_STATE].find({}, {"at": 0}).to_list(None)
+    assert len(recorded) == len(turns)
+    legacy._conversations = legacy._conversations._collection  # type: ignore[attr-defined]
+
+    claimed = await store.claim(EXAMPLE_USER_ID, "user-claimed")
+
+    assert claimed.legacy_turns == len(turns)
+    assert await backend.db[MIGRATION_STATE].find({}, {"at": 0}).to_list(None) == recorded
+    assert {tuple(r["claimed_from"]) for r in recorded} == {(EXAMPLE_USER_ID,)}
+    erased = await store.erase_user("user-claimed")
+    assert erased.legacy_turns == len(turns)
+    assert await backend.db[MIGRATION_STATE].count_documents({}) == 0
+
+
+async def test_a_read_of_legacy_turns_no_claim_moved_asks_for_no_claim_record(
+    wire_backend: Backend,
+) -> None:
+    """The claim records (`CLAIM_RECORD`) are looked up only with a read finding a turn a claim
+    moved (`claim_records_owed`): the read fallback of a conversation no claim moved sends
+    what it sent before the records (seven finds), a claimed one two finds more (its
+    ownership read and its whole read each look its turns' records up)."""
+    await wire_backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    store = ConversationStore(wire_backend.db, legacy=LegacyTurns(wire_backend.db))
+    wire_backend.commands.clear()
+    await store.transcript(EXAMPLE_CONVERSATION_ID, user_id=EXAMPLE_USER_ID)
+    assert wire_backend.commands.names == ["find"] * 7
+    await store.claim(EXAMPLE_USER_ID, "user-claimed")
+
+    wire_backend.commands.clear()
+    await store.transcript(EXAMPLE_CONVERSATION_ID, user_id="user-claimed")
+
+    assert wire_backend.commands.names == ["find"] * 9
 
 
 @pytest.mark.parametrize("by", ["erasure", "claim"])

@@ -936,6 +936,70 @@ the conversation's turns the old service logs or re-saves since, naming that id 
 knows of no claim, as the claimer's (`claimers`)."""
 
 
+CLAIM_RECORD = "claimed_turn"
+"""The `kind` of the record a claim keeps of each legacy turn it moves, in the migration's
+collection (`MIGRATION_STATE`), where the old service never writes: the user id it wrote
+(`user_id`) and every user id claims moved the turn away from (`CLAIMED_FROM`), by
+`claim_record_id`. Written before the turn is moved, so the old service re-saving the moved
+turn from its cache (an upsert by `_id`, naming the user id it knew, without
+`claimed_from`) loses no claim: the turn read is as the record says (`as_claims_recorded`)."""
+
+
+def claim_record_id(turn_id: Any) -> str:
+    """The `_id` of the claim record of the legacy turn `turn_id` (`CLAIM_RECORD`): a digest
+    of the `_id` by value (`5` and `Int64(5)`, one `_id` to MongoDB, are one), naming no one."""
+    named = (
+        f"n:{number}" if (number := number_name(turn_id)) is not None else f"t:{id_text(turn_id)}"
+    )
+    return f"{CLAIM_RECORD}|{hashlib.sha256(named.encode()).hexdigest()[:32]}"
+
+
+def claim_records_owed(documents: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The `_id`s of the claim records (`claim_record_id`) to read with these legacy turn
+    documents, those of one read: none when none of them carries a claim (`CLAIMED_FROM`),
+    so a read of turns no claim moved costs no round trip more; else one for each."""
+    documents = list(documents)
+    if not any(isinstance(d.get(CLAIMED_FROM), list) for d in documents):
+        return []
+    return sorted({claim_record_id(d.get("_id")) for d in documents})
+
+
+def as_claims_recorded(
+    documents: Iterable[dict[str, Any]], records: Iterable[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each legacy turn document as its claim record says (`CLAIM_RECORD`): the user id the
+    last claim of it wrote and the user ids it moved away from, over what the document holds,
+    when the document names one of them (the old service re-saving the moved turn from its
+    cache wrote the user id it knew, without `claimed_from`); as stored when it names
+    another user (an owner an operator corrected since) or no record is of it. The one
+    reading of a turn's claims the read fallback, the delete, the erasure, the claim and the
+    migration share, before any reader takes its user (`claimers`, `claimed_user`)."""
+    by_id = {r["_id"]: r for r in records if r.get("kind") == CLAIM_RECORD}
+    recorded = []
+    for document in documents:
+        record = by_id.get(claim_record_id(document.get("_id")))
+        moved = record.get(CLAIMED_FROM) if record is not None else None
+        if record is None or not isinstance(moved, list):
+            recorded.append(document)
+            continue
+        named = user_named(document.get("user_id"))
+        if named is None or named not in {user_named(record.get("user_id")), *moved}:
+            recorded.append(document)
+            continue
+        recorded.append({**document, "user_id": record.get("user_id"), CLAIMED_FROM: list(moved)})
+    return recorded
+
+
+def claim_record_update(to_user_id: str, moved_from: Iterable[str], at: datetime) -> dict[str, Any]:
+    """The upsert of the claim record of a turn a claim moves to `to_user_id` (`CLAIM_RECORD`,
+    by `claim_record_id`): the user it writes, and the user ids it moved the turn away from
+    added to those recorded (`moved_from`: the turn's, then the claim's), in order."""
+    return {
+        "$set": {"kind": CLAIM_RECORD, "user_id": to_user_id, "at": at},
+        "$addToSet": {CLAIMED_FROM: {"$each": list(dict.fromkeys(moved_from))}},
+    }
+
+
 def claimers(turns: Iterable[LegacyTurn]) -> dict[str, str]:
     """Who claimed each user id a claim moved some of one conversation's turns away from
     (`claimed_from`): the user the last such turn in time names now. A chain (`a` to `b`,

@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 import bson
+from pymongo import UpdateMany
 
 from agent_store.core import (
     AgentMessage,
@@ -21,6 +22,7 @@ from agent_store.core import (
 )
 from agent_store.legacy._convert import convert
 from agent_store.legacy._documents import (
+    CLAIM_RECORD,
     CLAIMED_FROM,
     CONVERSATION_COUNTERS,
     EPOCH,
@@ -32,6 +34,10 @@ from agent_store.legacy._documents import (
     LegacyTurn,
     LiveConversation,
     Unnamed,
+    as_claims_recorded,
+    claim_record_id,
+    claim_record_update,
+    claim_records_owed,
     claimed_user,
     claimers,
     derived_user_id,
@@ -170,7 +176,8 @@ class LegacyTurns:
                 return None
             query, live, owns = part
         with storage_errors("read the legacy turns"):
-            turns = parse_turns(await self._turns.find(query).to_list(None), unnamed.names)
+            whole = await self._recorded(await self._turns.find(query).to_list(None))
+            turns = parse_turns(whole, unnamed.names)
         if user_id is not None:  # a turn changed since its ownership was read: judged again
             turns = [turns[i] for i in users_part(turns, user_id, live)]
         if not turns:
@@ -206,7 +213,7 @@ class LegacyTurns:
         user's turn, whoever reads."""
         with storage_errors("read the legacy turns"):
             read = await ownership_read(self._turns, query, _OWNERSHIP_FIELDS)
-            found = parse_turns(read.owned, unnamed.names)
+            found = parse_turns(await self._recorded(read.owned), unnamed.names)
         if not found:
             return None
         live = await self._live(conversation_id, found)
@@ -345,7 +352,7 @@ class LegacyTurns:
         query, _ = await self._turns_of(conversation_id)
         with storage_errors("read the legacy turns"):
             read = await ownership_read(self._turns, query, _OWNERSHIP_FIELDS)
-            found = parse_turns(read.owned)
+            found = parse_turns(await self._recorded(read.owned))
         if found:
             found = [
                 found[i]
@@ -380,7 +387,7 @@ class LegacyTurns:
         names = [conversation_id, original or conversation_id]
         with storage_errors("delete the legacy turns"):
             standing = await self._late_turns(names)
-            found = (await ownership_read(self._turns, turns, _OWNERSHIP_FIELDS)).owned
+            found = await self._owned(self._turns, turns)
             parsed = parse_turns(found, unnamed.names)
             prompts = _prompts_filter(conversation_id, original)
             read = await ownership_read(self._prompts, prompts, _PROMPT_OWNERSHIP_FIELDS)
@@ -390,7 +397,7 @@ class LegacyTurns:
             late = _parts_of(standing, owner, unnamed=owns, beside=beside)
             stranded = await self._conversations.delete_many(_late_of(late)) if late else None
             if late:  # a run may have moved some aside since the read: read them again
-                found = (await ownership_read(self._turns, turns, _OWNERSHIP_FIELDS)).owned
+                found = await self._owned(self._turns, turns)
                 parsed = parse_turns(found, unnamed.names)
             ids = [found[i]["_id"] for i in users_part(parsed, owner, live)]
             among = {"$and": [turns, *_among_ids(ids)]}
@@ -473,16 +480,19 @@ class LegacyTurns:
         stood, as a run may have moved them all between the two reads (an erasure is rare:
         two reads of it). Every turn is judged as its conversation's turns read it
         (`_users_of`): one naming a user id a claim moved its conversation away from is the
-        claimer's, which the erasure of that id leaves."""
+        claimer's, which the erasure of that id leaves. The user's claim records
+        (`_claim_records`, one lookup) reach her moved turns the old service saved again
+        naming an older id, and go with them (one command more, only when she has some)."""
         with storage_errors("erase the user's legacy turns"):
             stored = await self._stored_lives(user_id)
-            read = await self._users_turns(user_id, stored)
+            recorded = await self._claim_records(user_id)
+            read = await self._users_turns(user_id, stored, recorded)
             owned, _, parsed = await self._users_parts(user_id, read)
             read_already = {**{name: [] for name in stored}, **parsed}
-            late = await self._late_naming(user_id, read_already)
+            late = await self._late_naming(user_id, read_already, recorded)
             late += await self._late_parts(user_id, sorted(owned), beside=parsed)
             stranded = await self._conversations.delete_many(_late_of(late)) if late else None
-            read = await self._users_turns(user_id, stored)
+            read = await self._users_turns(user_id, stored, recorded)
             owned_now, part, parsed = await self._users_parts(user_id, read)
             users = _users_of(read.naming, parsed)
             naming = [d for d, user in zip(read.naming, users, strict=True) if user == user_id]
@@ -491,9 +501,16 @@ class LegacyTurns:
             prompts = await self._users_prompts(user_id, {**owned, **owned_now}, parsed)
             if prompts:
                 await self._prompts.delete_many({"_id": {"$in": prompts}})
+            if recorded:  # the user's claim records name her: they go with her turns
+                await self._migration.delete_many({"_id": {"$in": [r["_id"] for r in recorded]}})
         return _counted_once(deleted, stranded, late, turns)
 
-    async def _late_naming(self, user_id: str, beside: Mapping[str, list[LegacyTurn]]) -> list[Any]:
+    async def _late_naming(
+        self,
+        user_id: str,
+        beside: Mapping[str, list[LegacyTurn]],
+        recorded: Sequence[Mapping[str, Any]],
+    ) -> list[Any]:
         """The `_id`s of the late legacy turns (`LATE_TURNS`) that are the user's as their
         conversation's turns read them (`_users_of`): those naming her, but one naming a user
         id a claim moved its conversation away from, which is the claimer's; and those of the
@@ -501,10 +518,91 @@ class LegacyTurns:
         is read for their claims (`_turns_under`: the late ones, which may hold them all, no
         run having moved any aside yet, and those of the legacy collection not read already,
         `beside`): a lookup or two more, only when late turns naming her stand."""
-        found = await _naming(self._conversations, user_id, _OWNERSHIP_FIELDS, within=LATE_TURNS)
+        found = await self._naming(
+            self._conversations, user_id, _OWNERSHIP_FIELDS, within=LATE_TURNS, recorded=recorded
+        )
         beside, late = await self._turns_under(map(_named_apart, found), beside)
         late += [d for d in found if _named_apart(d) is None]
         return _theirs(late, user_id, beside)
+
+    async def _naming(
+        self,
+        collection: Any,
+        user_id: str,
+        fields: dict[str, Any],
+        *,
+        within: dict[str, Any] | None = None,
+        recorded: Sequence[Mapping[str, Any]] = (),
+    ) -> list[dict[str, Any]]:
+        """The documents (`fields` of them) of `collection` naming `user_id` by any value read
+        as it (`user_named`: `42` is user "42", as the read fallback reads it), so an erasure or
+        a claim reaches what the user's token reads. Found by those values (`user_values`); for
+        a user the migration derives (`derived_user_id`), named by a value that is no
+        identifier, by those values too (`may_not_be_identifiers`: a scan, for such a user
+        only). With `within`, only those it selects too. Each turn is read as its claim record
+        says (`_recorded`); with `recorded`, the claim records naming the user (`_claim_records`),
+        the turns they are of too, whatever user id they hold (the old service re-saved them)."""
+        query = _naming_query(user_id)
+        if recorded:
+            query = {"$or": [query, *_of_records(recorded)]}
+        if within is not None:
+            query = {"$and": [query, within]}
+        found = (await ownership_read(collection, query, {**fields, "user_id": 1})).owned
+        found = as_claims_recorded(await self._recorded(found), recorded)
+        return [d for d in found if user_named(d.get("user_id")) == user_id]
+
+    async def _owned(self, collection: Any, query: dict[str, Any]) -> list[dict[str, Any]]:
+        """The legacy turns of `collection` `query` selects, their ownership fields
+        (`_OWNERSHIP_FIELDS`) read as stored (`ownership_read`: those whose fields cannot be
+        read set apart) and as their claim records say (`_recorded`)."""
+        return await self._recorded(
+            (await ownership_read(collection, query, _OWNERSHIP_FIELDS)).owned
+        )
+
+    async def _recorded(self, documents: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The legacy turn documents of one read as their claim records say
+        (`as_claims_recorded`): a moved turn the old service saved again from its cache is
+        read as the claim moved it. One lookup, only when one of them carries a claim
+        (`claim_records_owed`): a read of turns no claim moved costs nothing more."""
+        owed = claim_records_owed(documents)
+        if not owed:
+            return documents
+        records = await self._migration.find({"_id": {"$in": owed}}).to_list(None)
+        return as_claims_recorded(documents, records)
+
+    async def _claim_records(self, user_id: str) -> list[dict[str, Any]]:
+        """The claim records (`CLAIM_RECORD`) naming `user_id` as the user the last claim of
+        their turn wrote: what a claim or an erasure of the user reaches beside the turns
+        naming the user, those the old service saved again naming an older id. One lookup."""
+        query = {"kind": CLAIM_RECORD, "user_id": user_id}
+        found: list[dict[str, Any]] = await self._migration.find(query).to_list(None)
+        return found
+
+    async def _record_claims(
+        self, moved: Sequence[Mapping[str, Any]], from_user_id: str, to_user_id: str
+    ) -> None:
+        """Record that the claim of `from_user_id` moves these legacy turns to `to_user_id`
+        (`CLAIM_RECORD`, one record per turn, by `claim_record_id`), before they are moved:
+        a claim stopped between the two leaves each turn the old id's, or the claimer's once
+        a turn of its conversation moved (`as_claims_recorded`), never another's; run again,
+        it moves those still read as the old id's, writing the same records. One round trip,
+        none for no turn."""
+        if not moved:
+            return
+        at = utc_now()
+        # `UpdateMany` on one `_id` is `UpdateOne`, which mongomock's bulk cannot take
+        writes = [
+            UpdateMany(
+                {"_id": claim_record_id(d["_id"])},
+                {
+                    **claim_record_update(to_user_id, [*_claimed_from(d), from_user_id], at),
+                    "$setOnInsert": {"turn_id": d["_id"]},
+                },
+                upsert=True,
+            )
+            for d in moved
+        ]
+        await self._migration.bulk_write(writes, ordered=False)
 
     async def _turns_under(
         self, names: Iterable[str | None], read: Mapping[str, list[LegacyTurn]]
@@ -524,7 +622,7 @@ class LegacyTurns:
         found: list[dict[str, Any]] = []
         if unread:
             query = {"$or": [named_filter("conversation_id", name) for name in unread]}
-            found = (await ownership_read(self._turns, query, _OWNERSHIP_FIELDS)).owned
+            found = await self._owned(self._turns, query)
         beside = {name: list(read.get(name, [])) for name in wanted}
         for name, turns in _parsed_by_name([*found, *late]).items():
             beside.setdefault(name, []).extend(turns)
@@ -556,14 +654,20 @@ class LegacyTurns:
                 taken.append(d["_id"])
         return taken
 
-    async def _users_turns(self, user_id: str, stored: dict[str, LiveConversation]) -> UsersTurns:
-        """The legacy turns naming the user (`_naming`), and those under the ids of her
-        conversations stored here (`stored`), with the fields telling their owner: one read
-        for both, so an erasure reaching what names no user beside her conversations costs
-        no round trip more."""
+    async def _users_turns(
+        self,
+        user_id: str,
+        stored: dict[str, LiveConversation],
+        recorded: Sequence[Mapping[str, Any]],
+    ) -> UsersTurns:
+        """The legacy turns naming the user (`_naming`: those her claim records are of too,
+        `recorded`, as they say), and those under the ids of her conversations stored here
+        (`stored`), with the fields telling their owner: one read for all, so an erasure
+        reaching what names no user beside her conversations costs no round trip more."""
         beside = [named_filter("conversation_id", name) for name in sorted(stored)]
-        query = {"$or": [_naming_query(user_id), *beside]}
-        found = (await ownership_read(self._turns, query, _OWNERSHIP_FIELDS)).owned
+        query = {"$or": [_naming_query(user_id), *_of_records(recorded), *beside]}
+        found = await self._owned(self._turns, query)
+        found = as_claims_recorded(found, recorded)
         naming = [d for d in found if user_named(d.get("user_id")) == user_id]
         under = [d for d in found if named_id(d.get("conversation_id")) in stored]
         return UsersTurns(naming, under, stored)
@@ -603,7 +707,7 @@ class LegacyTurns:
         named = sorted(set(conversation_ids))
         held = {"$or": [named_filter("conversation_id", cid) for cid in named]}
         late = {"$and": [held, LATE_TURNS]}
-        return (await ownership_read(self._conversations, late, _OWNERSHIP_FIELDS)).owned
+        return await self._owned(self._conversations, late)
 
     async def _users_parts(
         self, user_id: str, read: UsersTurns
@@ -625,7 +729,7 @@ class LegacyTurns:
         found = list(read.under)
         if values:
             query = {"$or": [named_filter("conversation_id", value) for value in values]}
-            found += (await ownership_read(self._turns, query, _OWNERSHIP_FIELDS)).owned
+            found += await self._owned(self._turns, query)
         by_name: dict[str, list[dict[str, Any]]] = {}
         for doc in found:
             if (name := named_id(doc.get("conversation_id"))) is not None:
@@ -666,14 +770,24 @@ class LegacyTurns:
         the delete and the erasure read it: one naming a user id an earlier claim moved its
         conversation away from is that claimer's, which a second claim of the id leaves (was:
         moved, so the second claimer was served the first one's conversation, and the next
-        `run` stored it hers). A lookup or two more, only when the user is named."""
+        `run` stored it hers). Each turn moved is recorded first where the old service never
+        writes (`_record_claims`), so its re-save from the old service's cache loses no claim;
+        the turns the user's records are of are reached too (`_claim_records`), whatever user
+        id a re-save left them naming. A lookup or two more, only when the user is named."""
         left = [await self._kept_filters(conversation_id) for conversation_id in kept]
         with storage_errors("claim the legacy turns"):
-            turns = await _naming(self._turns, from_user_id, _OWNERSHIP_FIELDS)
-            late = await _naming(
-                self._conversations, from_user_id, _OWNERSHIP_FIELDS, within=LATE_TURNS
+            recorded = await self._claim_records(from_user_id)
+            turns = await self._naming(
+                self._turns, from_user_id, _OWNERSHIP_FIELDS, recorded=recorded
             )
-            prompts = await _naming(self._prompts, from_user_id, _PROMPT_OWNERSHIP_FIELDS)
+            late = await self._naming(
+                self._conversations,
+                from_user_id,
+                _OWNERSHIP_FIELDS,
+                within=LATE_TURNS,
+                recorded=recorded,
+            )
+            prompts = await self._naming(self._prompts, from_user_id, _PROMPT_OWNERSHIP_FIELDS)
             names = [*map(_named_apart, [*turns, *late]), *map(prompt_conversation, prompts)]
             beside, _ = await self._turns_under(names, {})
             moved = 0
@@ -688,9 +802,28 @@ class LegacyTurns:
                     update: dict[str, Any] = {"$set": {"user_id": to_user_id}}
                     if collection is not self._prompts:
                         update["$addToSet"] = {CLAIMED_FROM: from_user_id}
+                        taken = await self._taken(collection, query, found, ids, kept=bool(left))
+                        await self._record_claims(taken, from_user_id, to_user_id)
                     done = await collection.update_many(query, update)
                     moved += int(done.modified_count) if collection is not self._prompts else 0
         return moved
+
+    async def _taken(
+        self,
+        collection: Any,
+        query: dict[str, Any],
+        found: list[dict[str, Any]],
+        ids: list[Any],
+        *,
+        kept: bool,
+    ) -> list[dict[str, Any]]:
+        """The turns of `found` (`ids` of them) the claim's `query` moves: all, unless some
+        conversations are `kept`, whose turns the query leaves (one lookup more then)."""
+        chosen = set(map(claim_record_id, ids))
+        if kept:
+            left = await collection.find(query, {"_id": 1}).to_list(None)
+            chosen = {claim_record_id(d["_id"]) for d in left}
+        return [d for d in found if claim_record_id(d["_id"]) in chosen]
 
     async def _kept_filters(self, conversation_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """The filters of the legacy turns, and of the prompts, of the conversation the store
@@ -941,20 +1074,17 @@ def _conversations_named(turns: list[dict[str, Any]]) -> list[Any]:
     return [t["conversation_id"] for t in named.values() if named_id(t.get("conversation_id"))]
 
 
-async def _naming(
-    collection: Any, user_id: str, fields: dict[str, Any], *, within: dict[str, Any] | None = None
-) -> list[dict[str, Any]]:
-    """The documents (`fields` of them) of `collection` naming `user_id` by any value read
-    as it (`user_named`: `42` is user "42", as the read fallback reads it), so an erasure or
-    a claim reaches what the user's token reads. Found by those values (`user_values`); for
-    a user the migration derives (`derived_user_id`), named by a value that is no
-    identifier, by those values too (`may_not_be_identifiers`: a scan, for such a user
-    only). With `within`, only those it selects too."""
-    query = _naming_query(user_id)
-    if within is not None:
-        query = {"$and": [query, within]}
-    found = (await ownership_read(collection, query, {**fields, "user_id": 1})).owned
-    return [d for d in found if user_named(d.get("user_id")) == user_id]
+def _of_records(recorded: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A filter of the legacy turns these claim records are of (`CLAIM_RECORD`), in a list
+    (empty for none: a query never sends an empty `$in`)."""
+    return _among_ids([r["turn_id"] for r in recorded if "turn_id" in r])
+
+
+def _claimed_from(document: Mapping[str, Any]) -> list[Any]:
+    """The user ids claims moved a legacy turn document away from (`CLAIMED_FROM`), in
+    order; none for a turn no claim moved."""
+    moved = document.get(CLAIMED_FROM)
+    return list(moved) if isinstance(moved, list) else []
 
 
 def _naming_query(user_id: str) -> dict[str, Any]:
