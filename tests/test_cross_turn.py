@@ -51,7 +51,7 @@ from agent_store.integrations.streams import (
     turn_from_metadata,
     turn_from_sse,
 )
-from agent_store.store import CONVERSATIONS, PENDING_CALLS_KEPT
+from agent_store.store import CONVERSATIONS, PENDING_CALLS_KEPT, _relocated
 from agent_store.store import _logger as _logger_module
 from agent_store.store._logger import Corrected, OtherContent, Unreserved
 from agent_store.store._reservation import DELETING, BeingDeleted
@@ -9110,6 +9110,79 @@ async def test_an_answer_to_the_question_of_a_landing_whose_writer_died_unfolded
     calls, prompt = await held_state(store)
     assert ("c9", None) in calls
     assert prompt is None
+
+
+_FOLD_TRIGGERS = ["read", "answer", "turn"]
+"""What writes a fold owed (`refold_owed`): a read of the summary, an answer matching
+nothing, the next turn."""
+_LIVES = [("ada", "mallory"), ("mallory", "ada")]
+"""Whose conversation the owed fold is of, and who starts another under its id meanwhile."""
+
+
+async def _fold_raced_by_a_new_life(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, trigger: str, first: str, then: str
+) -> ConversationStore:
+    """`first`'s conversation asks r1 about c1 and is owed a fold of its pending state;
+    `trigger` writes the fold, and between its read and its write `first` deletes the
+    conversation and `then` starts one under its id with as many messages."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    asked = [_user("Pay the rent."), _calls("c1"), _asks_about("r1", "c1")]
+    await logger.log_messages(CID, asked, turn_id="t0", user_id=first)
+    owed = {"$set": {"refold_owed": datetime.now(UTC)}}
+    await backend.db.agent_conversations.update_one({"_id": CID}, owed)
+    real, raced = _relocated._written, list[int]()
+
+    async def deleted_and_started_again(conversations: Any, fold: Any, names: Any) -> bool:
+        if not raced:
+            raced.append(count := int(fold.conversation["message_count"]))
+            await store.delete(CID, user_id=first)
+            mine = [_user(f"mine {i}") for i in range(count)]
+            await logger.log_messages(CID, mine, turn_id="m0", user_id=then)
+        return await real(conversations, fold, names)
+
+    monkeypatch.setattr(_relocated, "_written", deleted_and_started_again)
+    with contextlib.suppress(StoreError):
+        if trigger == "read":
+            await store.get_conversation(CID, user_id=first)
+        elif trigger == "answer":
+            await store.resolve_hitl(CID, "r-none", user_id=first)
+        else:
+            await logger.log_messages(CID, [_user("next")], turn_id="t1", user_id=first)
+    monkeypatch.undo()
+    assert raced
+    return store
+
+
+@pytest.mark.parametrize(("first", "then"), _LIVES)
+@pytest.mark.parametrize("trigger", _FOLD_TRIGGERS)
+async def test_a_fold_owed_never_lands_on_a_conversation_started_again_under_its_id(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, trigger: str, first: str, then: str
+) -> None:
+    """RELIABILITY.md (deleted and created again under its id by anyone: none of it shows in
+    the new conversation): a fold of the pending state, written by a read, an answer
+    matching nothing or the next turn, matches only the life it read its messages under
+    (`epoch`). Deleted and started again by another user between the fold's read and its
+    write, with as many messages, the new conversation asks nothing and holds no call, in
+    either direction (was: it served the earlier user's prompt r1 and held call c1)."""
+    store = await _fold_raced_by_a_new_life(backend, monkeypatch, trigger, first, then)
+
+    assert await held_state_of(store, then) == ([], None)
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert doc["user_id"] == then
+    assert not doc.get("pending_calls")
+    assert doc.get("pending_hitl") is None
+    assert not doc.get("resolved_hitl")
+    assert not doc.get("pending_blocks")
+
+
+async def held_state_of(
+    store: ConversationStore, user_id: str
+) -> tuple[list[tuple[str, str | None]], str | None]:
+    calls = [
+        (c.tool_call_id, c.request_id) for c in await store.pending_calls(CID, user_id=user_id)
+    ]
+    prompt = await store.pending_hitl(CID, user_id=user_id)
+    return calls, prompt.request_id if prompt else None
 
 
 async def test_a_replay_holds_again_the_approved_call_its_first_attempt_asked_about_again(

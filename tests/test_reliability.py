@@ -44,7 +44,7 @@ from agent_store import (
     with_retries,
 )
 from agent_store.legacy import LEGACY_TURNS
-from agent_store.store import PENDING_CALLS_KEPT, plan_turn, storage_errors
+from agent_store.store import PENDING_CALLS_KEPT, _pop, plan_turn, storage_errors
 from agent_store.store._logger import Corrected, HeldOff, OtherContent
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
 from tests.conftest import COUNTED, Backend
@@ -391,6 +391,44 @@ async def test_a_pop_after_its_conversation_was_deleted_and_started_again_remove
     assert popped is not None
     assert popped.content == "new question"
     assert await store.transcript(CID) == []
+
+
+async def test_a_pop_whose_conversation_was_deleted_and_started_again_before_its_mark_pops_the_new(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RELIABILITY.md (deleted and created again under its id by anyone: none of it shows in
+    the new conversation): a pop marks only the life of the message it read (its `epoch`).
+    Deleted and started again under the id, with as many messages, between the pop's read
+    of the last message and its mark, the pop removes the new conversation's last message,
+    never answers the deleted one's, and the new conversation's summary stays its own (was:
+    the deleted conversation's message answered, the new one's summary corrected for it,
+    its own last message kept)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    old = [{"role": "user", "content": "old question"}, {"role": "assistant", "content": "old"}]
+    await logger.log_messages(CID, old, turn_id="t1")
+    real, raced = _pop.Pop._gaps_below, list[bool]()
+
+    async def deleted_and_started_again(self: Any, *args: Any) -> bool:
+        if not raced:
+            raced.append(True)
+            await store.delete(CID)
+            new = [
+                {"role": "user", "content": "new question"},
+                {"role": "assistant", "content": "new"},
+            ]
+            await logger.log_messages(CID, new, turn_id="t2")
+        return await real(self, *args)
+
+    monkeypatch.setattr(_pop.Pop, "_gaps_below", deleted_and_started_again)
+    popped = await store.pop_last_message(CID)
+    monkeypatch.undo()
+
+    assert raced
+    assert popped is not None
+    assert popped.content == "new"
+    assert [m.content for m in await store.transcript(CID)] == ["new question"]
+    conversation = await store.get_conversation(CID)
+    assert conversation.last_message_preview == "new question"
 
 
 async def test_the_same_turn_logged_by_two_writers_at_once_is_stored_once(

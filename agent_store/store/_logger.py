@@ -2152,12 +2152,18 @@ class AgentMessageLogger:
         )
 
     async def _settle(
-        self, conversation_id: str, moved: Mapping[str, Any] | None, *, quiet: bool = False
+        self,
+        conversation_id: str,
+        moved: Mapping[str, Any] | None,
+        life: Mapping[str, Any],
+        *,
+        quiet: bool = False,
     ) -> bool:
         """The conversation's pending state folded from its stored messages and written
         (`_relocated.settle`: from `moved`, the conversation as a move left it, else read),
-        after a move or for a fold owed (`REFOLD_OWED`); False, the fold owed, when it could
-        not be written. `quiet`: a replay's, written only where it changes something."""
+        after a move or for a fold owed (`REFOLD_OWED`), to the life the turn read it in
+        (`life`, `same_as_read`) only; False, the fold owed, when it could not be written.
+        `quiet`: a replay's, written only where it changes something."""
         return await settle(
             self._conversations,
             self._messages,
@@ -2166,6 +2172,7 @@ class AgentMessageLogger:
             abandon_after=self.rules.abandon_after,
             name_chars=self.rules.name_chars,
             quiet=quiet,
+            life=life,
         )
 
     async def _refuse_unless_met(
@@ -2212,7 +2219,8 @@ class AgentMessageLogger:
         turn sent again as it is. False, at no cost, when none is owed."""
         if found.get(REFOLD_OWED) is None:
             return False
-        if not await self._settle(plan.conversation_id, None):
+        life = same_as_read(plan.conversation_id, found)  # the life judged, read with its epoch
+        if not await self._settle(plan.conversation_id, None, life):
             raise Unreserved(
                 f"could not reserve turn {plan.turn_id!r}: the pending state of conversation "
                 f"{plan.conversation_id!r} is still to be folded again from its stored "
@@ -2839,7 +2847,7 @@ class AgentMessageLogger:
         held = await self._held_on_landing(plan, reserved, same) if landed else reserved.unheld
         if held:
             await hold_asked_again(self._conversations, same, plan, reserved.pops, held)
-        if await self._settle(plan.conversation_id, reserved.moved, quiet=reserved.relisted):
+        if await self._settle(plan.conversation_id, reserved.moved, same, quiet=reserved.relisted):
             return
         if landed or reserved.relisted:
             first = reserved.first_seq
@@ -3573,7 +3581,8 @@ class AgentMessageLogger:
         if latest > read.updated_at:
             with storage_errors("update the conversation"):
                 await self._conversations.update_one(
-                    conversation_by_id(plan.conversation_id), {"$max": {"updated_at": latest}}
+                    _same_as_reserved(plan.conversation_id, reserved),
+                    {"$max": {"updated_at": latest}},
                 )
         elif inserted and reserved.moved is None and read.message_count == end:
             await self._take_times_back(

@@ -496,7 +496,8 @@ class Pop:
     ) -> AgentMessage | None:
         """Mark, remove, finish, and answer the message whole (`_whole`); None when the mark
         was refused (another pop came first, or a turn holds a `seq` past the message; with
-        `count`, `message_count` changed).
+        `count`, `message_count` changed; the conversation is no longer of the message's life,
+        its `epoch`: deleted and started again under the id since, by anyone).
 
         The count of finished pops it marks under is the last one this store saw (0 for a
         conversation it never saw popped): a wrong one is refused, read, and tried again.
@@ -505,9 +506,11 @@ class Pop:
         conversation_id = scope[0]
         pops = self.memory.counts.get(conversation_id, 0)
         free = free_to_mark(pops, message.seq, message_count=count)
+        life = {} if pop.epoch is None else {"epoch": pop.epoch}  # the message's, as read
         try:
             with storage_errors("mark the pop"):
-                marked = await self.conversations.update_one({**self.scope, **free}, mark(pop))
+                query = {**self.scope, **free, **life}
+                marked = await self.conversations.update_one(query, mark(pop))
             if not marked.matched_count:
                 return None
             await self._finish(conversation_id, pop)

@@ -647,7 +647,7 @@ class ConversationStore:
         lookups more, only while one is owed or has landed."""
         query = self._scope(conversation_id, user_id) | fence
         included = any(on for name, on in projection.items() if name != "_id")
-        marks = {"popping": 1, REFOLD_OWED: 1, PENDING_BLOCKS: 1, "epoch": 1}
+        marks = {"popping": 1, REFOLD_OWED: 1, PENDING_BLOCKS: 1, "epoch": 1, "created_at": 1}
         projection = {**projection, **marks} if included else {**projection}
         with storage_errors(what):
             doc: dict[str, Any] | None = await self._conversations.find_one(query, projection)
@@ -660,9 +660,9 @@ class ConversationStore:
 
     async def _refolded(self, conversation: Mapping[str, Any]) -> bool:
         """Whether a fold of the pending state `conversation` (read with `REFOLD_OWED`,
-        `PENDING_BLOCKS` and `epoch`) is written now, one being owed or a block it watches
-        holding a message (`_landed_unfolded`): what a read of the summary and an answer
-        matching nothing do before they serve or refuse."""
+        `PENDING_BLOCKS`, `epoch` and `created_at`) is written now, one being owed or a block
+        it watches holding a message (`_landed_unfolded`): what a read of the summary and an
+        answer matching nothing do before they serve or refuse."""
         owed = conversation.get(REFOLD_OWED) is not None
         return (owed or await self._landed_unfolded(conversation)) and await self._folded(
             conversation
@@ -679,14 +679,18 @@ class ConversationStore:
         return bool(found)
 
     async def _folded(self, conversation: Mapping[str, Any]) -> bool:
-        """Whether the fold of the pending state `conversation` is owed is written now."""
+        """Whether the fold of the pending state `conversation` is owed is written now, to
+        that life of it only (`same_as_read`): one deleted since, even started again under
+        its id by anyone, is folded by nobody here."""
+        conversation_id = str(conversation["_id"])
         return await settle(
             self._conversations,
             self._messages,
-            str(conversation["_id"]),
+            conversation_id,
             None,
             abandon_after=self._rules.abandon_after,
             name_chars=self._rules.name_chars,
+            life=same_as_read(conversation_id, conversation),
         )
 
     async def require_version(

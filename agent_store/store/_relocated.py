@@ -30,6 +30,7 @@ messages say:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -74,6 +75,7 @@ from agent_store.store._reservation import (
     approvals_without,
     asked_again_where_free,
     conversation_by_id,
+    life_told,
     literal,
     marks_without,
     of_epoch,
@@ -293,11 +295,14 @@ class Unlanded(Exception):
 
 
 def unchanged(conversation: Mapping[str, Any]) -> dict[str, Any]:
-    """A filter matching the conversation while it is as read: no turn reserved (or moved)
-    and no pop ran since (`message_count`, `pops`); what the lookup of a turn's block judged
-    on it still holds when the move matches."""
+    """A filter matching the conversation while it is as read: the life it was read in (its
+    `epoch`, else its `created_at`: `life_told`), no other started under the id since, and
+    no turn reserved (or moved) and no pop ran since (`message_count`, `pops`); what the
+    lookup of a turn's block judged on it still holds when the move matches."""
     pops = int(conversation.get("pops") or 0)
+    life = life_told(epoch=conversation.get("epoch"), created_at=conversation.get("created_at"))
     return {
+        **life,
         "message_count": Int64(int(conversation.get("message_count") or 0)),
         "pops": pops if pops else {"$in": [None, 0]},
     }
@@ -462,19 +467,21 @@ async def refold(
     abandon_after: timedelta,
     own: range = range(0),
     partial: bool = False,
+    life: Mapping[str, Any] | None = None,
 ) -> Refold | None:
     """The fold of the conversation's stored messages (`Refold`), from `conversation` as
-    read, else read here (one round trip more), and its messages below `message_count`, of
-    its own life (`of_its_life`; one more). None when the conversation is gone, or a turn
+    read, else read here (one round trip more: the conversation `life` names, a filter of
+    one life under the id, `same_as_read`; None: whichever is under the id), and its
+    messages below `message_count`, of its own life (`of_its_life`; one more). None when
+    the conversation (of that life) is gone, or a turn
     below the end is still being written (its messages are not there to fold), unless
     `partial`: then the stored messages, not folded (`Refold.folded`). `own`: the `seq`s of
     the block given back or up, not stored (while another block is unstored, a dead turn's,
     the resolutions are only added to and no approval withdrawn: `Refold.resolved`)."""
     if conversation is None:
         with storage_errors("read the conversation"):
-            conversation = await conversations.find_one(
-                conversation_by_id(conversation_id), _FOLD_READ
-            )
+            where = conversation_by_id(conversation_id) if life is None else life
+            conversation = await conversations.find_one(where, _FOLD_READ)
         if conversation is None:
             return None
     count = int(conversation["message_count"])
@@ -592,8 +599,10 @@ def of_its_life(conversation: Mapping[str, Any], count: int) -> dict[str, Any]:
 
 def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update that set a conversation's pending state to the fold's (from the
-    conversation as it was read): matching only while no turn reserved (`message_count`)
-    and no pop ran or is under way since. The approvals the fold withdraws
+    conversation as it was read): matching only the life it was read in (its `epoch`, else
+    its `created_at`: `same_as_read`), never one deleted and started again under the id
+    since, by anyone, and only while no turn reserved (`message_count`) and no pop ran or
+    is under way since. The approvals the fold withdraws
     (`Refold.withdrawn`) go while no answer came since (`answered_prompts` as read). When
     the fold tells `resolved_hitl` (`Refold.resolved`), it is set too, and the prompt is
     pending unless among them, the whole update matching only while no answer came since;
@@ -604,7 +613,7 @@ def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     conversation = fold.conversation
     pops = int(conversation.get("pops") or 0)
     query: dict[str, Any] = {
-        **conversation_by_id(conversation["_id"]),
+        **same_as_read(conversation["_id"], conversation),
         "message_count": Int64(int(conversation["message_count"])),
         "pops": pops if pops else {"$in": [None, 0]},
         "popping": None,
@@ -689,6 +698,7 @@ async def settle(
     given_up: bool = False,
     own: range = range(0),
     quiet: bool = False,
+    life: Mapping[str, Any] | None = None,
 ) -> bool:
     """After a moved turn's insert: its conversation's pending state (and the approvals a fork
     of all of it keeps: `Refold.withdrawn`) folded from the stored messages and written
@@ -713,30 +723,30 @@ async def settle(
     again under an answered id is resolved again; `own`, the `seq`s of the block given
     up, not stored); written only when the summary says otherwise. `quiet`: a replay's fold
     (`_logger._Reserved.relisted`), written only where it changes what was read
-    (`_writes_nothing`): what a later turn answered or asked since only looks otherwise."""
+    (`_writes_nothing`): what a later turn answered or asked since only looks otherwise.
+
+    Every read and write of the fold is of one life of the conversation (`same_as_read`):
+    `life`'s (a filter of the one the caller read), else `moved`'s, else the one its first
+    read finds under the id; a conversation deleted meanwhile, even started again under the
+    id, by anyone, is gone to it (False, nothing written to the new one)."""
+    where = conversation_by_id(conversation_id) if life is None else life
+    read = functools.partial(refold, conversations, messages, conversation_id, partial=True)
     for _ in range(_FOLD_ATTEMPTS):
-        fold = await refold(
-            conversations,
-            messages,
-            conversation_id,
-            moved,
-            abandon_after=abandon_after,
-            own=own,
-            partial=True,
-        )
+        fold = await read(moved, abandon_after=abandon_after, own=own, life=where)
         if fold is None:
             return False
+        where = same_as_read(conversation_id, fold.conversation)
         names = renamed(fold.conversation, first_named(fold.stored, name_chars))
         if not fold.folded and not names and await _changed(conversations, fold):
             moved = None  # a pop (or a turn) ran between its two reads: read again
             continue
         unchanged = (given_up and _already(fold)) or (quiet and _writes_nothing(fold))
         if not names and (not fold.folded or unchanged):
-            return fold.folded or await _owe(conversations, conversation_id)
+            return fold.folded or await _owe(conversations, where)
         if await _written(conversations, fold, names):
-            return fold.folded or await _owe(conversations, conversation_id)
+            return fold.folded or await _owe(conversations, where)
         moved = None
-    return await _owe(conversations, conversation_id)
+    return await _owe(conversations, where)
 
 
 async def _written(conversations: Any, fold: Refold, names: Mapping[str, Any]) -> bool:
@@ -750,14 +760,13 @@ async def _written(conversations: Any, fold: Refold, names: Mapping[str, Any]) -
     return bool(result.matched_count)
 
 
-async def _owe(conversations: Any, conversation_id: str) -> bool:
-    """Mark the conversation as owed a fold of its pending state (`REFOLD_OWED`, the time
-    now), which `settle` could not write: the next turn folds it (one round trip, on the
-    rare path of a fold given up). False: not folded."""
+async def _owe(conversations: Any, life: Mapping[str, Any]) -> bool:
+    """Mark the conversation of the life the fold read (`life`, `same_as_read`) as owed a
+    fold of its pending state (`REFOLD_OWED`, the time now), which `settle` could not write:
+    the next turn folds it (one round trip, on the rare path of a fold given up). False: not
+    folded."""
     with storage_errors("mark the conversation's pending state to be folded again"):
-        await conversations.update_one(
-            conversation_by_id(conversation_id), {"$set": {REFOLD_OWED: utc_now()}}
-        )
+        await conversations.update_one(life, {"$set": {REFOLD_OWED: utc_now()}})
     return False
 
 
@@ -941,9 +950,8 @@ async def looked_again(
     from the stored messages (`settle`: the call off, the landed turn's own calls and
     prompt listed), else, a turn below the end still being written (the fold then owed,
     `_owe`), the calls answered taken off `pending_calls` with the prompt their answers
-    clear (`answered_calls_off`: the prompts asked between the call and its answer read by
-    one `find` more). The others' marks go, their answer now the first. The ids of the
-    calls answered."""
+    clear (`answered_calls_off`, the prompts asked between read by one `find` more), in
+    that life only. The others' marks go, their answer now the first. The ids answered."""
     if not marked:
         return []
     conversation_id, epoch = str(conversation["_id"]), conversation.get("epoch")
@@ -962,6 +970,7 @@ async def looked_again(
         None,
         abandon_after=abandon_after,
         name_chars=name_chars,
+        life=same,
     )
     if taken and not folded:
         made_at = {str(d["_id"]): int(d["seq"]) for d in found}

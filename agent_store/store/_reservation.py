@@ -2616,12 +2616,14 @@ def given_up(
     then passes them rather than waiting for the turn. The approvals its prompts held again
     or its calls superseded, in `conversation` as read, are as before it
     (`approvals_unstored`). With `shown`, the preview and `updated_at` its reservation set
-    are taken back as a block given back takes them back (`_shown_again`)."""
+    are taken back as a block given back takes them back (`_shown_again`). Matches only the
+    life `conversation` was read in (`same_as_read`): one started under the id since, even
+    with a turn of the same id at the same `seq`, is none of the retry's."""
     starts, input_tokens, output_tokens = block.counted or counted(plan)
     approvals = approvals_unstored(conversation, block_ids(plan, block.count))
     key, first = Int64(plan.key), Int64(block.first_seq)
     query = {
-        **conversation_by_id(plan.conversation_id),
+        **same_as_read(plan.conversation_id, conversation),
         "turns": {"$elemMatch": {"k": key, "f": first, "g": {"$ne": True}}},
     }
     own = {"$and": [{"$eq": ["$$record.k", literal(key)]}, {"$eq": ["$$record.f", literal(first)]}]}
