@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TextIO
 
@@ -94,6 +94,12 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _shown_total(args: argparse.Namespace, count: Callable[[], int]) -> int:
+    """The total a progress display shows, counted (one more read of every conversation id)
+    only when one is shown: 0 with `--progress none`."""
+    return 0 if args.progress == "none" else count()
 
 
 # -- commands -----------------------------------------------------------------------------
@@ -315,7 +321,9 @@ def _explode(
             "ranges were cut (an old-service writer logging after the move)"
         )
     ranges = run.plan(after)
-    progress = Progress(run.total(ranges), "conversations", args.progress)
+    progress = Progress(
+        _shown_total(args, lambda: run.total(ranges)), "conversations", args.progress
+    )
     run.on_batch = progress.advance
     run.after_all = lambda: _last_step(run)
     try:
@@ -430,7 +438,10 @@ def _holding_the_lock(db: Database[dict[str, Any]], args: argparse.Namespace) ->
     """What a run checks once it holds the lock (after any wait for it), so that no run can
     record other settings between the check and this run's writes: the settings of the
     runs that migrated conversations, checked again (a run that held the lock meanwhile may
-    have migrated some). No other run is alive: records still "running" were killed."""
+    have migrated some); and that no `finish` dropped the legacy turns meanwhile: from here
+    on, only one that took the lock over can (`explode.prove_lease`). No other run is
+    alive: records still "running" were killed."""
+    explode.refuse_after_the_drop(db)
     if not args.new_rules:
         explode.refuse_other_rules(db, args.rules)
     db[lease.STATE].update_many(
@@ -547,10 +558,9 @@ def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     total = (
         1
         if args.conversation
-        else min(args.sample, explode.count_conversations(db, source=source))
-        if args.sample
-        else explode.count_conversations(db, source=source)
+        else _shown_total(args, lambda: explode.count_conversations(db, source=source))
     )
+    total = min(args.sample, total) if args.sample and total else total
     conversation = (
         None
         if args.conversation is None

@@ -110,15 +110,23 @@ def dropped_at(db: Database[dict[str, Any]]) -> Any:
     """When `finish --drop-legacy` dropped the legacy turns, or began to (`dropping_at`: its
     gate had passed; None: never): no run goes on after that, whatever a service still
     dual-writing brings back."""
-    state = db[STATE].find_one({"_id": STATE_ID}, {"dropped_at": 1, "dropping_at": 1}) or {}
+    state = _drop_marks(db)
     return state.get("dropped_at") or state.get("dropping_at")
 
 
 def drop_unfinished(db: Database[dict[str, Any]]) -> Any:
     """When `finish --drop-legacy` began a drop it did not record as made (stopped between
     the two: `finish --drop-legacy --yes` again makes it); None when there is no such drop."""
-    state = db[STATE].find_one({"_id": STATE_ID}, {"dropped_at": 1, "dropping_at": 1}) or {}
-    return state.get("dropping_at") if state.get("dropped_at") is None else None
+    return _begun_only(_drop_marks(db))
+
+
+def _drop_marks(db: Database[dict[str, Any]]) -> dict[str, Any]:
+    """The state's marks of a drop (`dropped_at`, `dropping_at`): one read."""
+    return db[STATE].find_one({"_id": STATE_ID}, {"dropped_at": 1, "dropping_at": 1}) or {}
+
+
+def _begun_only(marks: dict[str, Any]) -> Any:
+    return marks.get("dropping_at") if marks.get("dropped_at") is None else None
 
 
 def refuse_after_the_drop(db: Database[dict[str, Any]]) -> None:
@@ -144,14 +152,15 @@ def after_the_drop(db: Database[dict[str, Any]]) -> str | None:
     holding no turn a delete or an erasure took before the drop (the deprecated collection
     as it stood right before it), and says to leave out those of any taken since: the store
     keeps no record of a delete or an erasure once done, so no run can tell them."""
-    begun = drop_unfinished(db)
+    marks = _drop_marks(db)
+    begun = _begun_only(marks)
     if begun is not None:
         return (
             f"`finish --drop-legacy` began dropping the legacy turns at {begun}, its gate "
             "passed, and was stopped before it recorded the drop: run `finish --drop-legacy "
             "--yes` again to finish it. Nothing is migrated or checked meanwhile"
         )
-    dropped = dropped_at(db)
+    dropped = marks.get("dropped_at") or marks.get("dropping_at")
     if dropped is None:
         return None
     restore = (
@@ -207,12 +216,14 @@ def _held_after_the_drop(db: Database[dict[str, Any]]) -> tuple[str, int]:
 
 def prove_lease(db: Database[dict[str, Any]], lease: Lease | None) -> None:
     """Right before writing: renew the lease, which fails once another run or `finish` took
-    the lock (this run paused past its lease), and refuse once the legacy turns were dropped.
-    What a run read before a pause is never written after one; the writes that follow have
-    a whole lease, far longer than a batch's writes take."""
+    the lock (this run paused past its lease). What a run read before a pause is never
+    written after one; the writes that follow have a whole lease, far longer than a batch's
+    writes take. The renewal alone also fences the drop: `finish` records a drop begun or
+    made only holding the lock (`Lease.write_state`), so a drop since this run took the lock
+    took it over, and the run checked for an earlier one once it held it (`refuse_after_the_drop`
+    in `cli._holding_the_lock`): no read of the state per batch."""
     if lease is not None:
         lease.renew()
-        refuse_after_the_drop(db)
 
 
 T = TypeVar("T")

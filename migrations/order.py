@@ -158,10 +158,7 @@ def plan_ranges(
     `$bucketAuto`, or when any id is not text (ranges of mixed types would not compare
     across types; asked by type, not by the server's order of types).
     """
-    if spread <= 1:
-        return Ranges()
-    not_text = {"$or": [{"conversation_id": {"$not": {"$type": "string"}}}, _ARRAY]}
-    if db[source].find_one({"$and": [match, not_text]}, {"_id": 1}) is not None:
+    if spread <= 1 or not _all_text(db, source, [match]):
         return Ranges()
     pipeline: list[dict[str, Any]] = [
         {"$match": match},
@@ -177,6 +174,18 @@ def plan_ranges(
     if len(buckets) < 2 or not sendable:
         return Ranges()
     return Ranges([None] + [b["_id"]["min"] for b in buckets[1:]])
+
+
+_NOT_TEXT = {"$or": [{"conversation_id": {"$not": {"$type": "string"}}}, _ARRAY]}
+"""The turns whose conversation id is no text (or an array, which `$type` matches by its
+elements), or that name none."""
+
+
+def _all_text(db: Database[dict[str, Any]], source: str, within: list[dict[str, Any]]) -> bool:
+    """Whether every conversation id of `source`'s turns matching `within` is text: one read,
+    of one document at most."""
+    clauses = [c for c in within if c]
+    return db[source].find_one({"$and": [*clauses, _NOT_TEXT]}, {"_id": 1}) is None
 
 
 def range_ids(
@@ -201,10 +210,15 @@ def _ids_past_checkpoint(
     db: Database[dict[str, Any]], source: str, match: dict[str, Any], ranges: Ranges, index: int
 ) -> Iterator[tuple[str, Any]]:
     within = [match, ranges.bounds(index)]
-    kinds = ["string"] if len(ranges.starts) > 1 else _KINDS
+    cut = len(ranges.starts) > 1
+    kinds = ["string"] if cut else _KINDS
     checkpoint = ranges.checkpoint(index)
     if checkpoint is not None and checkpoint[0] in kinds:
         kinds = kinds[kinds.index(checkpoint[0]) :]
+    # Cut ranges hold text only (`plan_ranges`); an uncut one asks for the other kinds only
+    # when a turn's id is no text (one read): most corpora name conversations by text alone.
+    if not cut and "string" in kinds and _all_text(db, source, within):
+        kinds = ["string"]
     for kind in kinds:
         past = checkpoint[1] if checkpoint is not None and checkpoint[0] == kind else _END
         if kind == REST:

@@ -61,6 +61,7 @@ from agent_store.store import (
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from migrations import (
     abandoned,
+    connection,
     dual_writes,
     explode,
     full_texts,
@@ -528,6 +529,59 @@ class InsertLog(monitoring.CommandListener):
 
     def failed(self, event: monitoring.CommandFailedEvent) -> None:
         pass
+
+
+def commands_sent(
+    wire_uri: str, db: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, *args: str
+) -> int:
+    """The commands one migration command sends to the database (`CommandLog`), besides the
+    driver's own (`hello`, `ping`, `endSessions`); it exits as a migration that passes."""
+    log = CommandLog()
+
+    def counted(*given: Any, **options: Any) -> MongoClient[dict[str, Any]]:
+        return MongoClient(*given, event_listeners=[log], **options)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(connection, "MongoClient", counted)
+        assert cli(wire_uri, db, *args) == 0
+    return len(log.names)
+
+
+MIGRATION_COMMANDS = {"run": (97, 20), "verify": (25, 5), "finish": (43, 0)}
+"""The commands `run`, `verify` and `finish` send over conversations of 3 turns (`--progress
+none`; `run --batch-size 1 --spread 1` and `verify --batch-size 1`: each conversation a batch):
+for one conversation, and for each other. Were: run 129 and 24, verify 40 and 5, finish 51
+and 0 (a fence read the state twice beside its renewal; every id kind was asked for, and
+every id counted for no progress display)."""
+
+
+@pytest.mark.wire
+def test_run_verify_and_finish_send_a_fixed_number_of_commands_per_conversation(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a migration command sends grows by the same few commands for each conversation
+    of 3 turns, and no more: the run's lease fences each batch by its renewal alone (no read
+    of the state beside it), no id kind is asked for that no turn holds, and the ids are
+    counted only for a progress display shown."""
+    sent: dict[str, list[int]] = {"run": [], "verify": [], "finish": []}
+    for conversations in (1, 4):
+        db = database.client[f"{database.name}_{conversations}"]
+        db[CONVERSATIONS].insert_many(
+            [legacy_turn(f"t-{c}-{n}", f"c-{c}", n, f"T{c}.{n}") for c in range(conversations)
+             for n in range(3)]
+        )  # fmt: skip
+        try:
+            for command, *options in (
+                ("run", "--batch-size", "1", "--spread", "1"),
+                ("verify", "--batch-size", "1"),
+                ("finish",),
+            ):
+                sent[command].append(commands_sent(wire_uri, db, monkeypatch, command, *options))
+        finally:
+            database.client.drop_database(db.name)
+
+    found = {command: (one, (four - one) / 3) for command, (one, four) in sent.items()}
+    assert found == MIGRATION_COMMANDS
 
 
 @pytest.mark.wire
