@@ -31,7 +31,7 @@ from agent_store import (
 from agent_store.store import CONVERSATIONS, MAX_TURN_NAMED_CALLS, MESSAGES, PENDING_CALLS_KEPT
 from agent_store.store._logger import Corrected, OtherContent
 from tests.api_harness import auth_headers, reserved_insert_lost, serve
-from tests.conftest import COUNTED, Backend
+from tests.conftest import COUNTED, Backend, StoreClocks
 
 CID = "conv-integrity"
 MAX_SAFE = 2**53 - 1
@@ -489,12 +489,15 @@ async def test_a_callers_turn_named_like_a_forks_gets_its_empty_block_given_back
 
 
 class SlowInsert:
-    """Holds a logger's insert until released: a writer whose second write is slow (or lost)."""
+    """Holds a logger's insert until released: a writer whose second write is slow (or lost).
+    `dies`: its process dies once the insert is applied (`landed`), never looking at what it
+    stored (the call then hangs until cancelled)."""
 
-    def __init__(self, logger: AgentMessageLogger) -> None:
+    def __init__(self, logger: AgentMessageLogger, *, dies: bool = False) -> None:
         self.logger = logger
         self.reserved = asyncio.Event()
         self.release = asyncio.Event()
+        self.landed = asyncio.Event()
         real = logger._messages  # the seam between the logger and the driver
 
         class Held:
@@ -504,7 +507,11 @@ class SlowInsert:
             async def insert_many(inner, *args: Any, **kwargs: Any) -> Any:
                 self.reserved.set()
                 await self.release.wait()
-                return await real.insert_many(*args, **kwargs)
+                inserted = await real.insert_many(*args, **kwargs)
+                self.landed.set()
+                if dies:
+                    await asyncio.Event().wait()
+                return inserted
 
         logger._messages = Held()
 
@@ -857,20 +864,20 @@ _GIVE_UP_AFTER = TurnRules(abandon_after=timedelta(seconds=0.4))
 
 
 async def _a_twin_gives_up_a_stalled_call_turn(
-    backend: Backend, landing_rules: TurnRules
+    backend: Backend, landing_rules: TurnRules, *, dies: bool = False
 ) -> tuple[AgentMessageLogger, SlowInsert, asyncio.Task[Any], LoggedTurn]:
     """Turn "t0" at 0-1, then "late" making "c-T" reserves 2-3 (its reservation lists the
     call) and its insert stalls between its writer's check and the server, longer than the
     margin. Another turn answers "c-T" as listed, at 4-5; past `abandon_after` the twin of
     "late" (its same content, sent again) finds 2-3 empty, its call answered later: refused
     `Unmovable`, the block given up (its `seq`s gaps, its count taken back). `landing_rules`:
-    the stalled writer's; t0 and the answer are logged under the default rules, so a slow
-    machine never moves them past their own margin. Returns the twin's logger, the held
-    writer, its call and the answer."""
+    the stalled writer's (`dies`: its process dies once its insert is applied); t0 and the
+    answer are logged under the default rules, so a slow machine never moves them past their
+    own margin. Returns the twin's logger, the held writer, its call and the answer."""
     logger = AgentMessageLogger(backend.db, rules=_GIVE_UP_AFTER)
     answering = AgentMessageLogger(backend.db)
     await answering.log_messages(CID, turn("t0"), turn_id="t0")
-    held = SlowInsert(AgentMessageLogger(backend.db, rules=landing_rules))
+    held = SlowInsert(AgentMessageLogger(backend.db, rules=landing_rules), dies=dies)
     first = asyncio.create_task(held.logger.log_messages(CID, call_turn(), turn_id="late"))
     await held.reserved.wait()
     (listed,) = await ConversationStore(backend.db).pending_calls(CID)
@@ -948,7 +955,10 @@ async def test_a_give_up_is_undone_only_while_its_block_lies_below_the_end_pops_
     past it. The stalled insert landing in a block still below the end is the turn found
     whole there: counted again. One past the end the pops left is no such turn: its
     give-up stays, nothing counted, `turn_count` and usage those the pops left (was: the
-    undo counted it, `turn_count` 2 beside a `message_count` of 1)."""
+    undo counted it, `turn_count` 2 beside a `message_count` of 1), and what it stored is
+    taken back, its writer refused `Corrected`: the next turn is stored at 1-2 (was: the
+    landing acknowledged and served past the end, the next turn refused `TurnConflict`)."""
+    await AgentMessageLogger(backend.db).ensure_indexes()  # a `seq` holds one message
     _, held, first, _ = await _a_twin_gives_up_a_stalled_call_turn(backend, _GIVE_UP_AFTER)
     store = ConversationStore(backend.db, rules=_GIVE_UP_AFTER)
     for _ in range(pops):
@@ -956,10 +966,13 @@ async def test_a_give_up_is_undone_only_while_its_block_lies_below_the_end_pops_
     before = await backend.db[CONVERSATIONS].find_one({"_id": CID})
     held.release.set()
 
-    with contextlib.suppress(Conflict):
-        await first
+    if pops == 2:
+        assert [m.seq for m in (await first).messages] == [2, 3]
+    else:
+        with pytest.raises(Corrected, match="pops passed that block since"):
+            await first
 
-    after = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    after = await check_conversation(backend.db, CID, gaps=True)
     counted = ("message_count", "turn_count")
     if pops == 2:
         assert [after[k] for k in counted] == [4, 2]
@@ -968,6 +981,121 @@ async def test_a_give_up_is_undone_only_while_its_block_lies_below_the_end_pops_
         assert {k: after.get(k) for k in (*counted, "usage")} == {
             k: before.get(k) for k in (*counted, "usage")
         }
+        next_turn = await AgentMessageLogger(backend.db).log_messages(CID, turn("next"))
+        assert [m.seq for m in next_turn.messages] == [1, 2]
+
+
+CALL_L = {"id": "c-L", "function": {"name": "lookup", "arguments": "{}"}}
+
+
+def _later_call_turn() -> list[dict[str, Any]]:
+    """A question and an answer making the call "c-L", left open: another turn than
+    `call_turn`'s, of as many messages."""
+    return [
+        {"role": "user", "content": "look again?"},
+        {"role": "assistant", "content": "looking again", "tool_calls": [CALL_L]},
+    ]
+
+
+_PASSED_AFTER = TurnRules(abandon_after=timedelta(seconds=10))
+"""Rules under which a block reserved and not stored is passed 10 seconds on: the store's
+clocks move past it (`clocks.wait`), while a slow machine never moves a held writer at its
+own check, just before its insert."""
+
+
+async def _given_up_twice_in_one_block(
+    backend: Backend, clocks: StoreClocks, *, dies: bool
+) -> tuple[AgentMessageLogger, SlowInsert, asyncio.Task[Any], SlowInsert, asyncio.Task[Any]]:
+    """ "t0" at 0-1; "late" (making "c-T") reserves 2-3, its insert held; "c-T" is answered at
+    4-5, and past `abandon_after` the twin of "late" is refused `Unmovable`, 2-3 given up.
+    Pops take 5, 4 and 1: the end back at 1, the gaps given back, the record of "late"
+    marked popped. "new" is logged at 1; "l" (making "c-L") reserves 2-3 again, its insert
+    held; "c-L" is answered at 4-5, and the twin of "l" is refused: 2-3 gaps again, given up
+    for "l". The twins' logger, then each held writer (`dies`: that of "late" dies once its
+    insert is applied) and its call."""
+    twins, answering = (
+        AgentMessageLogger(backend.db, rules=_PASSED_AFTER),
+        AgentMessageLogger(backend.db),
+    )
+    store = ConversationStore(backend.db, rules=_PASSED_AFTER)
+    await answering.log_messages(CID, turn("t0"), turn_id="t0")
+    calls: list[tuple[SlowInsert, asyncio.Task[Any]]] = []
+    for made, turn_id, call in ((call_turn(), "late", "c-T"), (_later_call_turn(), "l", "c-L")):
+        if calls:
+            assert [(await store.pop_last_message(CID)).seq for _ in range(3)] == [5, 4, 1]
+            await answering.log_messages(CID, [{"role": "user", "content": "new"}], turn_id="new")
+        logger = AgentMessageLogger(backend.db, rules=_PASSED_AFTER)
+        held = SlowInsert(logger, dies=dies and not calls)
+        calls.append((held, asyncio.create_task(logger.log_messages(CID, made, turn_id=turn_id))))
+        await held.reserved.wait()  # 2-3
+        (listed,) = await store.pending_calls(CID)
+        result = {"role": "tool", "tool_call_id": call, "content": f"found {turn_id}"}
+        await answering.log_messages(
+            CID,
+            [result, {"role": "assistant", "content": f"done {turn_id}"}],
+            turn_id=f"answer-{turn_id}",
+            answers_to={call: listed.message_id},
+        )
+        clocks.wait(_PASSED_AFTER.abandon_after.total_seconds() + 1)
+        with pytest.raises(Conflict, match="cannot move to the end"):
+            await twins.log_messages(CID, made, turn_id=turn_id)
+        given_up = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+        assert sorted(given_up["popped_seqs"]) == [2, 3]
+    (held, first), (later, second) = calls
+    return twins, held, first, later, second
+
+
+@pytest.mark.parametrize("stale_writer", ["looks", "dies", "after-the-owner"])
+async def test_a_landing_fills_only_the_block_its_own_reservation_was_given_up_for(
+    backend: Backend, clocks: StoreClocks, stale_writer: str
+) -> None:
+    """DESIGN.md §3: the block of "late" given up at 2-3, pops passing it, and "l" given up
+    there in turn (`_given_up_twice_in_one_block`). The stalled insert of "late" then lands
+    in 2-3: its give-up, passed by the pops, is not undone, and the landing counts for
+    nothing: its writer takes back what it stored and is refused `Corrected`, as every retry
+    of "late" is; dead after its insert, what it stored gives way to the insert of "l";
+    landing after "l", it stores nothing. "l" lands at 2-3 and its give-up is undone as
+    documented: its `seq`s gaps no more, counted again, its call answered (was: "late"
+    acknowledged at 2-3 inside gaps still listed, "l" refused `TurnConflict` for good, the
+    answer to "c-L" a result with no call stored before it, `pending_calls` listing "c-T")."""
+    await AgentMessageLogger(backend.db).ensure_indexes()  # a `seq` holds one message
+    dies = stale_writer == "dies"
+    twins, held, first, later, second = await _given_up_twice_in_one_block(
+        backend, clocks, dies=dies
+    )
+
+    if stale_writer == "after-the-owner":
+        later.release.set()
+        landed = await second
+    held.release.set()  # "late" lands at 2-3
+    if dies:
+        await held.landed.wait()
+        first.cancel()
+    refused = {"looks": Corrected, "dies": asyncio.CancelledError}.get(stale_writer, Conflict)
+    with pytest.raises(refused):  # after the owner: its `seq`s taken, nothing stored
+        await first
+    if stale_writer != "after-the-owner":
+        later.release.set()
+        landed = await second
+
+    assert [m.seq for m in landed.messages] == [2, 3]
+    conversation = await check_conversation(backend.db, CID, gaps=True)
+    assert not set(conversation.get("popped_seqs") or ()) & {2, 3}
+    assert (conversation["message_count"], conversation["turn_count"]) == (6, 3)
+    store = ConversationStore(backend.db, rules=_PASSED_AFTER)
+    assert await store.pending_calls(CID) == []
+    served = [(m.seq, m.content) for m in await store.transcript(CID)]
+    assert served == [
+        (0, "t0?"),
+        (1, "new"),
+        (2, "look again?"),
+        (3, "looking again"),
+        (4, "found l"),
+        (5, "done l"),
+    ]
+    for attempt in (twins.check_turn, twins.log_messages):  # every attempt alike
+        with pytest.raises(Corrected):
+            await attempt(CID, call_turn(), turn_id="late")
 
 
 async def _a_stalled_first_insert_landing_after_pops(

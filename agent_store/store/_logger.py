@@ -169,6 +169,7 @@ from agent_store.store._reservation import (
     approved_among,
     being_deleted,
     being_migrated,
+    blocks_held,
     blocks_of,
     conversation_by_id,
     denials_hold,
@@ -3056,7 +3057,9 @@ class AgentMessageLogger:
         (`_Reserved.given_up`); an attempt whose insert was answered past the time its check
         allowed (`_insert_by`) looks: one conditional update (`give_up_undone`), on those
         paths only. Undone, the fold after a move follows (`_relocated.settle`, from the
-        conversation as the undo left it); not given up (or undone already), nothing more."""
+        conversation as the undo left it); not given up (or undone already), nothing more;
+        given up in a block pops passed since, the landing counts for nothing
+        (`_passed_since_given_up`: one read more when the undo matched nothing)."""
         by = (
             reserved.insert_by
             if reserved.insert_by is not None
@@ -3073,7 +3076,42 @@ class AgentMessageLogger:
             undone: dict[str, Any] | None = await self._conversations.find_one_and_update(
                 query, update, return_document=ReturnDocument.AFTER
             )
-        return reserved if undone is None else replace(reserved, moved=undone)
+        if undone is None:
+            await self._passed_since_given_up(plan, reserved, same)
+            return reserved
+        return replace(reserved, moved=undone)
+
+    async def _passed_since_given_up(
+        self, plan: TurnPlan, reserved: _Reserved, same: dict[str, Any]
+    ) -> None:
+        """Refuse a landing in the block the turn gave up for good when pops passed that block
+        since (its record given up and popped, `blocks_held`): its `seq`s went back to the
+        conversation, perhaps to a later turn whose reservation took them (and was given up
+        there in turn), and the turn there counts for nothing. What this attempt's insert
+        stored goes (the turn's ids at the block's `seq`s, under its epoch: another turn's
+        messages are never touched), with the whole texts they name, and it is refused,
+        never acknowledged: a later turn's landing there then stores its messages
+        (`_in_place_of` gives it the block when this writer is gone before it looks). One
+        read (the turn not given up so: nothing more), then one delete."""
+        first, key = Int64(reserved.first_seq), Int64(plan.key)
+        passed_block = {"k": key, "f": first, "g": True, "p": True}
+        with storage_errors("look up the block given up"):
+            passed = await self._conversations.find_one(
+                {**same, "turns": {"$elemMatch": passed_block}}, {"_id": 1}
+            )
+        if passed is None:
+            return
+        documents = [
+            {**document, "seq": Int64(reserved.first_seq + i)}
+            for i, document in enumerate(plan.documents)
+        ]
+        with storage_errors("take back the turn's messages"):
+            await self._messages.delete_many(
+                {"conversation_id": plan.conversation_id, "epoch": reserved.epoch,
+                 "$or": [{"_id": d["_id"], "seq": d["seq"]} for d in documents]}
+            )  # fmt: skip
+        await self._full_texts.forget_files([b for d in documents for b in stored_blob_ids(d)])
+        raise _passed_since(plan, reserved.first_seq)
 
     async def _wait_until(self, deadline: float) -> None:
         """Wait until `deadline` (`time.monotonic()`): an earlier attempt of the turn, faster
@@ -3807,13 +3845,13 @@ class AgentMessageLogger:
         return {**stored, **{d["_id"]: d for d in wanted}}
 
     async def _turn_records(self, conversation_id: str) -> dict[str, Any] | None:
-        """The conversation's turn records (their key, first `seq` and given-back mark), its
-        epoch and the messages pops removed, as `_own_duplicates` reads them."""
+        """The conversation's turn records (their key, first `seq`, given-back and popped
+        marks), its epoch and the messages pops removed, as `_own_duplicates` reads them."""
         with storage_errors("read the conversation"):
             found: dict[str, Any] | None = await self._conversations.find_one(
                 conversation_by_id(conversation_id),
-                {"turns.k": 1, "turns.f": 1, "turns.g": 1, "turns_dropped": 1, "epoch": 1,
-                 "popped_messages": 1},
+                {"turns.k": 1, "turns.f": 1, "turns.g": 1, "turns.p": 1, "turns_dropped": 1,
+                 "epoch": 1, "popped_messages": 1},
             )  # fmt: skip
         return found
 
@@ -3864,7 +3902,8 @@ class AgentMessageLogger:
         the delete's second sweep), or after its block was passed as abandoned
         (`TurnRules.abandon_after`) and given back by a pop. It goes, with the whole texts
         only it names, and the turn's message takes its place. Only while the conversation
-        under the id records this turn's block at `first_seq` and none of the other turns
+        under the id records this turn's block at `first_seq` and holds none of the other
+        turns' (`blocks_held`: a block given up that pops passed since is its turn's no more)
         (a live writer slower than the delete reaches a conversation under the id that
         does not record it: its insert is refused, Conflict, as a turn's own late insert).
         `records`: the conversation's turn records and epoch, as read.
@@ -3884,7 +3923,7 @@ class AgentMessageLogger:
             # Records dropped: one of the turn's own blocks is no longer told from a stray.
             or (found.get("turns_dropped") and any(d.get("turn_id") == plan.turn_id
                                                    for d in strays))
-            or any(t.startswith(MIGRATED_TURN_PREFIX) or blocks_of(found, turn_key(t))
+            or any(t.startswith(MIGRATED_TURN_PREFIX) or blocks_held(found, turn_key(t))
                    for t in others)
         )):  # fmt: skip
             raise _in_the_way(plan, first_seq, strays, wanted, found)
@@ -4635,6 +4674,19 @@ def _in_the_way(
     if own:
         return _stored_apart(plan, first_seq, own[0]["_id"], int(own[0]["seq"]))
     return _taken(plan.conversation_id, wanted[0]["_id"], wanted[0]["seq"])
+
+
+def _passed_since(plan: TurnPlan, first_seq: int) -> Conflict:
+    """The refusal of a turn landing in the block it was given up for good in, which pops
+    passed since (`AgentMessageLogger._passed_since_given_up`): `Corrected`, as every retry
+    of it is (its record marked popped)."""
+    return Corrected(
+        f"turn {plan.turn_id!r} was given up for good in its block at seq {first_seq} of "
+        f"conversation {plan.conversation_id!r} (a send of it refused: it could not move to "
+        "the end), and pops passed that block since, giving its seqs back: this send's "
+        "insert landed there late and is taken back, the turn is not stored. Log what the "
+        "conversation still needs as a new turn"
+    )
 
 
 def _stored_apart(plan: TurnPlan, first_seq: int, message_id_: str, seq: int) -> Conflict:

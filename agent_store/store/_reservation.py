@@ -576,6 +576,22 @@ def blocks_of(document: Mapping[str, Any], key: int) -> set[int]:
     }
 
 
+def blocks_held(document: Mapping[str, Any], key: int) -> set[int]:
+    """`blocks_of`, less the blocks given up (or given back) that a pop passed since
+    (`TurnRecord.given_up` and `popped`: a pop marks the records of the blocks past the
+    `seq`s it gives back): those `seq`s went back to the conversation, and a later turn's
+    reservation may hold them. Nothing the turn stores there counts (`give_up_undone`)."""
+    keys = {key, moved_key(key)}
+    return {
+        int(raw["f"])
+        for raw in document.get("turns") or ()
+        if isinstance(raw, Mapping)
+        and raw.get("k") in keys
+        and "f" in raw
+        and not (raw.get("g") is True and raw.get("p") is True)
+    }
+
+
 def reservation_filter(
     plan: TurnPlan, actor: Actor, *, records_complete: bool = True
 ) -> dict[str, Any]:
@@ -2433,14 +2449,16 @@ def give_up_undone(
     is the turn's given up no more. Matches only the conversation the turn reserved on
     (`same`), once: while the record says given up, and no delete has begun; and only
     while the block is still what the give-up left, its `seq`s gaps below the end: pops
-    since (which pass the gaps and give them back, `popped_seqs`) leave the block at or
-    past the end, so a turn landing there is past what they left, never counted again."""
+    since that passed the gaps (giving them back, `popped_seqs`, and marking the record
+    popped, `TurnRecord.popped`) leave the block the turn's no more (`blocks_held`), so a
+    turn landing there is past what they left, never counted again, even once a later
+    turn's reservation took the `seq`s and was given up there in turn."""
     key, first = Int64(plan.key), Int64(first_seq)
     block = [Int64(seq) for seq in range(first_seq, first_seq + plan.count)]
     query = {
         **same,
         **NOT_BEING_DELETED,
-        "turns": {"$elemMatch": {"k": key, "f": first, "g": True}},
+        "turns": {"$elemMatch": {"k": key, "f": first, "g": True, "p": {"$ne": True}}},
         "popped_seqs": {"$all": block},
         "message_count": {"$gte": Int64(first_seq + plan.count)},
     }
