@@ -54,7 +54,7 @@ from agent_store.integrations.streams import (
 from agent_store.store import CONVERSATIONS, PENDING_CALLS_KEPT, _relocated
 from agent_store.store import _logger as _logger_module
 from agent_store.store._logger import Corrected, OtherContent, Unreserved
-from agent_store.store._reservation import DELETING, BeingDeleted
+from agent_store.store._reservation import BLOCKS_WATCHED_FOR, DELETING, BeingDeleted
 from agent_store.store._turns import answered_in, message_id, pending_after
 from tests.api_harness import auth_headers, digest, reserved_insert_lost, serve
 from tests.conftest import COUNTED, Backend, StoreClocks
@@ -8216,8 +8216,10 @@ async def test_a_dead_turns_call_and_prompt_are_pending_no_more_once_its_block_i
 ) -> None:
     """RELIABILITY.md, "A writer that died before its insert": once its block is passed
     (`abandon_after`), the next turn folds the pending state from the stored messages, which
-    hold neither the call nor the prompt; an answer naming the message that would have made
-    the call is then refused as one naming a message that makes no call (API.md: 422)."""
+    hold neither the call nor the prompt. An answer naming the message that would have made
+    the call is told to come again while the block is watched (a day: the turn may still be
+    logged; `StorageUnavailable`, 503), then refused as one naming a message that makes no
+    call (API.md: 422), nothing stored either way."""
     runtime = Runtime(backend, rules=_SHORT)
     listed = await _asked_and_died(runtime, monkeypatch)
     clocks.wait(_SHORT.abandon_after.total_seconds() + 0.2)
@@ -8227,6 +8229,9 @@ async def test_a_dead_turns_call_and_prompt_are_pending_no_more_once_its_block_i
     assert await pending_state(runtime.store) == ([], None)
     assert await pending_state(runtime.store) == _folded(await runtime.store.transcript(CID))
     before = await runtime.store.transcript(CID)
+    with pytest.raises(StorageUnavailable, match=r"'tc-9'.*not stored.*may still be logged"):
+        await _person_denies(runtime, listed)
+    clocks.wait(BLOCKS_WATCHED_FOR.total_seconds())
     with pytest.raises(InvalidInput, match="tc-9"):
         await _person_denies(runtime, listed)
     assert await runtime.store.transcript(CID) == before
@@ -8296,6 +8301,95 @@ async def test_a_stalled_writer_landing_in_its_passed_block_makes_its_call_pendi
     monkeypatch.undo()
 
     assert await pending_state(store) == (["c2"], None)
+
+
+async def _call_turn_folded_off(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks, held: bool
+) -> tuple[PendingCall, asyncio.Task[LoggedTurn] | None, _StalledInsert | None]:
+    """t0 = [user, call c0] reserves its block and its insert is lost before the server (its
+    writer alive, retrying later) or `held` in the network; past `abandon_after` another
+    turn passes the empty block and folds c0 off `pending_calls`. Returns c0 as
+    `pending_calls` served it before, and the held insert's writer with its stall."""
+    writer = AgentMessageLogger(backend.db, rules=_SHORT)
+    store = ConversationStore(backend.db, rules=_SHORT)
+    late: asyncio.Task[LoggedTurn] | None = None
+    stall: _StalledInsert | None = None
+    if held:
+        stall = _StalledInsert(writer, monkeypatch)
+        late = await stall.start(writer.log_messages(CID, _FOLDED_CALL_TURN, turn_id="t0"))
+    else:
+        with monkeypatch.context() as lost:
+            lost.setattr(writer._messages, "insert_many", _lost_insert)
+            with contextlib.suppress(ConnectionError):
+                await writer.log_messages(CID, _FOLDED_CALL_TURN, turn_id="t0")
+    (read,) = await store.pending_calls(CID)
+    clocks.wait(_SHORT.abandon_after.total_seconds() + 0.2)
+    await AgentMessageLogger(backend.db, rules=_SHORT).log_messages(
+        CID, [_user("Meanwhile."), _say("Yes?")], turn_id="t3"
+    )
+    assert await store.pending_calls(CID) == []
+    return read, late, stall
+
+
+_FOLDED_CALL_TURN = [_user("Look it up."), _calls("c0")]
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["its insert lost", "its insert held"])
+async def test_an_answer_to_a_call_folded_off_while_its_turn_may_land_is_sent_again(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks, held: bool
+) -> None:
+    """The turn making c0 is not stored: its insert lost before the server (its writer alive,
+    retrying) or held in the network. Past `abandon_after` another turn folds c0 off
+    `pending_calls`. An answer naming c0 as `pending_calls` served it is told to come again
+    (`StorageUnavailable`: the call's turn is not stored and may still be logged), by
+    `check_turn` too, nothing stored; never `InvalidInput` "a fork?" (a do-not-resend error
+    whose cause is false). Once the call's turn lands (its retry moved to the end, its
+    message ids kept; or its held insert), the same answer is stored."""
+    logger, store = AgentMessageLogger(backend.db, rules=_SHORT), ConversationStore(backend.db)
+    read, late, stall = await _call_turn_folded_off(backend, monkeypatch, clocks, held)
+    before = await store.transcript(CID)
+    answer: dict[str, Any] = {
+        "messages": [_answer("c0", "r"), _say("Found it.")],
+        "turn_id": "t2",
+        "answers_to": {"c0": read.message_id},
+    }
+
+    for attempt in (logger.check_turn, logger.log_messages):
+        with pytest.raises(StorageUnavailable, match=r"'c0'.*not stored.*may still be logged"):
+            await attempt(CID, **answer)
+    assert await store.transcript(CID) == before
+
+    if late is not None and stall is not None:
+        stall.release()
+        await late
+        monkeypatch.undo()
+    else:
+        await logger.log_messages(CID, _FOLDED_CALL_TURN, turn_id="t0")
+    await logger.log_messages(CID, **answer)
+
+    assert await store.pending_calls(CID) == []
+    stored = await store.transcript(CID)
+    assert [m.content for m in stored if m.tool_call_id == "c0"] == ["r"]
+    assert read.message_id in {m.id for m in stored}
+
+
+async def test_an_answer_naming_a_message_never_listed_stays_invalid_while_a_turn_may_land(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks
+) -> None:
+    """While c0's turn may still land (its block passed empty, watched), an answer naming c0
+    by a message this conversation never listed (read from a fork) is still `InvalidInput`
+    "does not make call", by `check_turn` too, nothing stored: only a call this conversation
+    listed is waited for."""
+    logger, store = AgentMessageLogger(backend.db, rules=_SHORT), ConversationStore(backend.db)
+    await _call_turn_folded_off(backend, monkeypatch, clocks, held=False)
+    before = await store.transcript(CID)
+    elsewhere = message_id("a-fork", "t0", 1)
+
+    for attempt in (logger.check_turn, logger.log_messages):
+        with pytest.raises(InvalidInput, match="does not make call 'c0'"):
+            await attempt(CID, [_answer("c0", "r")], turn_id="t2", answers_to={"c0": elsewhere})
+
+    assert await store.transcript(CID) == before
     assert await pending_state(store) == _folded(await store.transcript(CID))
 
 

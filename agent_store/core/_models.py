@@ -1155,6 +1155,23 @@ class PendingBlock(_Model):
     """When a fold found it passed and holding no message: its turn's insert may still land
     (a writer stalled inside it), so every later turn and read of the summary looks whether
     one did and folds it in, for a day at most; null while never found so."""
+    calls: list[CallUnlanded] | None = Field(default=None, alias="c")
+    """The calls its turn's reservation listed pending that the fold watching it took off
+    `pending_calls` (`watched`; their messages not stored): while it is watched, an answer
+    naming one as `pending_calls` served it is told to come again, its turn may still be
+    logged, never refused as naming a message that makes no call. Null while not watched,
+    and on a block watched before blocks said so."""
+
+
+class CallUnlanded(_Model):
+    """A call a turn's reservation listed pending whose message is not stored: its block was
+    passed empty and the fold took it off `pending_calls` (`PendingBlock.calls`; extension,
+    the store's bookkeeping, never served)."""
+
+    tool_call_id: str = Field(alias="c")
+    """The call's id."""
+    message_id: str = Field(alias="m")
+    """The message that makes it, as `pending_calls` served it."""
 
 
 class CallRelisted(_Model):

@@ -171,6 +171,7 @@ from agent_store.store._reservation import (
     being_migrated,
     blocks_held,
     blocks_of,
+    calls_awaited,
     conversation_by_id,
     denials_hold,
     give_up_undone,
@@ -1258,6 +1259,7 @@ class AgentMessageLogger:
         found = of_epoch(read, conversation.get("epoch"))
         count = int(conversation.get("message_count") or 0)
         landed = _Landed.of(found, named, gaps, count, from_seq, now, self.rules)
+        landed = landed.awaiting(calls_awaited(conversation, now))
         stored = {int(d["seq"]) for d in found}
 
         def written(made_at: int) -> bool:
@@ -4484,10 +4486,12 @@ _ANSWERED_FIELDS = {
     "resolved_hitl": 1,
     "created_at": 1,
     RELISTED: 1,
+    PENDING_BLOCKS: 1,
 }
 """What `_unanswered` reads of the conversation: where it stands (`AsRead`), its `Gaps`, what
-tells which of a turn's answers it settled before (`answered_since`, `released_calls`), and
-the calls listed again (`RELISTED`, `_relocated.looked_again`)."""
+tells which of a turn's answers it settled before (`answered_since`, `released_calls`), the
+calls listed again (`RELISTED`, `_relocated.looked_again`), and the calls of turns that may
+still be logged (`PENDING_BLOCKS`, `calls_awaited`)."""
 _MOVE_READ = {"message_count": 1, "last_step": 1}
 """What a refused move reads of the conversation: what its refusal says
 (`Condition.moved_explain`)."""
@@ -5272,11 +5276,14 @@ class _Landed:
     message's `seq` there (for one not stored, the last of the first block still being
     written, the latest its turn may end at: what follows it is another turn's; -1 when none
     is); `written_from`, the first `seq` still being written when a message named is not
-    stored (-1: none is, or every message named is stored)."""
+    stored (-1: none is, or every message named is stored); `awaited`, the calls named
+    (call id, message id) whose message is not stored that a block the conversation
+    watches records as its turn's (`calls_awaited`: that turn may still be logged)."""
 
     seen: Sequence[Mapping[str, Any]]
     made_at: Mapping[str, int]
     written_from: int = -1
+    awaited: frozenset[tuple[str, str]] = frozenset()
 
     @classmethod
     def of(
@@ -5314,6 +5321,14 @@ class _Landed:
         seen = sorted([*found, *placed], key=lambda d: int(d["seq"]))
         written_from = first if first is not None else -1
         return cls(seen, {**made_at, **dict.fromkeys(unstored, end)}, written_from)
+
+    def awaiting(self, recorded: Collection[tuple[str, str]]) -> _Landed:
+        """These messages, the calls named whose message is not stored among `recorded`
+        (`calls_awaited`) awaited."""
+        stored = {str(d["_id"]) for d in self.seen if int(d["seq"]) >= 0}
+        named = {(c.get("id"), d["_id"]) for d in self.seen for c in d.get("tool_calls") or ()}
+        awaited = {k for k in named & set(recorded) if k[1] not in stored}
+        return replace(self, awaited=frozenset(awaited))
 
     def makes(self, call_id: str, message: str) -> bool:
         """Whether `message` makes `call_id` here, stored or still to land."""
@@ -5365,6 +5380,8 @@ def _answers_judged(
         return _answered_first(plan, answered)
     if writing := [c for c, state in states.items() if state == "writing"]:
         return _answer_being_written(plan, writing)
+    if awaited := sorted(c for c, m in named.items() if (c, m) in landed.awaited):
+        return _call_turn_unstored(plan, awaited)
     if (misnamed := _misnamed(plan, named, found)) is not None:
         return misnamed
     if followed := [c for c, state in states.items() if state == "followed"]:
@@ -5570,6 +5587,21 @@ def _answer_being_written(plan: TurnPlan, call_ids: Sequence[str]) -> StorageUna
         f"in conversation {plan.conversation_id!r}, but an answer to that call is still "
         "being written by another turn (its insert may still land): retry shortly. Once it "
         "is stored this turn's answer is refused; once that turn is abandoned it is stored",
+    )
+
+
+def _call_turn_unstored(plan: TurnPlan, call_ids: Sequence[str]) -> StorageUnavailable:
+    """The turn making `call_ids` is not stored: its block was passed empty and the calls
+    folded off `pending_calls`, but the conversation watches it (`calls_awaited`), its
+    writer may still log it. Nothing final to say until it lands or the watch ends."""
+    return StorageUnavailable(
+        f"turn {plan.turn_id!r} answers {', '.join(map(shown, call_ids))} of an earlier turn "
+        f"in conversation {plan.conversation_id!r}, but the turn making that call is not "
+        "stored: its block was passed unstored past abandon_after, and it may still be "
+        "logged (its writer retrying, or its insert still in the network); nothing was "
+        "stored. Send this turn again once pending_calls lists the call again; a day after "
+        "its block was passed the store waits no more, and an answer naming it is refused "
+        "as naming a message that makes no call",
     )
 
 

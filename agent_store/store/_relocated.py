@@ -542,9 +542,46 @@ def watched_after(fold: Refold) -> dict[str, Any]:
         }
     }
     since = {"$ifNull": ["$$b.w", literal(utc_now())]}
-    entry = {"f": "$$b.f", "l": "$$b.l", "a": "$$b.a", "d": literal(False), "w": since}
+    calls: Any = literal(None)
+    for first, taken_off in _unlanded_calls(fold).items():  # each block's own
+        calls = {"$cond": [{"$eq": ["$$b.f", first]}, literal(taken_off), calls]}
+    entry = {
+        "f": "$$b.f",
+        "l": "$$b.l",
+        "a": "$$b.a",
+        "d": literal(False),
+        "w": since,
+        "c": {"$ifNull": ["$$b.c", calls]},
+    }
     watched = {"$map": {"input": kept, "as": "b", "in": {"$cond": [found, entry, "$$b"]}}}
     return absent_stays(PENDING_BLOCKS, watched)
+
+
+def _unlanded_calls(fold: Refold) -> dict[int, list[dict[str, str]]]:
+    """For each block the fold found passed and empty (`Refold.unlanded`), the calls
+    `pending_calls` listed as read made there (their `seq` in the block) that the fold
+    takes off (`PendingBlock.calls`, `c`: its turn may still be logged, and an answer to
+    one waits for it while the block is watched). A call listed with no `seq` (before the
+    list recorded it) is not told apart: left out."""
+    folded = {(c.tool_call_id, c.message_id) for c in fold.calls}
+    blocks = [
+        (int(b["f"]), int(b["f"]) + int(b["l"]))
+        for b in fold.conversation.get(PENDING_BLOCKS) or ()
+        if isinstance(b, Mapping) and int(b["f"]) in fold.unlanded
+    ]
+    taken: dict[int, list[dict[str, str]]] = {}
+    for call in fold.conversation.get("pending_calls") or ():
+        if not isinstance(call, Mapping) or not isinstance(seq := call.get("seq"), int):
+            continue
+        call_id, made_by = call.get("tool_call_id"), call.get("message_id")
+        if not isinstance(call_id, str) or not isinstance(made_by, str):
+            continue
+        if (call_id, made_by) in folded:
+            continue
+        for first, end in blocks:
+            if first <= seq < end:
+                taken.setdefault(first, []).append({"c": call_id, "m": made_by})
+    return taken
 
 
 async def stored_among(

@@ -1515,7 +1515,14 @@ def _pending_blocks(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str
     def marked(passed: bool) -> dict[str, Any]:
         aged = {"$lte" if passed else "$gt": ["$$b.a", passed_by]}
         chosen = {"$filter": {"input": listed, "as": "b", "cond": aged}}
-        entry = {"f": "$$b.f", "l": "$$b.l", "a": "$$b.a", "d": literal(passed), "w": literal(None)}
+        entry = {
+            "f": "$$b.f",
+            "l": "$$b.l",
+            "a": "$$b.a",
+            "d": literal(passed),
+            "w": literal(None),
+            "c": literal(None),
+        }
         return {"$map": {"input": chosen, "as": "b", "in": entry}}
 
     young = marked(False)
@@ -1526,6 +1533,7 @@ def _pending_blocks(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str
             "a": literal(now),
             "d": literal(False),
             "w": literal(None),
+            "c": literal(None),
         }
         young = {"$concatArrays": [young, {"$map": {"input": [0], "in": own}}]}
     blocks = {
@@ -1618,6 +1626,23 @@ def watched_blocks(conversation: Mapping[str, Any], now: datetime) -> tuple[int,
         if isinstance(block, Mapping)
         and isinstance(block.get("w"), datetime)
         and to_utc(block["w"]) > since
+    )
+
+
+def calls_awaited(conversation: Mapping[str, Any], now: datetime) -> frozenset[tuple[str, str]]:
+    """The calls (call id, message id) that the blocks `conversation` watches at `now`
+    (`watched_blocks`) record as taken off `pending_calls` by the fold that found them
+    passed and empty (`PendingBlock.calls`): their turn is not stored and may still be
+    logged (a writer retrying, moved to the end with its message ids; or an insert still
+    in the network), so an answer naming one waits for it (`StorageUnavailable`) until the
+    watch ends, never refused as naming a message that makes no call."""
+    watched = set(watched_blocks(conversation, now))
+    return frozenset(
+        (str(call["c"]), str(call["m"]))
+        for block in conversation.get(PENDING_BLOCKS) or ()
+        if isinstance(block, Mapping) and block.get("f") in watched
+        for call in block.get("c") or ()
+        if isinstance(call, Mapping) and "c" in call and "m" in call
     )
 
 
