@@ -393,19 +393,26 @@ async def test_a_pop_after_its_conversation_was_deleted_and_started_again_remove
     assert await store.transcript(CID) == []
 
 
+@pytest.mark.parametrize("stored", ["with epochs", "before epochs"])
 async def test_a_pop_whose_conversation_was_deleted_and_started_again_before_its_mark_pops_the_new(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, stored: str
 ) -> None:
     """RELIABILITY.md (deleted and created again under its id by anyone: none of it shows in
-    the new conversation): a pop marks only the life of the message it read (its `epoch`).
+    the new conversation): a pop marks only the life of the message it read (its `epoch`;
+    for a conversation stored before epochs, its `created_at`, read before the message).
     Deleted and started again under the id, with as many messages, between the pop's read
     of the last message and its mark, the pop removes the new conversation's last message,
     never answers the deleted one's, and the new conversation's summary stays its own (was:
     the deleted conversation's message answered, the new one's summary corrected for it,
-    its own last message kept)."""
+    its own last message kept; before epochs, until this release's second fix)."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     old = [{"role": "user", "content": "old question"}, {"role": "assistant", "content": "old"}]
     await logger.log_messages(CID, old, turn_id="t1")
+    if stored == "before epochs":
+        await backend.db["agent_conversations"].update_one({"_id": CID}, {"$unset": {"epoch": ""}})
+        await backend.db["agent_messages"].update_many(
+            {"conversation_id": CID}, {"$unset": {"epoch": ""}}
+        )
     real, raced = _pop.Pop._gaps_below, list[bool]()
 
     async def deleted_and_started_again(self: Any, *args: Any) -> bool:

@@ -66,6 +66,7 @@ from agent_store.store._indexes import LANGGRAPH_TURN, LIFE_READ, checkpoints_re
 from agent_store.store._reservation import (
     UNSTANDING_READ,
     conversation_by_id,
+    life_told,
     refuse_unless_standing,
 )
 from agent_store.store._tail import (
@@ -238,6 +239,14 @@ class Pop:
                 await self._nothing_to_pop(read_at)
                 return None
             message = message_adapter.validate_python(doc)
+            if message.epoch is None and conversation is None:
+                # A message stored before epochs tells no life: the conversation's does, read
+                # before the message (a conversation started again since has its own epoch,
+                # and its own messages carry it).
+                visible, conversation, _ = await self._finish_under_way()
+                if not visible:
+                    return None
+                continue
             if conversation is None and message.epoch is not None:
                 try:  # reads below the message may come upon a gap: a turn in flight, or...
                     pop = await self._what_removing_changes(message)
@@ -253,7 +262,7 @@ class Pop:
                 raise refused
             await self._refuse_a_threads(scope[0], message)
             count = self._passing(message, conversation, read_at)
-            removed = await self._remove(scope, message, pop, count)
+            removed = await self._remove(scope, message, pop, count, conversation)
             if removed is not None:
                 return removed
             visible, conversation, _ = await self._finish_under_way()
@@ -492,7 +501,12 @@ class Pop:
         return gaps.written(under, now=read_at, abandon_after=self.abandon_after) is not None
 
     async def _remove(
-        self, scope: Scope, message: AgentMessage, pop: PopInProgress, count: int | None
+        self,
+        scope: Scope,
+        message: AgentMessage,
+        pop: PopInProgress,
+        count: int | None,
+        conversation: Mapping[str, Any] | None,
     ) -> AgentMessage | None:
         """Mark, remove, finish, and answer the message whole (`_whole`); None when the mark
         was refused (another pop came first, or a turn holds a `seq` past the message; with
@@ -506,7 +520,7 @@ class Pop:
         conversation_id = scope[0]
         pops = self.memory.counts.get(conversation_id, 0)
         free = free_to_mark(pops, message.seq, message_count=count)
-        life = {} if pop.epoch is None else {"epoch": pop.epoch}  # the message's, as read
+        life = _life_of(pop, conversation)
         try:
             with storage_errors("mark the pop"):
                 query = {**self.scope, **free, **life}
@@ -550,7 +564,8 @@ class Pop:
         removed its message from this conversation (the pop it finished, or one its
         `popped_messages` lists: by that pop, or by any pop for an entry that names none)."""
         conversation_id = str(self.scope["_id"])
-        read = {"popping": 1, "pops": 1, "message_count": 1, "epoch": 1, **UNSTANDING_READ}
+        read = {"popping": 1, "pops": 1, "message_count": 1, "epoch": 1, "created_at": 1}
+        read |= UNSTANDING_READ
         read |= GAPS_READ
         if earlier is not None:
             read["popped_messages"] = 1
@@ -569,6 +584,15 @@ class Pop:
             await self._finish(conversation_id, pop)
             return True, None, removed or (pop.message_id, pop.pop_id) == earlier
         return True, doc, removed
+
+
+def _life_of(pop: PopInProgress, conversation: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What a pop's mark matches the conversation's life by: the `epoch` of the message it
+    read; for a message stored before epochs, the life of the conversation as read before
+    it (its `epoch`, else its `created_at`): never one deleted and started again since."""
+    if pop.epoch is not None or conversation is None:
+        return {} if pop.epoch is None else {"epoch": pop.epoch}
+    return life_told(epoch=conversation.get("epoch"), created_at=conversation.get("created_at"))
 
 
 async def finish_pop(
