@@ -27,6 +27,7 @@ from agent_store import (
 )
 from agent_store.core import MAX_JSON_VALUES, AgentMessage, utc_now
 from agent_store.legacy import (
+    CLAIMED_FROM,
     LEGACY_TURNS,
     MIGRATION_STATE,
     MIXED_USER_IDS,
@@ -786,6 +787,35 @@ async def test_a_moved_turn_the_old_service_saves_again_in_place_stays_its_claim
     left = [d["_id"] for d in await backend.db[CONVERSATIONS].find({}).to_list(None)]
     assert left == (["t-dan"] if erased == "ann" else ["t-ann"])
     assert await backend.db[MIGRATION_STATE].count_documents({"user_id": user_id}) == 0
+
+
+@pytest.mark.parametrize("then", ["erasure", "claim"])
+async def test_a_deleted_turns_claim_record_goes_with_it_telling_no_turn_saved_under_its_id_since(
+    backend: Backend, then: str
+) -> None:
+    """A delete takes the claim records of the legacy turns it deletes (`CLAIM_RECORD`): Ann
+    (`a`, then `b` by a claim) deletes her conversation; Dan, `a` since a claim of his own,
+    starts one under the same id and turn id, whose dual-written copy has the same `_id`.
+    Ann's erasure and her next claim leave Dan's copy (was: her claim record, left behind,
+    read his copy naming `a` as hers: her erasure took it, her claim moved it)."""
+    logger = AgentMessageLogger(backend.db, observers=[LegacyTurns(backend.db, dual_write=True)])
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    ann = [{"role": "user", "content": "ANN q"}, {"role": "assistant", "content": "ANN a"}]
+    await logger.log_messages("c1", ann, user_id="a", turn_id="t1")
+    await store.claim("a", "b")
+    await store.delete("c1", user_id="b")
+    await store.claim("d", "a")
+    dan = [{"role": "user", "content": "DAN q"}, {"role": "assistant", "content": "DAN a"}]
+    await logger.log_messages("c1", dan, user_id="a", turn_id="t1")
+
+    if then == "erasure":
+        assert (await store.erase_user("b")).legacy_turns == 0
+    else:
+        assert (await store.claim("b", "e")).legacy_turns == 0
+
+    copies = await backend.db[LEGACY_TURNS].find({}).to_list(None)
+    assert [(c["user_id"], c.get(CLAIMED_FROM)) for c in copies] == [("a", None)]
+    assert await backend.db[MIGRATION_STATE].count_documents({"user_id": "b"}) == 0
 
 
 @_RESAVE_STORIES

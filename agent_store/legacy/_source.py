@@ -399,9 +399,11 @@ class LegacyTurns:
             if late:  # a run may have moved some aside since the read: read them again
                 found = await self._owned(self._turns, turns)
                 parsed = parse_turns(found, unnamed.names)
-            ids = [found[i]["_id"] for i in users_part(parsed, owner, live)]
+            part = [found[i] for i in users_part(parsed, owner, live)]
+            ids = [d["_id"] for d in part]
             among = {"$and": [turns, *_among_ids(ids)]}
             deleted = await self._turns.delete_many(among) if ids else None
+            await self._forget_claims([*part, *(d for d in standing if d["_id"] in late)])
             claimed = claimers([*parsed, *parse_turns(standing)])
             theirs = [
                 d["_id"]
@@ -569,6 +571,14 @@ class LegacyTurns:
             return documents
         records = await self._migration.find({"_id": {"$in": owed}}).to_list(None)
         return as_claims_recorded(documents, records)
+
+    async def _forget_claims(self, deleted: Iterable[Mapping[str, Any]]) -> None:
+        """Delete the claim records (`CLAIM_RECORD`) of these legacy turns, deleted: a record
+        left behind would tell a turn saved under the same `_id` since (a conversation started
+        again under the id: its dual-written copy) as the claimer's. One command, none when
+        none of them carries a claim (`claim_records_owed`)."""
+        if records := claim_records_owed(deleted):
+            await self._migration.delete_many({"_id": {"$in": records}})
 
     async def _claim_records(self, user_id: str) -> list[dict[str, Any]]:
         """The claim records (`CLAIM_RECORD`) naming `user_id` as the user the last claim of
