@@ -272,6 +272,7 @@ def _source(
         db[LEGACY_TURNS].create_index(LEGACY_INDEX, name="migration_conversation_id")
         db[lease.STATE].create_index(STATE_INDEX, name="migration_state_kind")
         create_indexes_sync(db)
+        dual_writes.confirm_copies(db, source=source)
     return source, also
 
 

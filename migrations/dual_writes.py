@@ -27,21 +27,28 @@ deleted it after a rollback; a turn with no such record had no copy to lose.
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from pymongo import UpdateOne
 from pymongo.database import Database
 
 from agent_store.core import AgentMessage, InvalidInput, Usage, to_utc_millis, utc_now
 from agent_store.legacy import (
+    COPY_INTENDED,
     COPY_RECORD,
+    COPY_STATE,
+    COPY_WRITTEN,
     CUT_FIELD,
     DUAL_WRITE_NOT_EXACT,
     NATIVE_FIELD,
+    RECORD_FIELD,
     LegacyConversion,
     LegacyTurn,
     Problem,
@@ -58,6 +65,7 @@ from agent_store.store import (
     CONVERSATIONS,
     DEFAULT_MARKERS,
     MESSAGES,
+    MIGRATED_TURN_PREFIX,
     RuntimeContextMarkers,
     TurnRules,
 )
@@ -493,52 +501,150 @@ def moved_at(db: Database[dict[str, Any]]) -> Moves | None:
     return Moves(first, to_utc_millis(last))
 
 
+COPY_GONE = (
+    "the dual-written copy of the live turn {turn_id!r} is gone from the legacy collection "
+    "while its messages are stored (the legacy service deleted the turn after a rollback?): "
+    "pop its messages through the store (`ConversationStore.pop_last_message`, which "
+    "corrects the conversation's counts; a delete by hand leaves them counted), or put its "
+    "copy back"
+)
+"""What the gate says of a live turn whose recorded copy is gone (`deleted`)."""
+
+COPY_GONE_WHOLE = (
+    "the dual-written copy of the live turn {turn_id!r} is gone from the legacy collection "
+    "while its messages are stored without a conversation document (the legacy service "
+    "deleted the conversation after a rollback?): delete the conversation's messages of "
+    "that turn, not put its document back, or put its copy back"
+)
+"""What the gate says of it when no conversation document stands under the id."""
+
+COPY_UNCONFIRMED = (
+    "the dual write recorded it would copy the live turn {turn_id!r} (record {record!r}) "
+    "but not that it did, and no copy is in the legacy collection: either its copy's write "
+    "failed (the runtime was told the turn failed, yet its messages are stored and served) "
+    "or the legacy service deleted it after a rollback. Ask whether the person deleted that "
+    "exchange: if so pop its messages through the store; if not, delete that record (the "
+    "turn was never copied)"
+)
+"""What the gate says of a live turn whose record was never confirmed and whose copy is
+missing: which it is nothing stored tells, so neither passes nor advises a deletion."""
+
+COPY_RECORDS_READ = 1000
+"""The most copy records one read asks for (`copied`), and live turns one chunk of
+`deleted` reads."""
+
+
 def deleted(
     db: Database[dict[str, Any]],
-    held: Iterable[Mapping[str, Any]],
-    stored: Mapping[str, Sequence[AgentMessage]],
-    conversations: Mapping[str, Mapping[str, Any]],
     *,
     source: str,
+    conversations: Sequence[str] | None = None,
 ) -> dict[str, list[str]]:
-    """The live turns stored in these conversations (`stored`, their messages by conversation)
-    that the dual write copied (`copied`: its record of the copy) whose copy is gone: the old
-    service deleted it after a rollback (a person deleted the exchange), while the new store
-    still serves it. A turn with no record of a copy is never one (logged with the dual write
-    off: after the rollback window, before the first move, or by a writer without it; or a
-    copy an earlier release wrote, which recorded none), whenever the legacy turns were moved
-    (was: judged by the times of the moves, so a late legacy turn moved aside made every turn
-    logged after the window a copy gone), nor one of another `epoch` than its conversation's
-    (a late insert of a conversation deleted under the id). A copy among the `held` ones is
-    there; the others are looked up in `source` (where the legacy turns are,
-    `relocate.turns_at`) by the `_id` every dual write of a turn gives one of its
-    documents (`legacy_turn_id`: a batch reading one spelling of a conversation stored under
-    a derived id holds only the copies naming it so): one read, only when there are any."""
-    copies = {key for d in held if (key := _turn(d)) is not None}
-    uncopied = [
-        (cid, turn_id)
-        for cid, messages in stored.items()
-        for turn_id in _live_turns(messages, conversations.get(cid, {}).get("epoch"))
-        if (cid, turn_id) not in copies
-    ]
-    wanted = copied(db, uncopied, conversations)
-    if not wanted:
-        return {}
-    ids = {legacy_turn_id(cid, turn_id): (cid, turn_id) for cid, turn_id in wanted}
-    # Marked or not: a copy whose mark the operator removed (as `differences` advises) is
-    # there, and `run` takes it as a legacy turn.
-    there = db[source].find({"_id": {"$in": sorted(ids)}}, {"_id": 1})
-    gone = set(wanted) - {ids[d["_id"]] for d in there}
+    """The live turns stored (of these `conversations`, or of every conversation holding
+    any, wherever it stands: one whose legacy turns the old service all deleted, one whose
+    document a rollback moved away) that the dual write recorded copying (`copied`) whose
+    copy is not in `source` (where the legacy turns are, `relocate.turns_at`), by the `_id`
+    every dual write of a turn gives one of its documents (`legacy_turn_id`; marked or not:
+    a copy whose mark the operator removed, as `differences` advises, is there), for a
+    person, by conversation. A record confirmed (`COPY_WRITTEN`) whose copy is gone: the old
+    service deleted it after a rollback (a person deleted the exchange, or the whole
+    conversation), while the new store still serves it (`COPY_GONE`). A record only
+    intended (`COPY_INTENDED`: the write after the copy failed) whose copy is missing may be
+    either (`COPY_UNCONFIRMED`); one whose copy stands passes. A turn with no record is never
+    one (logged with the dual write off: after the rollback window, before the first move,
+    or by a writer without it; or copied by an earlier release, `unrecorded`), nor one of
+    another `epoch` than its conversation's (a late insert of a conversation deleted under
+    the id). Reads the live turns grouped (one aggregation), then per `COPY_RECORDS_READ` of
+    them their documents, records and copies (three reads)."""
     found: dict[str, list[str]] = {}
-    for cid, turn_id in sorted(gone):
-        found.setdefault(cid, []).append(
-            f"the dual-written copy of the live turn {turn_id!r} is gone from the legacy "
-            "collection while its messages are stored (the legacy service deleted the turn "
-            "after a rollback?): pop its messages through the store "
-            "(`ConversationStore.pop_last_message`, which corrects the conversation's counts; "
-            "a delete by hand leaves them counted), or put its copy back"
-        )
+    turns = _stored_live_turns(db, conversations)
+    while chunk := list(itertools.islice(turns, COPY_RECORDS_READ)):
+        for cid, said in _gone(db, chunk, source=source).items():
+            found.setdefault(cid, []).extend(said)
     return found
+
+
+def _stored_live_turns(
+    db: Database[dict[str, Any]], conversations: Sequence[str] | None
+) -> Iterator[tuple[str, str, str | None]]:
+    """(conversation id, turn id, epoch) of each live turn (not the migration's) whose
+    messages are stored, grouped by the server."""
+    match: dict[str, Any] = {"turn_id": {"$type": "string", "$not": _MIGRATED}}
+    if conversations is not None:
+        match["conversation_id"] = {"$in": list(conversations)}
+    grouped = db[MESSAGES].aggregate(
+        [
+            {"$match": match},
+            {"$group": {"_id": {"c": "$conversation_id", "t": "$turn_id", "e": "$epoch"}}},
+            {"$sort": {"_id.c": 1, "_id.t": 1}},
+        ],
+        allowDiskUse=True,
+    )
+    for group in grouped:
+        key = group["_id"]
+        if isinstance(key.get("c"), str) and not is_migrated(key.get("t")):
+            yield key["c"], key["t"], key.get("e")
+
+
+_MIGRATED = {"$regex": f"^{re.escape(MIGRATED_TURN_PREFIX)}"}
+
+
+def _gone(
+    db: Database[dict[str, Any]], turns: Sequence[tuple[str, str, str | None]], *, source: str
+) -> dict[str, list[str]]:
+    """`deleted` for one chunk of live turns: each of the epoch of its conversation's
+    document (of the epoch its messages carry when none stands under the id)."""
+    cids = sorted({cid for cid, _, _ in turns})
+    query = {"_id": {"$in": cids}, **CONVERSATION_FILTER}
+    documents = {d["_id"]: d for d in db[CONVERSATIONS].find(query, {"epoch": 1})}
+    records: dict[str, tuple[str, str]] = {}
+    for cid, turn_id, epoch in turns:
+        life = documents[cid].get("epoch") if cid in documents else epoch
+        if epoch in (None, life):
+            records[copy_record_id(cid, turn_id, life)] = (cid, turn_id)
+    query = {"_id": {"$in": sorted(records)}, "kind": COPY_RECORD}
+    states = {records[d["_id"]]: d for d in db[STATE].find(query, {COPY_STATE: 1})}
+    ids = {legacy_turn_id(cid, turn_id): (cid, turn_id) for cid, turn_id in states}
+    there = {ids[d["_id"]] for d in db[source].find({"_id": {"$in": sorted(ids)}}, {"_id": 1})}
+    found: dict[str, list[str]] = {}
+    for (cid, turn_id), record in sorted(states.items()):
+        if (cid, turn_id) in there:
+            continue
+        if record.get(COPY_STATE) == COPY_INTENDED:
+            said = COPY_UNCONFIRMED.format(turn_id=turn_id, record=record["_id"])
+        else:
+            said = (COPY_GONE if cid in documents else COPY_GONE_WHOLE).format(turn_id=turn_id)
+        found.setdefault(cid, []).append(said)
+    return found
+
+
+def confirm_copies(db: Database[dict[str, Any]], *, source: str) -> int:
+    """Confirm the record of each dual-written copy standing in `source` that names one
+    (`RECORD_FIELD`) still only intended (`COPY_INTENDED`: the write after the copy failed)
+    or missing (removed by hand), so that once the old service deletes it the gate calls it
+    gone (`COPY_GONE`) rather than unconfirmed or unrecorded; how many. `run` does it: one
+    read of the copies naming a record, one of those records, one write when any is left."""
+    named = {d[RECORD_FIELD] for d in db[source].find(_NAMING_A_RECORD, {RECORD_FIELD: 1})}
+    if not named:
+        return 0
+    query = {"_id": {"$in": sorted(named)}, "kind": COPY_RECORD, COPY_STATE: {"$ne": COPY_INTENDED}}
+    left = named - {d["_id"] for d in db[STATE].find(query, {"_id": 1})}
+    if left:
+        db[STATE].bulk_write(
+            [
+                UpdateOne(
+                    {"_id": record_id},
+                    {"$set": {COPY_STATE: COPY_WRITTEN}, "$setOnInsert": {"kind": COPY_RECORD}},
+                    upsert=True,
+                )
+                for record_id in sorted(left)
+            ],
+            ordered=False,
+        )
+    return len(left)
+
+
+_NAMING_A_RECORD = {"dual_write": True, RECORD_FIELD: {"$type": "string"}}
 
 
 UNRECORDED = (
@@ -568,10 +674,6 @@ def unrecorded(db: Database[dict[str, Any]], *, source: str) -> dict[str, int]:
     return dict(sorted(left.items()))
 
 
-COPY_RECORDS_READ = 1000
-"""The most copy records one read asks for (`copied`)."""
-
-
 def copied(
     db: Database[dict[str, Any]],
     turns: Sequence[tuple[str, str]],
@@ -590,16 +692,3 @@ def copied(
         query = {"_id": {"$in": sorted(ids)}, "kind": COPY_RECORD}
         found += [ids[d["_id"]] for d in db[STATE].find(query, {"_id": 1})]
     return found
-
-
-def _live_turns(messages: Sequence[AgentMessage], epoch: str | None) -> dict[str, AgentMessage]:
-    """The first message of each live turn (not the migration's) of the conversation's
-    `epoch`, by turn id."""
-    first: dict[str, AgentMessage] = {}
-    for m in messages:
-        turn_id = m.turn_id
-        if turn_id is None or is_migrated(turn_id) or turn_id in first:
-            continue
-        if m.epoch in (None, epoch):
-            first[turn_id] = m
-    return first

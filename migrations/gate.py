@@ -475,11 +475,19 @@ def check(
     gate = Gate()
     accepted = problem_report.accepted(db)
     source = turns_at(db)
+    gone = dual_writes.deleted(db, source=source)
+    renew()
     for ids in batches(conversation_ids(db, source=source), batch_size):
-        _check_batch(db, gate, ids, accepted, undated_at, source=source, rules=rules)
+        _check_batch(db, gate, ids, accepted, undated_at, gone, source=source, rules=rules)
         renew()
     _check_orphan_prompts(db, gate, accepted, renew, source=source)
     listed = {left.conversation_id: left for left in gate.left}
+    for cid, reasons in gone.items():  # no legacy turn lists it: its records say
+        if cid in listed:
+            listed[cid].reasons += reasons
+        else:
+            gate.conversations += 1
+            gate.left.append(listed.setdefault(cid, WorkLeft(cid, reasons)))
     for found in abandoned.chunks(db, source=source):
         for item in found:  # one a legacy turn names is listed already: one entry each
             if item.conversation_id in listed:
@@ -537,11 +545,13 @@ def _check_batch(
     ids: list[Any],
     accepted: dict[str, list[str]],
     undated_at: datetime | None,
+    gone: dict[str, list[str]],
     *,
     source: str,
     rules: TurnRules,
 ) -> None:
-    """Check one batch of legacy conversations (`source`: where they are now)."""
+    """Check one batch of legacy conversations (`source`: where they are now), taking from
+    `gone` what it says of them (`dual_writes.deleted`)."""
     held: list[dict[str, Any]] = []
     converted, failed, _ = convert_batch(
         db, ids, rules, source=source, undated_at=undated_at, held=held
@@ -552,10 +562,9 @@ def _check_batch(
     messages = full_texts.stored_messages(db, [c.conversion.conversation_id for c in converted])
     stored = _stored(db, converted, messages)
     dual = dual_writes.differences(db, held, legacy, stored.conversations, rules)
-    for cid, found in dual_writes.deleted(
-        db, held, messages, stored.conversations, source=source
-    ).items():
-        dual.setdefault(cid, []).extend(found)
+    for cid in list(gone):
+        if cid in messages:
+            dual.setdefault(cid, []).extend(gone.pop(cid))
     for item in converted:
         gate.conversations += 1
         cid = item.conversion.conversation_id

@@ -283,19 +283,26 @@ def verify(
     result = Verification()
     source = turns_at(db)
     ids: Iterator[Any]
+    chosen: list[Any] | None = None
     if conversation is not None:
-        ids = iter([conversation])
+        chosen = [conversation]
     elif sample_size is not None:
-        ids = iter(sample(conversation_ids(db, source=source), sample_size, seed))
-    else:
-        ids = conversation_ids(db, source=source)
+        chosen = list(sample(conversation_ids(db, source=source), sample_size, seed))
+    ids = iter(chosen) if chosen is not None else conversation_ids(db, source=source)
     if undated_at is None:  # the run's time for undated conversations
         undated_at = undated_time(db, record=False)
     read = (problem_report.accepted(db), held_back(db))
+    # Copies gone of every conversation holding live turns (of those chosen, if any): one
+    # the old service deleted whole is listed by no legacy turn, only by its records.
+    named = None if chosen is None else [c for c in chosen if isinstance(c, str)]
+    gone = dual_writes.deleted(db, source=source, conversations=named)
     for batch in batches(ids, batch_size):
-        _verify_batch(db, result, batch, undated_at, read, source=source, rules=rules)
+        _verify_batch(db, result, batch, undated_at, read, gone, source=source, rules=rules)
         if on_batch is not None:
             on_batch(len(batch))
+    for conversation_id, found in gone.items():  # listed by no legacy turn, or not compared
+        result.conversations += int(conversation_id not in result.differences)
+        result.differences.setdefault(conversation_id, []).extend(found)
     return result
 
 
@@ -329,12 +336,14 @@ def _verify_batch(
     batch: list[Any],
     undated_at: datetime | None,
     read: tuple[dict[str, list[str]], set[str]],
+    copies_gone: dict[str, list[str]],
     *,
     source: str,
     rules: TurnRules,
 ) -> None:
     """Compare one batch of conversations, adding what it finds to `result` (`read`: the
-    acceptances recorded, and the conversations held back, `relocate.held_back`; `source`:
+    acceptances recorded, and the conversations held back, `relocate.held_back`;
+    `copies_gone`: what `dual_writes.deleted` says, of which it takes the batch's; `source`:
     where they are). Only a conversation document is read as one (`CONVERSATION_FILTER`): a
     legacy turn standing under a conversation's id is not."""
     accepted, held_back_now = read
@@ -353,9 +362,9 @@ def _verify_batch(
     documents = {d["_id"]: d for d in db[CONVERSATIONS].find(query, _DOCUMENT_READ)}
     recorded = problem_report.records(db, checked, placed=None)
     dual = dual_writes.differences(db, held, legacy, documents, rules)
-    copies_gone = dual_writes.deleted(db, held, stored, documents, source=source)
-    for cid, deleted in copies_gone.items():
-        dual.setdefault(cid, []).extend(deleted)
+    for cid in checked:
+        if cid in copies_gone:
+            dual.setdefault(cid, []).extend(copies_gone.pop(cid))
     for item in converted:
         conversation_id = item.conversion.conversation_id
         result.conversations += 1

@@ -42,9 +42,15 @@ ALLOWED_BROADCASTS: dict[tuple[str, str], str] = {
         "its last step looks once for migrated messages left without their conversation "
         "document (the `seq` 0 ones): the operator's one-shot tool"
     ),
+    ("migration verify", MESSAGES): (
+        "it reads every conversation's live turns once (grouped by the server) for the dual "
+        "write's records of their copies, wherever their conversation stands: the operator's "
+        "one-shot tool"
+    ),
     ("migration finish", MESSAGES): (
         "its gate looks for migrated messages left without their conversation document, and "
-        "for live ones (the `seq` 0 ones): the operator's one-shot tool"
+        "for live ones (the `seq` 0 ones), and reads every conversation's live turns once for "
+        "the dual write's records of their copies: the operator's one-shot tool"
     ),
 }
 """Operations that may reach every shard of `agent_messages`, with the reason."""

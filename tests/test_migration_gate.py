@@ -31,6 +31,7 @@ from agent_store.core import (
     Conflict,
     Conversation,
     NotFound,
+    StorageUnavailable,
     VersionMismatch,
     message_adapter,
 )
@@ -6632,7 +6633,7 @@ def _old_service_logs_a_turn(database: Database[dict[str, Any]]) -> None:
 
 def _old_service_resaves_the_copy(database: Database[dict[str, Any]]) -> None:
     """The old service saves the copy again without the marks it does not know."""
-    unset = {"dual_write": "", "turn_id": "", "dual_write_exact": ""}
+    unset = {"dual_write": "", "turn_id": "", "dual_write_exact": "", "dual_write_record": ""}
     database[CONVERSATIONS].update_many({"conversation_id": "n-1"}, {"$unset": unset})
 
 
@@ -7734,7 +7735,8 @@ def test_live_messages_left_after_the_migrated_ones_of_a_deleted_conversation_ar
     """After a rollback the old service deletes a conversation holding a live turn; `finish`
     names it, and the operator deletes its migrated messages only: its live ones, from `seq`
     2 on, are left with no document and no legacy turn. Work left, never a drop that leaves
-    them served."""
+    them served; named as the deletion the copy's record shows, never with the advice to put
+    the document back (was: "its messages are stored without a conversation document")."""
     database[CONVERSATIONS].insert_many(
         [legacy_turn("t-0", "c-1", 0, "OLD0"), legacy_turn("k-0", "c-keep", 0, "KEEP")]
     )
@@ -7748,7 +7750,9 @@ def test_live_messages_left_after_the_migrated_ones_of_a_deleted_conversation_ar
     assert cli(wire_uri, database, "run") == 0
     capsys.readouterr()
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
-    assert "c-1: its messages are stored without a conversation document" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "c-1: the dual-written copy of the live turn 'live-1' is gone" in out
+    assert "Put its conversation document back" not in out
     assert database[LEGACY_TURNS].count_documents({}) == 1
 
 
@@ -10023,3 +10027,120 @@ def test_a_turn_whose_id_is_not_valid_utf8_left_by_a_copy_is_named_again_by_ever
     assert [t["_id"] for t in database[CONVERSATIONS].find({"user_message": {"$exists": 1}})] == [
         bad_id
     ]
+
+
+def _copy_confirmation_fails_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write that follows a turn's copy (`LegacyTurns._record_copy`) fails once, as a
+    primary stepping down would: the runtime is told the turn failed (StorageUnavailable)."""
+    from pymongo.errors import AutoReconnect
+
+    failed: list[bool] = []
+    record = LegacyTurns._record_copy
+
+    async def flaky(self: LegacyTurns, *args: Any) -> None:
+        if not failed:
+            failed.append(True)
+            raise AutoReconnect("primary stepped down")
+        await record(self, *args)
+
+    monkeypatch.setattr(LegacyTurns, "_record_copy", flaky)
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("copy", ["standing", "deleted"])
+def test_a_copy_whose_record_was_not_confirmed_is_never_passed_unchecked_nor_blamed_on_a_release(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    copy: str,
+) -> None:
+    """The write after a turn's copy fails and the runtime never sends the turn again. The
+    copy was recorded as intended before it was written: while it stands the gate passes it
+    and says nothing of an earlier release; once it is gone (deleted by the old service, or
+    never written) `verify` and `finish` fail naming the turn, advising no blind deletion
+    (was: an unrecorded copy, "written before this release recorded copies", exit 0, and the
+    exchange deleted on the old service served)."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-1", 0, "OLD"))
+    assert cli(wire_uri, database, "run") == 0
+    _copy_confirmation_fails_once(monkeypatch)
+    with pytest.raises(StorageUnavailable):
+        log_live(wire_uri, database, "c-1", "t1", "«SECRET»", dual_write=True)
+    log_live(wire_uri, database, "c-1", "t2", "«NEXT»", dual_write=True)
+    if copy == "deleted":
+        database[LEGACY_TURNS].delete_one({"dual_write": True, "turn_id": "t1"})
+
+    for command in ("verify", "finish"):
+        capsys.readouterr()
+        assert cli(wire_uri, database, command) == int(copy == "deleted")
+        out = capsys.readouterr().out
+        assert "written before this release" not in out
+        assert "is gone from the legacy collection" not in out  # no advice to pop blindly
+        assert ("'t1'" in out) is (copy == "deleted")
+        assert "'t2'" not in out
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("operator", ["stops", "puts the documents back"])
+def test_a_conversation_the_old_service_deleted_whole_after_a_rollback_is_named_a_deleted_copy(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    operator: str,
+) -> None:
+    """After a rollback the old service deletes two conversations whole (a migrated one and
+    one started live), their dual-written copies too: no legacy turn lists them, yet the
+    records of their copies do. `verify` and `finish` name the copies gone, wherever the
+    conversations stand, and never advise putting a document back for them (was: "logged
+    while the dual write was off … Put its conversation document back", and once the
+    documents were put back `verify` and `finish` exited 0 serving what Ada deleted)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-0", "c-1", 0, "OLD"), legacy_turn("t-2", "c-2", 0, "OTHER")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "live-1", "«SECRET c-1»", dual_write=True)
+    log_live(wire_uri, database, "n-1", "live-2", "«SECRET n-1»", dual_write=True)
+    documents = list(database[CONVERSATIONS].find({"_id": {"$in": ["c-1", "n-1"]}}))
+    roll_back(database, clear_messages=False)
+    database[CONVERSATIONS].delete_many({"conversation_id": {"$in": ["c-1", "n-1"]}})
+    assert cli(wire_uri, database, "run") == 0
+    if operator == "puts the documents back":
+        database[CONVERSATIONS].insert_many(documents)
+
+    for command in ("verify", "finish"):
+        capsys.readouterr()
+        assert cli(wire_uri, database, command) == 1
+        out = capsys.readouterr().out
+        assert "copy of the live turn 'live-1' is gone" in out
+        assert "copy of the live turn 'live-2' is gone" in out
+        assert "Put its conversation document back" not in out
+
+
+@pytest.mark.wire
+def test_run_confirms_the_record_a_standing_copy_names_so_its_later_deletion_is_a_copy_gone(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A copy whose record stayed intended (the write after it failed), or lost (removed by
+    hand), names its record: `run` confirms it while the copy stands, so once the old
+    service deletes the copy the gate calls it gone, and says nothing of an earlier release
+    meanwhile."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-1", 0, "OLD"))
+    assert cli(wire_uri, database, "run") == 0
+    _copy_confirmation_fails_once(monkeypatch)
+    with pytest.raises(StorageUnavailable):
+        log_live(wire_uri, database, "c-1", "t1", "«SECRET»", dual_write=True)
+    log_live(wire_uri, database, "c-1", "t2", "«NEXT»", dual_write=True)
+    database[lease.STATE].delete_one({"kind": dual_writes.COPY_RECORD, "state": "copied"})
+    assert cli(wire_uri, database, "run") == 0
+    states = [d.get("state") for d in database[lease.STATE].find({"kind": "dual_write_copy"})]
+    assert states == ["copied", "copied"]
+    database[LEGACY_TURNS].delete_many({"dual_write": True})
+
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish") == 1
+    out = capsys.readouterr().out
+    assert "copy of the live turn 't1' is gone" in out
+    assert "copy of the live turn 't2' is gone" in out

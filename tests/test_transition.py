@@ -290,12 +290,12 @@ async def test_dual_write_is_off_unless_asked_for(backend: Backend) -> None:
 @pytest.mark.wire
 @pytest.mark.parametrize("legacy_id", [None, "conv 42/é"],
                          ids=["logged live", "migrated under a derived id"])  # fmt: skip
-async def test_dual_write_costs_three_more_round_trips(
+async def test_dual_write_costs_four_more_round_trips(
     wire_backend: Backend, legacy_id: str | None
 ) -> None:
-    """The legacy turn's upsert, the record of its copy (`COPY_RECORD`), then the lookup that
-    takes it back if the conversation was deleted meanwhile; naming a conversation by its
-    legacy id costs no read."""
+    """The record of its copy as intended (`COPY_RECORD`), the legacy turn's upsert naming
+    it, the record confirmed, then the lookup that takes the copy back if the conversation
+    was deleted meanwhile; naming a conversation by its legacy id costs no read."""
     assert wire_backend.commands is not None
     cid = "dual"
     if legacy_id is not None:
@@ -307,7 +307,8 @@ async def test_dual_write_costs_three_more_round_trips(
     )
     wire_backend.commands.clear()
     await logger.log_messages(cid, [{"role": "user", "content": "hi"}], turn_id="t1")
-    assert wire_backend.commands.names == ["findAndModify", "insert", "update", "update", "find"]
+    names = ["findAndModify", "insert", "update", "update", "update", "find"]
+    assert wire_backend.commands.names == names
 
 
 async def test_reads_of_an_unmigrated_conversation_fall_back_to_its_legacy_turns(

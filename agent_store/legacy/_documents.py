@@ -385,9 +385,14 @@ CUT_FIELD = "dual_write_cut"
 legacy document that no GridFS file keeps whole (their whole texts are in `agent_messages`
 alone): each by its message's `seq`, its path (`content`, `native`, …), its whole length and
 the SHA-256 of its whole text, as a stored message's `truncated` entry records a cut."""
-_DUAL_WRITE_FIELDS = frozenset({"dual_write", "turn_id", EXACT_FIELD, WHOLE_TEXTS_FIELD, CUT_FIELD})
+RECORD_FIELD = "dual_write_record"
+"""The field of a dual-written turn naming the record of its copy (`copy_record_id`, in the
+migration's collection): a copy this release wrote is told from an earlier release's by it."""
+_DUAL_WRITE_FIELDS = frozenset(
+    {"dual_write", "turn_id", EXACT_FIELD, WHOLE_TEXTS_FIELD, CUT_FIELD, RECORD_FIELD}
+)
 """What the dual write adds to a legacy turn: its mark, the turn id it logged, the digest of
-its messages, where its cut texts are kept whole, and those no file keeps."""
+its messages, where its cut texts are kept whole, those no file keeps, and its record."""
 _FALSE_WORDS = frozenset({"", "false", "f", "no", "n", "off", "none", "null"})
 _TRUE_WORDS = frozenset({"true", "t", "yes", "y", "on"})
 

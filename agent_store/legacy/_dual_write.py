@@ -32,7 +32,17 @@ COPY_RECORD = "dual_write_copy"
 """The `kind` of the record the dual write keeps, in the migration's collection
 (`MIGRATION_STATE`), of each turn it copied (`copy_record_id`): the one evidence of a copy
 the legacy service cannot take away with the copy, so a copy gone is told from a turn never
-copied (logged with the dual write off, or by a service without it)."""
+copied (logged with the dual write off, or by a service without it). Its `COPY_STATE` says
+how far the copy got: `COPY_INTENDED`, written before the copy, then `COPY_WRITTEN` once
+the copy is; a record holding none is `COPY_WRITTEN` (written after its copy, as an earlier
+release wrote it alone)."""
+
+COPY_STATE = "state"
+COPY_INTENDED = "intended"
+"""A record written before its copy: the copy may never have been written (its write failed,
+the runtime told the turn failed), or written and the record's confirmation lost."""
+COPY_WRITTEN = "copied"
+"""A record confirmed after its copy was written: a copy gone is one deleted since."""
 
 
 def copy_record_id(conversation_id: str, turn_id: str, epoch: str | None) -> str:

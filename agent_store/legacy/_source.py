@@ -30,6 +30,7 @@ from agent_store.legacy._documents import (
     MIGRATION_STATE,
     MIGRATION_STATE_ID,
     NAMING_FIELDS,
+    RECORD_FIELD,
     SESSION_HITL,
     LegacyTurn,
     LiveConversation,
@@ -62,7 +63,10 @@ from agent_store.legacy._documents import (
     users_part,
 )
 from agent_store.legacy._dual_write import (
+    COPY_INTENDED,
     COPY_RECORD,
+    COPY_STATE,
+    COPY_WRITTEN,
     copy_record_id,
     legacy_turn_documents,
     legacy_turn_id,
@@ -914,8 +918,11 @@ class LegacyTurns:
         bound is written whole (two more lookups, for such a turn only). Then the
         conversation is looked up (one more round trip): when it was deleted meanwhile, the
         turns just written go again, so a delete finishing before the dual write lands does
-        not bring it back. Once written, the copy is recorded in the migration's collection
-        (`_record_copy`, one more round trip). Every document fits in
+        not bring it back. The copy is recorded in the migration's collection as intended
+        before it is written (`_intend_copy`, one more round trip), each of its documents
+        naming that record (`RECORD_FIELD`), and the record confirmed once it is
+        (`_record_copy`, one more): a record lost never leaves a copy the gate cannot check,
+        nor a copy never written one it calls deleted. Every document fits in
         `MAX_LEGACY_DOCUMENT_BYTES` (texts cut further when the cut ones do not:
         `legacy_turn_documents`), so the copy is written; a copy still refused is a
         StorageFailure, never InvalidInput: the turn is stored by now.
@@ -942,25 +949,35 @@ class LegacyTurns:
             whole = documents_of(await self._full_texts.restore(turn.messages))
             if all(len(bson.encode(d)) <= MAX_LEGACY_DOCUMENT_BYTES for d in whole):
                 documents = whole  # else the texts stay cut: the turn is never lost over it
+        record_id = copy_record_id(turn.conversation_id, turn.turn_id, conversation.epoch)
         try:
             with storage_errors("write the legacy turn (dual write)"):
+                await self._intend_copy(record_id)
                 for document in documents:
+                    document[RECORD_FIELD] = record_id
                     await self._turns.replace_one({"_id": document["_id"]}, document, upsert=True)
-                await self._record_copy(turn, conversation)
+                await self._record_copy(record_id)
                 await self._unless_deleted(conversation, documents)
         except InvalidInput as exc:
             # The turn is stored by now: a copy refused is no fault of the caller's input.
             raise StorageFailure(f"{exc.message}; the turn itself is stored") from exc
 
-    async def _record_copy(self, turn: LoggedTurn, conversation: Conversation) -> None:
-        """Record that the turn was copied (`COPY_RECORD`, by `copy_record_id`: no name, no
-        content), where the legacy service never writes and a rollback moves nothing: the
-        gate expects a copy of a live turn so recorded only (`migrations.dual_writes.
-        deleted`); one never copied (the dual write off) has no copy to lose. A retry
-        rewrites the same record."""
-        record_id = copy_record_id(turn.conversation_id, turn.turn_id, conversation.epoch)
-        record = {"kind": COPY_RECORD, "at": utc_now()}
-        await self._migration.replace_one({"_id": record_id}, record, upsert=True)
+    async def _intend_copy(self, record_id: str) -> None:
+        """Record, before the copy is written, that the turn is to be copied (`COPY_RECORD`,
+        `COPY_INTENDED`, by `copy_record_id`: no name, no content), where the legacy service
+        never writes and a rollback moves nothing: the gate expects a copy of a live turn so
+        recorded only (`migrations.dual_writes.deleted`); one never copied (the dual write
+        off) has no copy to lose. A retry keeps a record already confirmed."""
+        intended = {"kind": COPY_RECORD, COPY_STATE: COPY_INTENDED, "at": utc_now()}
+        await self._migration.update_one(
+            {"_id": record_id}, {"$setOnInsert": intended}, upsert=True
+        )
+
+    async def _record_copy(self, record_id: str) -> None:
+        """Confirm the record of a copy once the copy is written (`COPY_WRITTEN`): a copy gone
+        is then one deleted since."""
+        update = {"$set": {COPY_STATE: COPY_WRITTEN}, "$setOnInsert": {"kind": COPY_RECORD}}
+        await self._migration.update_one({"_id": record_id}, update, upsert=True)
 
     async def _unless_deleted(
         self, conversation: Conversation, written: Sequence[dict[str, Any]]
