@@ -790,20 +790,26 @@ async def test_a_moved_turn_the_old_service_saves_again_in_place_stays_its_claim
     assert await backend.db[MIGRATION_STATE].count_documents({"user_id": user_id}) == 0
 
 
+@pytest.mark.parametrize("resaved", ["not saved again", "saved again by the old service"])
 @pytest.mark.parametrize("then", ["erasure", "claim"])
 async def test_a_deleted_turns_claim_record_goes_with_it_telling_no_turn_saved_under_its_id_since(
-    backend: Backend, then: str
+    backend: Backend, then: str, resaved: str
 ) -> None:
     """A delete takes the claim records of the legacy turns it deletes (`CLAIM_RECORD`): Ann
     (`a`, then `b` by a claim) deletes her conversation; Dan, `a` since a claim of his own,
     starts one under the same id and turn id, whose dual-written copy has the same `_id`.
-    Ann's erasure and her next claim leave Dan's copy (was: her claim record, left behind,
-    read his copy naming `a` as hers: her erasure took it, her claim moved it)."""
+    Ann's erasure and her next claim leave Dan's copy, whether or not the old service saved
+    Ann's moved copy again in place, without `claimed_from`, before her delete (was: her
+    claim record, left behind, read his copy naming `a` as hers: her erasure took it, her
+    claim moved it)."""
     logger = AgentMessageLogger(backend.db, observers=[LegacyTurns(backend.db, dual_write=True)])
     store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
     ann = [{"role": "user", "content": "ANN q"}, {"role": "assistant", "content": "ANN a"}]
     await logger.log_messages("c1", ann, user_id="a", turn_id="t1")
     await store.claim("a", "b")
+    if resaved == "saved again by the old service":  # from its cache: `a`, no `claimed_from`
+        unclaimed = {"$set": {"user_id": "a"}, "$unset": {CLAIMED_FROM: ""}}
+        await backend.db[LEGACY_TURNS].update_many({}, unclaimed)
     await store.delete("c1", user_id="b")
     await store.claim("d", "a")
     dan = [{"role": "user", "content": "DAN q"}, {"role": "assistant", "content": "DAN a"}]

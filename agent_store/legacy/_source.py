@@ -579,9 +579,10 @@ class LegacyTurns:
     async def _forget_claims(self, deleted: Iterable[Mapping[str, Any]]) -> None:
         """Delete the claim records (`CLAIM_RECORD`) of these legacy turns, deleted: a record
         left behind would tell a turn saved under the same `_id` since (a conversation started
-        again under the id: its dual-written copy) as the claimer's. One command, none when
-        none of them carries a claim (`claim_records_owed`)."""
-        if records := claim_records_owed(deleted):
+        again under the id: its dual-written copy) as the claimer's. Whether or not a turn
+        carries a claim: one the old service saved again in place carries none, yet has its
+        record. One command, none for no turn."""
+        if records := sorted({claim_record_id(d["_id"]) for d in deleted}):
             await self._migration.delete_many({"_id": {"$in": records}})
 
     async def _claim_records(self, user_id: str) -> list[dict[str, Any]]:
