@@ -9214,14 +9214,27 @@ _LIVES = [("ada", "mallory"), ("mallory", "ada")]
 
 
 async def _fold_raced_by_a_new_life(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch, trigger: str, first: str, then: str
+    backend: Backend,
+    monkeypatch: pytest.MonkeyPatch,
+    trigger: str,
+    first: str,
+    then: str,
+    *,
+    before_epochs: bool = False,
 ) -> ConversationStore:
     """`first`'s conversation asks r1 about c1 and is owed a fold of its pending state;
     `trigger` writes the fold, and between its read and its write `first` deletes the
-    conversation and `then` starts one under its id with as many messages."""
+    conversation and `then` starts one under its id with as many messages. `before_epochs`:
+    the first conversation was stored before epochs, and every message of both carries the
+    same `created_at` (a caller chooses it)."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
-    asked = [_user("Pay the rent."), _calls("c1"), _asks_about("r1", "c1")]
+    at = {"created_at": datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)} if before_epochs else {}
+    asked = [_user("Pay the rent.") | at, _calls("c1") | at, _asks_about("r1", "c1") | at]
     await logger.log_messages(CID, asked, turn_id="t0", user_id=first)
+    if before_epochs:
+        await backend.db.agent_conversations.update_one({"_id": CID}, {"$unset": {"epoch": ""}})
+        unset = {"$unset": {"epoch": ""}}
+        await backend.db.agent_messages.update_many({"conversation_id": CID}, unset)
     owed = {"$set": {"refold_owed": datetime.now(UTC)}}
     await backend.db.agent_conversations.update_one({"_id": CID}, owed)
     real, raced = _relocated._written, list[int]()
@@ -9230,7 +9243,7 @@ async def _fold_raced_by_a_new_life(
         if not raced:
             raced.append(count := int(fold.conversation["message_count"]))
             await store.delete(CID, user_id=first)
-            mine = [_user(f"mine {i}") for i in range(count)]
+            mine = [_user(f"mine {i}") | at for i in range(count)]
             await logger.log_messages(CID, mine, turn_id="m0", user_id=then)
         return await real(conversations, fold, names)
 
@@ -9267,6 +9280,25 @@ async def test_a_fold_owed_never_lands_on_a_conversation_started_again_under_its
     assert doc.get("pending_hitl") is None
     assert not doc.get("resolved_hitl")
     assert not doc.get("pending_blocks")
+
+
+@pytest.mark.parametrize("trigger", _FOLD_TRIGGERS)
+async def test_a_fold_owed_before_epochs_never_lands_on_a_life_started_again_with_its_created_at(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, trigger: str
+) -> None:
+    """RELIABILITY.md (as above): a conversation read before it had an epoch is told by its
+    `created_at` and by having none yet. Mallory's new conversation under the id, its first
+    message given Ada's `created_at`, draws an epoch: the fold of Ada's state misses it (was:
+    it matched `created_at` alone and served Ada's prompt r1 and call c1 to Mallory)."""
+    store = await _fold_raced_by_a_new_life(
+        backend, monkeypatch, trigger, "ada", "mallory", before_epochs=True
+    )
+
+    assert await held_state_of(store, "mallory") == ([], None)
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert doc["user_id"] == "mallory"
+    assert not doc.get("pending_calls")
+    assert doc.get("pending_hitl") is None
 
 
 async def held_state_of(

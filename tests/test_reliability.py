@@ -393,7 +393,9 @@ async def test_a_pop_after_its_conversation_was_deleted_and_started_again_remove
     assert await store.transcript(CID) == []
 
 
-@pytest.mark.parametrize("stored", ["with epochs", "before epochs"])
+@pytest.mark.parametrize(
+    "stored", ["with epochs", "before epochs", "before epochs, the same created_at"]
+)
 async def test_a_pop_whose_conversation_was_deleted_and_started_again_before_its_mark_pops_the_new(
     backend: Backend, monkeypatch: pytest.MonkeyPatch, stored: str
 ) -> None:
@@ -404,11 +406,18 @@ async def test_a_pop_whose_conversation_was_deleted_and_started_again_before_its
     of the last message and its mark, the pop removes the new conversation's last message,
     never answers the deleted one's, and the new conversation's summary stays its own (was:
     the deleted conversation's message answered, the new one's summary corrected for it,
-    its own last message kept; before epochs, until this release's second fix)."""
+    its own last message kept; before epochs, until this release's second fix; and when the
+    new conversation's first message was given the deleted one's `created_at`, a caller's
+    choice, until its third: a life read without an epoch is told by having none yet too)."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
-    old = [{"role": "user", "content": "old question"}, {"role": "assistant", "content": "old"}]
+    same = stored.endswith("the same created_at")
+    at = {"created_at": datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)} if same else {}
+    old = [
+        {"role": "user", "content": "old question"} | at,
+        {"role": "assistant", "content": "old"} | at,
+    ]
     await logger.log_messages(CID, old, turn_id="t1")
-    if stored == "before epochs":
+    if stored.startswith("before epochs"):
         await backend.db["agent_conversations"].update_one({"_id": CID}, {"$unset": {"epoch": ""}})
         await backend.db["agent_messages"].update_many(
             {"conversation_id": CID}, {"$unset": {"epoch": ""}}
@@ -420,8 +429,8 @@ async def test_a_pop_whose_conversation_was_deleted_and_started_again_before_its
             raced.append(True)
             await store.delete(CID)
             new = [
-                {"role": "user", "content": "new question"},
-                {"role": "assistant", "content": "new"},
+                {"role": "user", "content": "new question"} | at,
+                {"role": "assistant", "content": "new"} | at,
             ]
             await logger.log_messages(CID, new, turn_id="t2")
         return await real(self, *args)

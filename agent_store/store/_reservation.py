@@ -336,16 +336,26 @@ def same_conversation(
     drawn at random as its document is created (a caller supplies its first message's
     `created_at`, so two conversations may share one). A conversation read before it had an
     epoch (created before epochs: the first turn since draws it one) is told by its
-    `created_at`."""
+    `created_at` and by having no epoch yet (`life_told`)."""
     return conversation_by_id(conversation_id) | life_told(epoch=epoch, created_at=created_at)
 
 
 def life_told(*, epoch: str | None, created_at: datetime | None) -> dict[str, Any]:
     """What `same_conversation` tells a conversation's life by, apart from its id: its
-    `epoch`, else its `created_at` (as a deletion's record names it too)."""
+    `epoch`, else its `created_at` and no epoch (as a deletion's record names it too). A
+    conversation started under the id since draws an epoch, so it never matches a life read
+    without one, even with the same `created_at`; the first turn drawing this life's own
+    epoch meanwhile makes a write computed from the read miss too, and read again."""
     if epoch is not None:
         return {"epoch": epoch}
-    return {"created_at": created_at}
+    return {"created_at": created_at, "epoch": None}
+
+
+def created_as(conversation_id: str, created_at: datetime | None) -> dict[str, Any]:
+    """The conversation under `conversation_id` created at `created_at`, with or without an
+    epoch: what a token read before the conversation drew its epoch (a version, a stream's
+    pin) is checked against, the epoch it may have drawn since then read back from it."""
+    return conversation_by_id(conversation_id) | {"created_at": created_at}
 
 
 def same_as_read(conversation_id: str, read: Mapping[str, Any]) -> dict[str, Any]:
@@ -367,7 +377,7 @@ def life_named(
     if conversation_version(conversation_id, found.get("epoch"), created) == version:
         return same_as_read(conversation_id, found)
     if conversation_version(conversation_id, None, created) == version:
-        return same_conversation(conversation_id, epoch=None, created_at=created)
+        return created_as(conversation_id, created)
     return None
 
 
