@@ -985,6 +985,56 @@ async def test_a_give_up_is_undone_only_while_its_block_lies_below_the_end_pops_
         assert [m.seq for m in next_turn.messages] == [1, 2]
 
 
+@pytest.mark.parametrize("next_turn", [2, 1], ids=["block-meets-the-landing", "block-short-of-it"])
+async def test_a_dead_landing_past_the_end_pops_left_gives_way_whole_to_the_next_turns(
+    backend: Backend, next_turn: int
+) -> None:
+    """DESIGN.md §3: the give-up of "late" at 2-3 passed by three pops (the end back at 1),
+    its stalled insert lands there and its writer dies before it looks. The next turn's
+    insert, meeting one of its messages (at 1-2), or that of the turn after it (one-message
+    turns at 1, then at 2), takes every message of "late" away with the one in its way, by its
+    turn id in this life: no message of the given-up turn is served after those turns (was:
+    the next turn replaced only the `seq` it met, and the call "c-T" of "late" was served
+    after the user's newest turn, a message past `message_count`, until a later block
+    happened to cover it). Messages of "late" an earlier life of the id left stay."""
+    await AgentMessageLogger(backend.db).ensure_indexes()  # a `seq` holds one message
+    twins, held, first, _ = await _a_twin_gives_up_a_stalled_call_turn(
+        backend, _GIVE_UP_AFTER, dies=True
+    )
+    store = ConversationStore(backend.db, rules=_GIVE_UP_AFTER)
+    for _ in range(3):
+        await store.pop_last_message(CID)
+    held.release.set()
+    await held.landed.wait()  # "late" at 2-3, its writer dead
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    logger = AgentMessageLogger(backend.db)
+    landed = await backend.db[MESSAGES].find({"turn_id": "late"}).to_list(None)
+    earlier_life = [  # what a late insert of an earlier life under the id would have left
+        {**m, "_id": f"{m['_id']}-earlier", "epoch": "an-earlier-life", "seq": 40 + m["seq"]}
+        for m in landed
+    ]
+    await backend.db[MESSAGES].insert_many(earlier_life)
+
+    questions = [turn("next")] if next_turn == 2 else [
+        [{"role": "user", "content": "next?"}], [{"role": "user", "content": "then?"}]
+    ]  # fmt: skip
+    for n, messages in enumerate(questions):
+        await logger.log_messages(CID, messages, turn_id=f"next-{n}")
+
+    served = [(m.seq, m.content) for m in await store.transcript(CID)]
+    last = "next!" if next_turn == 2 else "then?"
+    assert served == [(0, "t0?"), (1, "next?"), (2, last)]
+    assert await store.pending_calls(CID) == []
+    left = await backend.db[MESSAGES].find({"turn_id": "late"}).to_list(None)
+    assert sorted(m["_id"] for m in left) == sorted(m["_id"] for m in earlier_life)
+    await backend.db[MESSAGES].delete_many({"epoch": "an-earlier-life"})
+    await check_conversation(backend.db, CID, gaps=True)
+    with pytest.raises(Corrected):
+        await twins.log_messages(CID, call_turn(), turn_id="late")
+
+
 CALL_L = {"id": "c-L", "function": {"name": "lookup", "arguments": "{}"}}
 
 

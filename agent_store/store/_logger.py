@@ -3893,9 +3893,9 @@ class AgentMessageLogger:
         wanted: list[dict[str, Any]],
     ) -> None:
         """Store the turn's `wanted` messages in place of `strays`, messages no turn of this
-        conversation stored where they are (two round trips more, four with whole texts to
-        forget, on that path only). A `wanted` message the insert meets at its `seq`, with its
-        content, is the turn's, stored meanwhile by another attempt of it (one lookup more).
+        conversation stored where they are (two round trips more, three for a turn given up
+        for good, four with whole texts to forget, on that path only); a `wanted` message met
+        at its `seq` with its content is the turn's, stored by another attempt (one lookup).
 
         The conversation gives each `seq` to one turn and records every block a turn holds:
         a message of another turn in this turn's block, or one of this turn in a block the
@@ -3903,16 +3903,14 @@ class AgentMessageLogger:
         up, applied by the server after the conversation under the id was deleted (and after
         the delete's second sweep), or after its block was passed as abandoned
         (`TurnRules.abandon_after`) and given back by a pop. It goes, with the whole texts
-        only it names, and the turn's message takes its place. Only while the conversation
-        under the id records this turn's block at `first_seq` and holds none of the other
-        turns' (`blocks_held`: a block given up that pops passed since is its turn's no more)
-        (a live writer slower than the delete reaches a conversation under the id that
-        does not record it: its insert is refused, Conflict, as a turn's own late insert).
-        `records`: the conversation's turn records and epoch, as read.
-
-        Strays that all carry another epoch than the conversation's, which this turn writes
-        with, are a deleted conversation's, whatever turns the conversation records: they
-        go, and every other message that conversation left under the id with them."""
+        only it names, and the turn's message takes its place (a turn's given up for good in
+        a block pops passed since, with all of it this life holds: `_with_turns_given_up`),
+        only while the conversation under the id records this turn's block at `first_seq` and
+        holds none of the other turns' (`blocks_held`; a live writer slower than the delete
+        reaches one that does not record it: refused, Conflict, as a turn's own late insert).
+        `records`: its turn records and epoch, as read. Strays all of another epoch than the
+        conversation's, which this turn writes with, are a deleted conversation's whatever
+        turns it records: they go, with every other message that conversation left there."""
         conversation_id, found = plan.conversation_id, records
         others = {str(d.get("turn_id")) for d in strays} - {plan.turn_id}
         left_over = _epochs_left_over(found, strays, wanted)
@@ -3929,6 +3927,7 @@ class AgentMessageLogger:
                    for t in others)
         )):  # fmt: skip
             raise _in_the_way(plan, first_seq, strays, wanted, found)
+        strays = await self._with_turns_given_up(conversation_id, found, others, strays)
         kept = {text.blob_id for text in plan.full_texts}
         await self._full_texts.forget_files(
             [b for d in strays for b in stored_blob_ids(d) if b not in kept]
@@ -3981,6 +3980,41 @@ class AgentMessageLogger:
         # now are not (`_truncation.blob_id`).
         await self._full_texts.forget_files([b for d in documents for b in stored_blob_ids(d)])
         raise _deleted_since(conversation_id)
+
+    async def _with_turns_given_up(
+        self,
+        conversation_id: str,
+        found: Mapping[str, Any] | None,
+        others: set[str],
+        strays: list[dict[str, Any]],
+    ) -> list[dict[str, Any]]:
+        """`strays`, and every other message the turns of `others` among them stored in this
+        life of the conversation (`found`: its turn records and `epoch`) when each such turn
+        is given up for good in blocks pops passed since (recorded, none of its blocks
+        `blocks_held`): its writer gone before it looked, its insert landed at or past the
+        end the pops left, where the turn meeting one of its messages is not the turn meeting
+        the others (a block of another length, or a turn not logged yet), and no message of
+        a turn given up so is ever served (every retry of it is refused `Corrected`). By turn
+        id and `epoch`: never another life's messages under the id, nor a fork's (another
+        conversation id). One lookup more, on that path only."""
+        epoch = None if found is None else found.get("epoch")
+        given_up = sorted(
+            turn_id
+            for turn_id in others
+            if found is not None
+            and blocks_of(found, turn_key(turn_id))
+            and not blocks_held(found, turn_key(turn_id))
+            and any(d.get("turn_id") == turn_id and d.get("epoch") == epoch for d in strays)
+        )
+        if not given_up:
+            return strays
+        with storage_errors("read the messages of the turns given up"):
+            found_there: list[dict[str, Any]] = await self._messages.find(
+                {"conversation_id": conversation_id, "epoch": epoch,
+                 "turn_id": {"$in": given_up}},
+                {"seq": 1, "turn_id": 1, "epoch": 1, "truncated": 1},
+            ).to_list(None)  # fmt: skip
+        return list({d["_id"]: d for d in [*strays, *found_there]}.values())
 
     async def _left_by(self, conversation_id: str, epochs: list[str]) -> list[dict[str, Any]]:
         """Every message conversations of these epochs, deleted since, left under the id (one
