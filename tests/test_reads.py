@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pymongo.errors import AutoReconnect, BulkWriteError
 
+import agent_store
 from agent_store import (
     AgentMessageLogger,
     Conflict,
@@ -319,6 +323,49 @@ async def test_message_pages_walk_the_transcript_in_both_orders(store: Conversat
     assert [m.seq for m in backward.data] == [11, 10, 9]
     older = await store.messages_page(CID, after=backward.last_id, limit=3, order="desc")
     assert [m.seq for m in older.data] == [8, 7, 6]
+
+
+async def store_code_run_by(read: Callable[[], Awaitable[Any]]) -> Counter[str]:
+    """The functions of the store's own code `read` runs (calls and resumptions, counted by
+    `sys.setprofile`), the models' validators (agent_store/core/_models.py) left out."""
+    package = Path(agent_store.__file__).parent
+    validators = package / "core" / "_models.py"
+    ran: Counter[str] = Counter()
+
+    def profile(frame: Any, event: str, _arg: Any) -> None:
+        if event == "call":
+            where = Path(frame.f_code.co_filename)
+            if where.is_relative_to(package) and where != validators:
+                ran[frame.f_code.co_qualname] += 1
+
+    sys.setprofile(profile)
+    try:
+        await read()
+    finally:
+        sys.setprofile(None)
+    return ran
+
+
+async def test_a_transcript_runs_the_stores_own_code_per_read_never_per_message(
+    backend: Backend,
+) -> None:
+    """What `transcript` adds to a raw `find` of the messages is their one validation into
+    the models (docs/BENCHMARKS.md, "Reads"): the store's own code besides the models'
+    validators (the lookup of the conversation, its epoch filter, the scope) runs as many
+    times for 40 messages as for 4."""
+    logger = AgentMessageLogger(backend.db)
+    for conversation_id, turns in (("short", 2), ("long", 20)):
+        for n in range(turns):
+            said = [{"role": "user", "content": f"q {n}"}, {"role": "assistant", "content": "a"}]
+            await logger.log_messages(conversation_id, said, user_id="u", turn_id=f"t-{n}")
+    store = ConversationStore(backend.db)
+    await store.transcript("short")  # the driver's first use of the collection is not counted
+
+    short = await store_code_run_by(partial(store.transcript, "short"))
+    long = await store_code_run_by(partial(store.transcript, "long"))
+
+    assert short  # counted at all
+    assert long == short
 
 
 def started_again_after(
