@@ -9547,12 +9547,6 @@ async def test_a_stalled_writer_landing_holds_no_approval_given_after_its_block(
     await _denial_refused(logger, CID, "c2", made_by)
 
 
-@pytest.mark.xfail(
-    reason="the fold meets the landed question below her answer's `s`, holding c1, and "
-    "withdraws her approval; the messages and answers alone cannot tell this from a pop of a "
-    "question asked again that her answer was for (RELIABILITY.md)",
-    strict=True,
-)
 async def test_a_stalled_writer_landing_holds_no_approval_given_after_its_block_to_an_older_prompt(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -9561,8 +9555,9 @@ async def test_a_stalled_writer_landing_holds_no_approval_given_after_its_block_
     writer stalled inside its insert past `abandon_after`; tP passes its block, empty, and
     c1 is held by r1 again. She approves r1 naming c1 (accepted). When tA's insert lands, her
     approval is to stay in force: c1 served released (in the library, over HTTP and in a fork
-    of every message), r2 asking still, and a denial of c1 refused, over HTTP too. Not yet:
-    the landing's question holds c1 again and her approval is withdrawn, a denial stored."""
+    of every message), r2 asking still, and a denial of c1 refused, over HTTP too (was: the
+    fold met the landed question below her answer's `s`, holding c1, and withdrew her
+    approval, a denial stored)."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     made = await logger.log_messages(
         CID, [_user("Pay."), _calls("c1"), _asks_about("r1", "c1")], turn_id="t0"
@@ -9597,6 +9592,115 @@ async def test_a_stalled_writer_landing_holds_no_approval_given_after_its_block_
     await _denial_refused(logger, CID, "c1", made_by)
     await logger.log_messages(CID, [_user("And?")], turn_id="tN")
     assert await held_state(store) == served
+
+
+async def _approved_before_the_landing(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, call_ids: list[str] | None
+) -> str:
+    """In CID: t0 makes c1 and asks r1 about it; tA asks r2 about c1 (`_ASKS_R2`), its writer
+    stalled inside its insert past `abandon_after`; tP passes its block, empty; she answers
+    r1 (naming `call_ids`, or none), then tA lands. The id of the message making c1."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    made = await logger.log_messages(
+        CID, [_user("Pay."), _calls("c1"), _asks_about("r1", "c1")], turn_id="t0"
+    )
+    writer = AgentMessageLogger(backend.db)
+    stall, clock = _StalledInsert(writer, monkeypatch), _ReservedADayAgo(monkeypatch)
+    late = await stall.start(writer.log_messages(CID, _ASKS_R2, turn_id="tA"))
+    clock.caught_up()  # tA's insert is sent, and stalls
+    await AgentMessageLogger(backend.db).log_messages(CID, [_user("hello?")], turn_id="tP")
+    await store.resolve_hitl(CID, "r1", call_ids=call_ids)
+    stall.release()
+    await late
+    monkeypatch.undo()
+    return str(made.messages[1].id)
+
+
+_ASKS_R2 = [_user("Sure?"), _asks_about("r2", "c1")]
+"""tA: r2 asks about c1, t0's, again."""
+
+
+async def test_a_stalled_writer_landing_holds_no_plain_approval_given_after_its_block(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md `approved_calls` (`landed_after`): as with her answer naming c1, her answer
+    to r1 naming no call, given after tA's block and before tA landed, stays in force: c1
+    served released, r2 asking, in a fork of every message too, a denial refused, and a
+    later turn leaves it so (was: withdrawn as the landing folded, a denial stored)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    made_by = await _approved_before_the_landing(backend, monkeypatch, None)
+
+    served = await held_state(store)
+    assert served == ([("c1", None)], "r2")
+    assert await _forked_whole(backend, CID) == served
+    await _denial_refused(logger, CID, "c1", made_by)
+    await logger.log_messages(CID, [_user("And?")], turn_id="tN")
+    assert await held_state(store) == served
+    assert await _approved_calls(backend) == ["c1"]
+
+
+async def test_a_landing_marks_the_approval_given_before_it_landed_with_its_question(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md `approved_calls`: the landing marks her approval with its question
+    (`landed_after`, the message asking r2); a fork copying that question names its copy,
+    and a replay of tA (its resend) changes nothing and keeps the approval in force."""
+    store = ConversationStore(backend.db)
+    await _approved_before_the_landing(backend, monkeypatch, ["c1"])
+    asked = (await store.transcript(CID))[4]
+    assert asked.hitl_action is not None
+    doc = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert [a.get("landed_after") for a in doc["approved_calls"]] == [asked.id]
+    served = await held_state(store)
+
+    await _replayed_unchanged(backend, CID, _ASKS_R2, {})
+    assert await _forked_whole(backend, CID) == served == await held_state(store)
+    fork = await backend.db[CONVERSATIONS].find_one({"_id": f"{CID}-whole"})
+    copied = (await store.transcript(f"{CID}-whole"))[4]
+    assert [a.get("landed_after") for a in fork["approved_calls"]] == [copied.id]
+
+
+async def test_a_fork_cut_before_the_answer_to_an_older_prompt_keeps_no_approval_of_it(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md `approved_calls` and §3 Forks: a fork cut at tA's question, whose original
+    went past it (tP) before her answer came, copies no answer: c1 held by r2 there, no
+    approval, a denial of c1 stored; the original keeps hers (`landed_after`)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _approved_before_the_landing(backend, monkeypatch, ["c1"])
+    asked = (await store.transcript(CID))[4]
+    assert asked.seq is not None
+
+    await logger.fork(CID, asked.seq, "conv-fork")
+
+    assert await held_state(store, "conv-fork") == ([("c1", "r2")], "r2")
+    assert await _approved_calls(backend, "conv-fork") == []
+    assert await held_state(store) == ([("c1", None)], "r2")
+
+
+async def test_popping_past_a_landed_question_keeps_the_approval_given_before_it_landed(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md `approved_calls` (a pop keeps what a fork of all that remains keeps): popping
+    tP's message keeps her approval to r1, given before tA landed (`landed_after`): c1
+    served released, r2 asking, as a fork of what remains; popping tA's question too leaves
+    c1 released by her answer, nothing asking, and a denial of c1 refused throughout
+    (was: the pop's fold withdrew the approval the landing left)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    made_by = await _approved_before_the_landing(backend, monkeypatch, ["c1"])
+
+    popped = await store.pop_last_message(CID)
+    assert popped is not None
+    assert popped.turn_id == "tP"
+    assert await held_state(store) == ([("c1", None)], "r2") == await _forked_whole(backend, CID)
+    assert await _approved_calls(backend) == ["c1"]
+
+    popped = await store.pop_last_message(CID)
+    assert popped is not None
+    assert popped.hitl_action is not None
+    assert await held_state(store) == ([("c1", None)], None)
+    assert await _approved_calls(backend) == ["c1"]
+    await _denial_refused(logger, CID, "c1", made_by)
 
 
 async def test_an_old_replay_of_a_turn_a_later_turn_asked_after_reads_twice_more(

@@ -1039,6 +1039,12 @@ class ApprovedCall(_Model):
     turn makes one: a denial of the id no longer pending answers the latest call of the id,
     which this approval did not release. A pop removing that message, or a fork cut before
     it, leaves the approved call the latest of its id again."""
+    landed_after: str | None = None
+    """A prompt (its message id) naming the call whose turn's insert landed only after this
+    approval was given, though stored below the answer's reach (a writer stalled past
+    `abandon_after`, its block passed empty meanwhile): it did not hold the call when the
+    answer came, so the approval stays where the stored order puts that prompt between the
+    one the answer was for and the answer."""
 
 
 def approval_held_again(approval: Mapping[str, Any]) -> bool:

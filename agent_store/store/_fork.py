@@ -205,7 +205,11 @@ def approvals_in_fork(
     answers released), and those no recorded answer could have given (`_given_by_one_of`;
     `answered`, every one the original keeps), or recorded without one, where they came
     unknown. An approval an answer gave once the original had gone past the fork's point is
-    not the fork's. Then those the answers released in the fold that no stored one records
+    not the fork's. One a prompt landed after (`landed_after`: its turn stalled past its
+    block, stored below the answer's reach) stays while an answer the fork copies took its
+    call over from that prompt (`Folded.taken_over`): the stored order puts the prompt
+    between the one the answer was for and the answer, but it held nothing when the answer
+    came. Then those the answers released in the fold that no stored one records
     (`_released_unrecorded`)."""
     left: Counter[tuple[Any, Any, Any]] = Counter(folded.released)
     kept: list[Mapping[str, Any]] = []
@@ -218,6 +222,8 @@ def approvals_in_fork(
             kept.append(approval)
         elif left[key] > 0:
             left[key] -= 1
+            kept.append(approval)
+        elif approval.get("landed_after") is not None and key in folded.taken_over:
             kept.append(approval)
     return kept + _released_unrecorded(kept, folded)
 

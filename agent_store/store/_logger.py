@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from functools import partial, wraps
@@ -2847,9 +2847,11 @@ class AgentMessageLogger:
             return
         landed = self._landed_past_its_block(plan, started)
         same = _same_as_reserved(plan.conversation_id, reserved)
-        held = await self._held_on_landing(plan, reserved, same) if landed else reserved.unheld
-        if held:
-            await hold_asked_again(self._conversations, same, plan, reserved.pops, held)
+        held, marked = (
+            await self._held_on_landing(plan, reserved, same) if landed else (reserved.unheld, ())
+        )
+        if held or marked:
+            await hold_asked_again(self._conversations, same, plan, reserved.pops, held, marked)
         if await self._settle(plan.conversation_id, reserved.moved, same, quiet=reserved.relisted):
             return
         if landed or reserved.relisted:
@@ -2866,20 +2868,29 @@ class AgentMessageLogger:
 
     async def _held_on_landing(
         self, plan: TurnPlan, reserved: _Reserved, same: Mapping[str, Any]
-    ) -> tuple[tuple[str, str], ...]:
+    ) -> tuple[tuple[tuple[str, str], ...], tuple[LandedAfter, ...]]:
         """The approvals a turn landing past its block holds again (`_held_again`, the rule a
-        replay of it applies), from the conversation as it stands: one read more, and one of
-        the calls its prompts asked about (`_asked_about`) when an approval of their ids is
-        free; none for a turn asking about no approved call."""
+        replay of it applies), and those it marks as given before it landed (`_landed_after`),
+        from the conversation as it stands: one read more, and one of the calls its prompts
+        asked about (`_asked_about`) when an approval of their ids is free or given after its
+        block; none for a turn asking about no approved call. Only the landing marks: a
+        replay cannot tell an approval given before its first attempt landed from one given
+        since."""
         if not plan.asked_again:
-            return ()
+            return (), ()
         with storage_errors("read the approvals the turn asks about again"):
             conversation = await self._conversations.find_one(same, _APPROVALS_READ)
         first = reserved.first_seq
-        if conversation is None or not _held_again(plan, conversation, first, None):
-            return ()
+        if conversation is None or not (
+            _held_again(plan, conversation, first, None)
+            or _landed_after(plan, conversation, first, None)
+        ):
+            return (), ()
         asked_about = await _asked_about(self._messages, plan, first, reserved.epoch)
-        return _held_again(plan, conversation, first, asked_about)
+        return (
+            _held_again(plan, conversation, first, asked_about),
+            _landed_after(plan, conversation, first, asked_about),
+        )
 
     async def _to_fold(self, plan: TurnPlan, reserved: _Reserved, started: float) -> bool:
         """Whether the pending state is folded from the stored messages after the turn's
@@ -4394,9 +4405,24 @@ def _held_again(
     it came since (`_answered_since`). The one rule a replay checks (`_Reserved.unheld`) and
     what it or a landing writes (`_relocated.hold_asked_again`): they cannot differ (was: the
     write held every free approval of the ids, an earlier call's and hers given since)."""
-    listed = {(c.get("tool_call_id"), c.get("message_id")) for c in _listed_calls(conversation)}
     answers, asking = answered_in(conversation), dict(plan.asked_again)
     held: list[tuple[str, str]] = []
+    for approval, call_id, made_by in _approvals_asked_about(plan, conversation, asked_about):
+        if approval_held_again(approval) or _approved_after(approval, answers, first_seq):
+            continue
+        if not _answered_since(plan, conversation, first_seq, asking[call_id][-1]):
+            held.append((call_id, made_by))
+    return tuple(held)
+
+
+def _approvals_asked_about(
+    plan: TurnPlan, conversation: Mapping[str, Any], asked_about: Mapping[str, str] | None
+) -> Iterator[tuple[Mapping[str, Any], str, str]]:
+    """The `approved_calls` entries of `conversation` (with their call id and the message
+    making the call) of the calls the turn's prompts ask about again, listed: the very call
+    `asked_about` names by id (`_asked_about`; None: any call of the id)."""
+    listed = {(c.get("tool_call_id"), c.get("message_id")) for c in _listed_calls(conversation)}
+    asking = dict(plan.asked_again)
     for approval in conversation.get("approved_calls") or ():
         if not isinstance(approval, Mapping):
             continue
@@ -4405,13 +4431,36 @@ def _held_again(
             continue
         if call_id not in asking or (call_id, made_by) not in listed:
             continue
-        if asked_about is not None and asked_about.get(call_id) != made_by:
+        if asked_about is None or asked_about.get(call_id) == made_by:
+            yield approval, call_id, made_by
+
+
+LandedAfter = tuple[str, str, str, str]
+"""An approval a landing marks (`_landed_after`): its call id, the message making the call,
+its request id, and the message id of the landed prompt naming the call."""
+
+
+def _landed_after(
+    plan: TurnPlan,
+    conversation: Mapping[str, Any],
+    first_seq: int,
+    asked_about: Mapping[str, str] | None,
+) -> tuple[LandedAfter, ...]:
+    """The approvals a turn landing past its block stored at `first_seq` marks as given
+    before it landed (`ApprovedCall.landed_after`, the turn's last prompt naming the call):
+    those of the calls its prompts asked about (as `_held_again` picks them) that a person
+    gave after its block (`_approved_after`), not marked yet. Its insert had not landed as
+    she answered, its question held nothing then; the stored order alone would have it
+    take the call from the prompt she answered (`_fork.approvals_in_fork`)."""
+    answers, asking = answered_in(conversation), dict(plan.asked_again)
+    marked: list[LandedAfter] = []
+    for approval, call_id, made_by in _approvals_asked_about(plan, conversation, asked_about):
+        request_id = approval.get("request_id")
+        if approval.get("landed_after") is not None or not isinstance(request_id, str):
             continue
-        if approval_held_again(approval) or _approved_after(approval, answers, first_seq):
-            continue
-        if not _answered_since(plan, conversation, first_seq, asking[call_id][-1]):
-            held.append((call_id, made_by))
-    return tuple(held)
+        if _approved_after(approval, answers, first_seq):
+            marked.append((call_id, made_by, request_id, asking[call_id][-1]))
+    return tuple(marked)
 
 
 async def _asked_about(
@@ -5116,7 +5165,7 @@ def _approvals_of_copies(
     prompts hold again (`held_by`, after `held_before`) is held by the copy of the latest of
     them the fork copies; held by none it copies, it is in force. One a later call reusing
     its call's id superseded (`superseded_by`) stays superseded if the fork copies that
-    call."""
+    call; one a prompt landed after (`landed_after`) names that prompt's copy."""
     ids = _fork_ids(chosen, plan)
 
     def copied(a: Mapping[str, Any]) -> dict[str, Any]:
@@ -5129,6 +5178,7 @@ def _approvals_of_copies(
             "held_by": held[-1] if held else None,
             "held_before": held[:-1],
             "superseded_by": ids.get(str(a.get("superseded_by"))),
+            "landed_after": ids.get(str(a.get("landed_after"))),
         }
         return ApprovedCall.model_validate(copy).model_dump()  # every key, as the model has
 

@@ -70,6 +70,7 @@ from agent_store.store._reservation import (
     answers_clear,
     answers_found,
     answers_lookup,
+    approvals_landed_after,
     approvals_left_unstored,
     approvals_unstored,
     approvals_without,
@@ -910,6 +911,7 @@ async def hold_asked_again(
     plan: TurnPlan,
     pops: int | None,
     held: Collection[tuple[str, str]],
+    landed_after: Collection[tuple[str, str, str, str]] = (),
 ) -> None:
     """After the insert of a turn landing past its block (`_logger._landed_past_its_block`),
     or its replay finding such an approval free (`_logger._Reserved.unheld`): the approved
@@ -919,15 +921,21 @@ async def hold_asked_again(
     where a fold that found its block passed and empty put the approvals in force again
     (DESIGN.md `approved_calls`: a later prompt naming the call holds it again; no answer
     reaches a question asked after it). Nothing is released: an entry another prompt
-    holds, or whose call is off `pending_calls`, stays as it is. One guarded update,
-    matching the conversation the turn reserved on (`same`) while no pop ran since its
-    reservation (`pops`) nor runs; none for a turn asking about no approved call."""
-    stage = asked_again_where_free(plan, held)
-    if not stage or pops is None:
+    holds, or whose call is off `pending_calls`, stays as it is. In the same update, the
+    approvals a person gave after its block, before it landed (`landed_after`: call id,
+    message making it, request id, the landed prompt: `_logger._landed_after`), are marked
+    so (`approvals_landed_after`): a fold keeps them (`_fork.approvals_in_fork`). One
+    guarded update, matching the conversation the turn reserved on (`same`) while no pop
+    ran since its reservation (`pops`) nor runs; none for a turn asking about no approved
+    call."""
+    stages = [
+        s for s in (asked_again_where_free(plan, held), approvals_landed_after(landed_after)) if s
+    ]
+    if not stages or pops is None:
         return
     query = {**same, "pops": pops if pops else {"$in": [None, 0]}, "popping": None}
     with storage_errors("hold again the approved calls the turn asks about"):
-        await conversations.update_one(query, [{"$set": stage}])
+        await conversations.update_one(query, [{"$set": stage} for stage in stages])
 
 
 def answered_calls_off(

@@ -1875,6 +1875,27 @@ def asked_again_where_free(plan: TurnPlan, held: Collection[tuple[str, str]]) ->
     return approvals_held_by({"$cond": [free, held_by, held_by_of("a")]}, held_before, bound=bound)
 
 
+def approvals_landed_after(marked: Collection[tuple[str, str, str, str]]) -> dict[str, Any]:
+    """`approved_calls` with the entries `marked` names (call id, message making it, request
+    id) not marked yet given `landed_after` (the landed prompt's message id, the fourth),
+    their other fields kept, as an expression; {} for none. Applied twice, it changes
+    nothing more."""
+    if not marked:
+        return {}
+    landed: Any = {"$ifNull": ["$$a.landed_after", None]}
+    for call_id, message_id, request_id, prompt_id in sorted(marked):
+        entry = {
+            "$and": [
+                {"$eq": ["$$a.tool_call_id", literal(call_id)]},
+                {"$eq": ["$$a.message_id", literal(message_id)]},
+                {"$eq": [{"$ifNull": ["$$a.request_id", None]}, literal(request_id)]},
+                {"$eq": [{"$ifNull": ["$$a.landed_after", None]}, None]},
+            ]
+        }
+        landed = {"$cond": [entry, literal(prompt_id), landed]}
+    return _approvals_changed({"landed_after": landed})
+
+
 def _asked_again_parts(
     plan: TurnPlan, answered: Callable[[Any], Any] | None = None
 ) -> tuple[Any, Any, dict[str, Any]]:

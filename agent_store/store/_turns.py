@@ -1471,6 +1471,14 @@ class Folded:
     """The calls (id and message) an answer released that no prompt named since: their
     approval is in force (`approved_calls` entries not held again, `approval_held_again`).
     An answer releases the calls its prompts hold but these, as the reservation does."""
+    holds: frozenset[tuple[str, str, str]] = frozenset()
+    """Each pending call (id and message) with the request id of every prompt that held it
+    so far in the fold."""
+    taken_over: frozenset[tuple[str, str, str]] = frozenset()
+    """The calls (id and message) an answer named, with its request id, that a prompt of
+    another id held as it came, one of its own id having held them before: by the stored
+    order that later prompt took them, and the answer released none of them, unless its
+    turn landed after the answer (`ApprovedCall.landed_after`, `_fork.approvals_in_fork`)."""
 
     def logged(self, turn: Sequence[AgentMessage]) -> Folded:
         """The state after one more turn, by the rules its reservation applies: the calls held
@@ -1480,7 +1488,13 @@ class Folded:
         calls = released_for_good(self.calls, raised, self.resolved)
         in_force = self.in_force - asked_again(self.calls, turn, self.in_force)
         calls, hitl = _fold(calls, self.hitl, turn)
-        return Folded(calls, hitl, self.resolved - set(raised), self.released, in_force)
+        holds = self.holds | {
+            (c.tool_call_id, c.message_id, c.request_id) for c in calls if c.request_id is not None
+        }
+        resolved = self.resolved - set(raised)
+        return replace(
+            self, calls=calls, hitl=hitl, resolved=resolved, in_force=in_force, holds=holds
+        )
 
     def answered(self, answers: Sequence[tuple[str, NamedCalls | None]]) -> Folded:
         """The state once a person gave `answers` (`resolve_hitl`), in order: each to the
@@ -1511,7 +1525,19 @@ class Folded:
         hitl = None if self.hitl is not None and self.hitl.request_id == request_id else self.hitl
         resolved = self.resolved if len(named) < len(unreleased) else self.resolved | {request_id}
         released = (*self.released, *((c, m, request_id) for c, m in fresh))
-        return Folded(self.calls, hitl, resolved, released, self.in_force | set(fresh))
+        taken = {
+            (c.tool_call_id, c.message_id, request_id)
+            for c in self.calls
+            if c.request_id not in (None, request_id) and names_call(calls, c)
+        }
+        return replace(
+            self,
+            hitl=hitl,
+            resolved=resolved,
+            released=released,
+            in_force=self.in_force | set(fresh),
+            taken_over=self.taken_over | (taken & self.holds),
+        )
 
 
 def asked_again(
