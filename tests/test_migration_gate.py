@@ -10264,3 +10264,33 @@ def test_a_first_legacy_turn_of_a_copy_the_old_service_deleted_names_only_its_me
         assert f"copy of the messages at seq 2-3 of the live turn {turn_id!r} (one of" in out
         assert f"copy of the live turn {turn_id!r} is gone" not in out
         assert "remove its `dual_write` mark" not in out
+
+
+@pytest.mark.wire
+def test_a_copy_unconfirmed_missing_one_of_its_legacy_turns_is_asked_about_never_called_deleted(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A turn of two exchanges whose copy's record stayed intended (the write after the copy
+    failed, the runtime told the turn failed), its second legacy turn missing (never written,
+    or deleted since): `run` does not confirm a record one of whose legacy turns is missing,
+    and the gate asks whether the person deleted that exchange, naming its messages, never
+    calling it a deletion to act on (was: the first legacy turn standing passed the copy, or,
+    confirmed by `run` on the first one's word, would have been called deleted)."""
+    _copy_confirmation_fails_once(monkeypatch)
+    with pytest.raises(StorageUnavailable):
+        _a_turn_copied_as_two_legacy_turns(wire_uri, database, "two exchanges")
+    database[LEGACY_TURNS].delete_one({"dual_write": True, "user_message": "«B»?"})
+    assert cli(wire_uri, database, "run") == 0
+    states = [d.get("state") for d in database[lease.STATE].find({"kind": "dual_write_copy"})]
+    assert states == ["intended"]
+
+    for command in ("verify", "finish"):
+        capsys.readouterr()
+        assert cli(wire_uri, database, command) == 1
+        out = capsys.readouterr().out
+        assert "recorded it would copy the live turn 't1'" in out
+        assert "the legacy turn of it holding the messages at seq 4-5" in out
+        assert "is gone from the legacy collection" not in out
