@@ -20,9 +20,11 @@ name the latest of them gives its conversation, when it is the last turn naming 
 document's (but a person's rename since). Anything else (the legacy service edited it after
 a rollback) is a difference for `verify` and work left for `finish` (`differences`): its
 stored messages are the live service's, which the migration never rewrites, so the turn is
-restored, or its `dual_write` mark removed so `run` migrates it. So is a live turn the dual
-write recorded copying (`COPY_RECORD`) whose copy is gone (`deleted`): the legacy service
-deleted it after a rollback; a turn with no such record had no copy to lose.
+restored, or its `dual_write` mark removed so `run` migrates it (never for a turn whose
+recorded copy is missing a legacy turn: a person's delete). So is a live turn the dual
+write recorded copying (`COPY_RECORD`) whose copy, or any legacy turn of it the record lists
+(`COPY_PIECES`), is gone (`deleted`): the legacy service deleted it after a rollback; a
+turn with no such record had no copy to lose.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import itertools
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -42,6 +44,7 @@ from pymongo.database import Database
 from agent_store.core import AgentMessage, InvalidInput, Usage, to_utc_millis, utc_now
 from agent_store.legacy import (
     COPY_INTENDED,
+    COPY_PIECES,
     COPY_RECORD,
     COPY_STATE,
     COPY_WRITTEN,
@@ -157,12 +160,14 @@ def differences(
     legacy: Mapping[str, Sequence[LegacyTurn]],
     conversations: Mapping[str, Mapping[str, Any]],
     rules: TurnRules = SERVICE_DEFAULTS,
+    copies_gone: Collection[tuple[str, str]] = (),
 ) -> dict[str, list[str]]:
     """For held dual-written turns: by conversation, each turn that converts (by `rules`) to
     anything else than its stored messages hold (`_unheld`), and a name the latest of them
     gives their conversation that its document does not hold (`_unnamed`, read with the
     conversation's `legacy` turns and its document among the batch's `conversations`, by its
-    id)."""
+    id). A turn among `copies_gone` (`Deleted.turns`: a legacy turn of its recorded copy is
+    missing) is never advised to lose its `dual_write` mark (`_unheld_said`)."""
     turns: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for document in documents:
         if (key := _turn(document)) is not None:
@@ -196,15 +201,37 @@ def differences(
         messages = [m for m in stored.get(cid, []) if m.turn_id == turn_id]
         unheld = _unheld(parsed, conversion, messages, conversations.get(cid), rules.markers)
         if unheld:
-            found.setdefault(cid, []).append(
-                f"the dual-written turn {turn_id!r} holds content its stored messages do not "
-                f"({unheld}; {_likely_cause(group, messages)}): restore its messages, or "
-                "remove its `dual_write` mark so `run` migrates it as a legacy turn"
-            )
+            gone = (cid, turn_id) in copies_gone
+            found.setdefault(cid, []).append(_unheld_said(turn_id, unheld, group, messages, gone))
     for cid, by_turn in held.items():
         if unnamed := _unnamed(legacy.get(cid, []), by_turn, conversations.get(cid)):
             found.setdefault(cid, []).append(unnamed)
     return found
+
+
+def _unheld_said(
+    turn_id: str,
+    unheld: str,
+    group: Sequence[Mapping[str, Any]],
+    messages: Sequence[AgentMessage],
+    gone: bool,
+) -> str:
+    """A held dual-written turn converting to other content than its stored messages hold,
+    for a person, with the remedy: restore its messages or remove its `dual_write` mark, but
+    for a turn a legacy turn of whose recorded copy is `gone` (`deleted` names it: a person
+    deleted that exchange), whose mark removed would take the deletion for legacy content
+    to accept while the new store served the deleted words."""
+    said = f"the dual-written turn {turn_id!r} holds content its stored messages do not"
+    if gone:
+        return (
+            f"{said} ({unheld}; a legacy turn of its recorded copy is gone, named apart): "
+            "remove the messages named gone or put that legacy turn back, never its "
+            "`dual_write` mark (the deleted words would stay served)"
+        )
+    return (
+        f"{said} ({unheld}; {_likely_cause(group, messages)}): restore its messages, or "
+        "remove its `dual_write` mark so `run` migrates it as a legacy turn"
+    )
 
 
 def _seqs(messages: Sequence[AgentMessage], turn_id: str) -> list[int]:
@@ -508,7 +535,8 @@ COPY_GONE = (
     "corrects the conversation's counts; a delete by hand leaves them counted), or put its "
     "copy back"
 )
-"""What the gate says of a live turn whose recorded copy is gone (`deleted`)."""
+"""What the gate says of a live turn whose recorded copy is gone (`deleted`): every legacy
+turn of it."""
 
 COPY_GONE_WHOLE = (
     "the dual-written copy of the live turn {turn_id!r} is gone from the legacy collection "
@@ -529,9 +557,55 @@ COPY_UNCONFIRMED = (
 """What the gate says of a live turn whose record was never confirmed and whose copy is
 missing: which it is nothing stored tells, so neither passes nor advises a deletion."""
 
+PIECE_GONE = (
+    "the dual-written copy of the messages at {seqs} of the live turn {turn_id!r} (one of "
+    "the {count} legacy turns it was copied as) is gone from the legacy collection while "
+    "they are stored (the legacy service deleted that exchange after a rollback?): remove "
+    "those messages alone, no other of the turn (`ConversationStore.pop_last_message` while "
+    "they are the conversation's last, which corrects its counts; a delete by hand leaves "
+    "them counted), or put that legacy turn back"
+)
+"""What the gate says of a live turn copied as several legacy turns (`COPY_PIECES`) some,
+not all, of which are gone: the messages each gone one held, never the whole turn."""
+
+PIECE_GONE_WHOLE = (
+    "the dual-written copy of the messages at {seqs} of the live turn {turn_id!r} (one of "
+    "the {count} legacy turns it was copied as) is gone from the legacy collection while "
+    "they are stored without a conversation document: delete the conversation's messages "
+    "at {seqs} of that turn alone, not put its document back, or put that legacy turn back"
+)
+"""What the gate says of it when no conversation document stands under the id."""
+
+PIECE_UNCONFIRMED = (
+    "the dual write recorded it would copy the live turn {turn_id!r} (record {record!r}) "
+    "but not that it did, and the legacy turn of it holding the messages at {seqs} (one of "
+    "{count}) is not in the legacy collection: either its write failed (the runtime was told "
+    "the turn failed, yet its messages are stored and served) or the legacy service deleted "
+    "it after a rollback. Ask whether the person deleted that exchange: if so remove those "
+    "messages alone; if not, delete that record (the turn was never wholly copied)"
+)
+"""What the gate says of a legacy turn missing of a copy whose record was never confirmed,
+some other legacy turn of it standing."""
+
 COPY_RECORDS_READ = 1000
 """The most copy records one read asks for (`copied`), and live turns one chunk of
 `deleted` reads."""
+
+
+@dataclass
+class Deleted:
+    """What `deleted` finds."""
+
+    said: dict[str, list[str]] = field(default_factory=dict)
+    """What to tell a person, by conversation."""
+    turns: set[tuple[str, str]] = field(default_factory=set)
+    """The live turns (conversation id, turn id) said of: `differences` never advises
+    removing the `dual_write` mark of their copies (`_unheld_said`)."""
+
+    def add(self, cid: str, turn_id: str, said: list[str]) -> None:
+        if said:
+            self.said.setdefault(cid, []).extend(said)
+            self.turns.add((cid, turn_id))
 
 
 def deleted(
@@ -539,43 +613,54 @@ def deleted(
     *,
     source: str,
     conversations: Sequence[str] | None = None,
-) -> dict[str, list[str]]:
+) -> Deleted:
     """The live turns stored (of these `conversations`, or of every conversation holding
     any, wherever it stands: one whose legacy turns the old service all deleted, one whose
     document a rollback moved away) that the dual write recorded copying (`copied`) whose
-    copy is not in `source` (where the legacy turns are, `relocate.turns_at`), by the `_id`
-    every dual write of a turn gives one of its documents (`legacy_turn_id`; marked or not:
-    a copy whose mark the operator removed, as `differences` advises, is there), for a
-    person, by conversation. A record confirmed (`COPY_WRITTEN`) whose copy is gone: the old
-    service deleted it after a rollback (a person deleted the exchange, or the whole
-    conversation), while the new store still serves it (`COPY_GONE`). A record only
-    intended (`COPY_INTENDED`: the write after the copy failed) whose copy is missing may be
-    either (`COPY_UNCONFIRMED`); one whose copy stands passes. A turn with no record is never
-    one (logged with the dual write off: after the rollback window, before the first move,
-    or by a writer without it; or copied by an earlier release, `unrecorded`), nor one of
+    copy, or a legacy turn of it, is not in `source` (where the legacy turns are,
+    `relocate.turns_at`), while a message it held is stored, by the `_id` its record lists
+    for each legacy turn of the copy (`COPY_PIECES`; a record listing none, written by an
+    earlier release, the `_id` every dual write gives its first, `legacy_turn_id`; marked or
+    not: a copy whose mark the operator removed is there), for a person, by conversation.
+    A record confirmed (`COPY_WRITTEN`) whose copy is gone: the old service deleted it
+    after a rollback (a person deleted the exchange, or the whole conversation), while the
+    new store still serves it (`COPY_GONE`; one legacy turn of several gone, the messages
+    it held alone, `PIECE_GONE`). A record only intended (`COPY_INTENDED`: the write after
+    the copy failed) whose copy is missing may be either (`COPY_UNCONFIRMED`,
+    `PIECE_UNCONFIRMED`); one whose copy stands passes. A turn with no record is never one
+    (logged with the dual write off: after the rollback window, before the first move, or
+    by a writer without it; or copied by an earlier release, `unrecorded`), nor one of
     another `epoch` than its conversation's (a late insert of a conversation deleted under
-    the id). Reads the live turns grouped (one aggregation), then per `COPY_RECORDS_READ` of
-    them their documents, records and copies (three reads)."""
-    found: dict[str, list[str]] = {}
+    the id). Reads the live turns grouped with their `seq`s (one aggregation), then per
+    `COPY_RECORDS_READ` of them their documents, records and copies (three reads)."""
+    found = Deleted()
     turns = _stored_live_turns(db, conversations)
     while chunk := list(itertools.islice(turns, COPY_RECORDS_READ)):
-        for cid, said in _gone(db, chunk, source=source).items():
-            found.setdefault(cid, []).extend(said)
+        _gone(db, chunk, found, source=source)
     return found
+
+
+_LiveTurn = tuple[str, str, str | None, list[int]]
+"""(conversation id, turn id, epoch, the `seq`s of its stored messages)."""
 
 
 def _stored_live_turns(
     db: Database[dict[str, Any]], conversations: Sequence[str] | None
-) -> Iterator[tuple[str, str, str | None]]:
-    """(conversation id, turn id, epoch) of each live turn (not the migration's) whose
-    messages are stored, grouped by the server."""
+) -> Iterator[_LiveTurn]:
+    """Each live turn (not the migration's) whose messages are stored, with their `seq`s,
+    grouped by the server."""
     match: dict[str, Any] = {"turn_id": {"$type": "string", "$not": _MIGRATED}}
     if conversations is not None:
         match["conversation_id"] = {"$in": list(conversations)}
     grouped = db[MESSAGES].aggregate(
         [
             {"$match": match},
-            {"$group": {"_id": {"c": "$conversation_id", "t": "$turn_id", "e": "$epoch"}}},
+            {
+                "$group": {
+                    "_id": {"c": "$conversation_id", "t": "$turn_id", "e": "$epoch"},
+                    "seqs": {"$push": "$seq"},
+                }
+            },
             {"$sort": {"_id.c": 1, "_id.t": 1}},
         ],
         allowDiskUse=True,
@@ -583,52 +668,119 @@ def _stored_live_turns(
     for group in grouped:
         key = group["_id"]
         if isinstance(key.get("c"), str) and not is_migrated(key.get("t")):
-            yield key["c"], key["t"], key.get("e")
+            seqs = [s for s in group.get("seqs") or [] if isinstance(s, int)]
+            yield key["c"], key["t"], key.get("e"), seqs
 
 
 _MIGRATED = {"$regex": f"^{re.escape(MIGRATED_TURN_PREFIX)}"}
 
 
 def _gone(
-    db: Database[dict[str, Any]], turns: Sequence[tuple[str, str, str | None]], *, source: str
-) -> dict[str, list[str]]:
-    """`deleted` for one chunk of live turns: each of the epoch of its conversation's
-    document (of the epoch its messages carry when none stands under the id)."""
-    cids = sorted({cid for cid, _, _ in turns})
+    db: Database[dict[str, Any]], turns: Sequence[_LiveTurn], found: Deleted, *, source: str
+) -> None:
+    """`deleted` for one chunk of live turns, added to `found`: each of the epoch of its
+    conversation's document (of the epoch its messages carry when none stands under the
+    id)."""
+    cids = sorted({cid for cid, *_ in turns})
     query = {"_id": {"$in": cids}, **CONVERSATION_FILTER}
     documents = {d["_id"]: d for d in db[CONVERSATIONS].find(query, {"epoch": 1})}
-    records: dict[str, tuple[str, str]] = {}
-    for cid, turn_id, epoch in turns:
+    records: dict[str, tuple[str, str, list[int]]] = {}
+    for cid, turn_id, epoch, seqs in turns:
         life = documents[cid].get("epoch") if cid in documents else epoch
         if epoch in (None, life):
-            records[copy_record_id(cid, turn_id, life)] = (cid, turn_id)
+            record_id = copy_record_id(cid, turn_id, life)
+            records.setdefault(record_id, (cid, turn_id, []))[2].extend(seqs)
     query = {"_id": {"$in": sorted(records)}, "kind": COPY_RECORD}
-    states = {records[d["_id"]]: d for d in db[STATE].find(query, {COPY_STATE: 1})}
-    ids = {legacy_turn_id(cid, turn_id): (cid, turn_id) for cid, turn_id in states}
-    there = {ids[d["_id"]] for d in db[source].find({"_id": {"$in": sorted(ids)}}, {"_id": 1})}
-    found: dict[str, list[str]] = {}
-    for (cid, turn_id), record in sorted(states.items()):
-        if (cid, turn_id) in there:
+    read = sorted(
+        db[STATE].find(query, {COPY_STATE: 1, COPY_PIECES: 1}),
+        key=lambda d: records[d["_id"]][:2],
+    )
+    pieces = {d["_id"]: _recorded_pieces(d, *records[d["_id"]][:2]) for d in read}
+    ids = sorted({piece[0] for listed in pieces.values() for piece in listed})
+    there = {d["_id"] for d in db[source].find({"_id": {"$in": ids}}, {"_id": 1})}
+    for record in read:
+        cid, turn_id, seqs = records[record["_id"]]
+        missing = [piece for piece in pieces[record["_id"]] if piece[0] not in there]
+        if missing:
+            listed = len(pieces[record["_id"]])
+            found.add(cid, turn_id, _said(record, turn_id, missing, listed, seqs, cid in documents))
+
+
+_Piece = tuple[str, int | None, int | None]
+"""A legacy turn a copy's record lists: its `_id`, the first and last `seq` it holds (None:
+the whole turn)."""
+
+
+def _recorded_pieces(record: Mapping[str, Any], cid: str, turn_id: str) -> list[_Piece]:
+    """The legacy turns a copy's record lists (`COPY_PIECES`), or, for one listing none (an
+    earlier release's, or one `confirm_copies` wrote again), the first alone, by the `_id`
+    every dual write gives it, for the whole turn."""
+    pieces: list[_Piece] = []
+    for piece in _listed(record):
+        seqs = piece.get("seqs")
+        bounded = isinstance(seqs, list) and len(seqs) == 2 and all(type(s) is int for s in seqs)
+        first, last = (seqs[0], seqs[1]) if bounded else (None, None)  # type: ignore[index]
+        pieces.append((piece["_id"], first, last))
+    return pieces or [(legacy_turn_id(cid, turn_id), None, None)]
+
+
+def _listed(record: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The legacy turns a copy's record lists (`COPY_PIECES`) that name an `_id`."""
+    listed = record.get(COPY_PIECES)
+    if not isinstance(listed, list):
+        return []
+    return [p for p in listed if isinstance(p, Mapping) and isinstance(p.get("_id"), str)]
+
+
+def _said(
+    record: Mapping[str, Any],
+    turn_id: str,
+    missing: Sequence[_Piece],
+    listed: int,
+    seqs: Sequence[int],
+    standing: bool,
+) -> list[str]:
+    """What the gate says of the `missing` legacy turns of a copy whose `record` lists
+    `listed` (its turn's messages stored at `seqs`, its conversation's document `standing`
+    or not): the whole turn when every one is missing; else each missing one holding a
+    message still stored (one whose messages were all popped is no longer served), by the
+    `seq`s of those messages, never the rest of the turn."""
+    intended = record.get(COPY_STATE) == COPY_INTENDED
+    if len(missing) == listed:
+        if intended:
+            return [COPY_UNCONFIRMED.format(turn_id=turn_id, record=record["_id"])]
+        return [(COPY_GONE if standing else COPY_GONE_WHOLE).format(turn_id=turn_id)]
+    said: list[str] = []
+    for _, first, last in missing:
+        held = sorted(s for s in seqs if first is None or last is None or first <= s <= last)
+        if not held:
             continue
-        if record.get(COPY_STATE) == COPY_INTENDED:
-            said = COPY_UNCONFIRMED.format(turn_id=turn_id, record=record["_id"])
-        else:
-            said = (COPY_GONE if cid in documents else COPY_GONE_WHOLE).format(turn_id=turn_id)
-        found.setdefault(cid, []).append(said)
-    return found
+        named = f"seq {held[0]}" if held[0] == held[-1] else f"seq {held[0]}-{held[-1]}"
+        template = PIECE_GONE if standing else PIECE_GONE_WHOLE
+        template = PIECE_UNCONFIRMED if intended else template
+        said.append(
+            template.format(turn_id=turn_id, record=record["_id"], seqs=named, count=listed)
+        )
+    return said
 
 
 def confirm_copies(db: Database[dict[str, Any]], *, source: str) -> int:
     """Confirm the record of each dual-written copy standing in `source` that names one
     (`RECORD_FIELD`) still only intended (`COPY_INTENDED`: the write after the copy failed)
     or missing (removed by hand), so that once the old service deletes it the gate calls it
-    gone (`COPY_GONE`) rather than unconfirmed or unrecorded; how many. `run` does it: one
-    read of the copies naming a record, one of those records, one write when any is left."""
-    named = {d[RECORD_FIELD] for d in db[source].find(_NAMING_A_RECORD, {RECORD_FIELD: 1})}
-    if not named:
+    gone (`COPY_GONE`) rather than unconfirmed or unrecorded; how many. A record listing
+    legacy turns of the copy (`COPY_PIECES`) is confirmed only when every one stands (one
+    missing may be one whose write failed: the gate asks, `PIECE_UNCONFIRMED`). `run` does
+    it: one read of the copies naming a record, one of those records, one write when any is
+    left."""
+    standing: dict[str, set[Any]] = {}
+    for copy in db[source].find(_NAMING_A_RECORD, {RECORD_FIELD: 1}):
+        standing.setdefault(copy[RECORD_FIELD], set()).add(copy["_id"])
+    if not standing:
         return 0
-    query = {"_id": {"$in": sorted(named)}, "kind": COPY_RECORD, COPY_STATE: {"$ne": COPY_INTENDED}}
-    left = named - {d["_id"] for d in db[STATE].find(query, {"_id": 1})}
+    query = {"_id": {"$in": sorted(standing)}, "kind": COPY_RECORD}
+    records = {d["_id"]: d for d in db[STATE].find(query, {COPY_STATE: 1, COPY_PIECES: 1})}
+    left = [r for r in sorted(standing) if _unconfirmed(records.get(r), standing[r])]
     if left:
         db[STATE].bulk_write(
             [
@@ -637,11 +789,21 @@ def confirm_copies(db: Database[dict[str, Any]], *, source: str) -> int:
                     {"$set": {COPY_STATE: COPY_WRITTEN}, "$setOnInsert": {"kind": COPY_RECORD}},
                     upsert=True,
                 )
-                for record_id in sorted(left)
+                for record_id in left
             ],
             ordered=False,
         )
     return len(left)
+
+
+def _unconfirmed(record: Mapping[str, Any] | None, standing: Collection[Any]) -> bool:
+    """Whether `run` confirms a copy's record, the copies naming it `standing` (by `_id`):
+    one missing, or only intended whose every listed legacy turn stands."""
+    if record is None:
+        return True
+    if record.get(COPY_STATE) != COPY_INTENDED:
+        return False
+    return all(piece["_id"] in standing for piece in _listed(record))
 
 
 _NAMING_A_RECORD = {"dual_write": True, RECORD_FIELD: {"$type": "string"}}

@@ -482,7 +482,7 @@ def check(
         renew()
     _check_orphan_prompts(db, gate, accepted, renew, source=source)
     listed = {left.conversation_id: left for left in gate.left}
-    for cid, reasons in gone.items():  # no legacy turn lists it: its records say
+    for cid, reasons in gone.said.items():  # no legacy turn lists it: its records say
         if cid in listed:
             listed[cid].reasons += reasons
         else:
@@ -545,7 +545,7 @@ def _check_batch(
     ids: list[Any],
     accepted: dict[str, list[str]],
     undated_at: datetime | None,
-    gone: dict[str, list[str]],
+    gone: dual_writes.Deleted,
     *,
     source: str,
     rules: TurnRules,
@@ -561,10 +561,10 @@ def _check_batch(
     legacy = {c.conversion.conversation_id: c.turns for c in converted}
     messages = full_texts.stored_messages(db, [c.conversion.conversation_id for c in converted])
     stored = _stored(db, converted, messages)
-    dual = dual_writes.differences(db, held, legacy, stored.conversations, rules)
-    for cid in list(gone):
+    dual = dual_writes.differences(db, held, legacy, stored.conversations, rules, gone.turns)
+    for cid in list(gone.said):
         if cid in messages:
-            dual.setdefault(cid, []).extend(gone.pop(cid))
+            dual.setdefault(cid, []).extend(gone.said.pop(cid))
     for item in converted:
         gate.conversations += 1
         cid = item.conversion.conversation_id

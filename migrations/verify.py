@@ -300,7 +300,7 @@ def verify(
         _verify_batch(db, result, batch, undated_at, read, gone, source=source, rules=rules)
         if on_batch is not None:
             on_batch(len(batch))
-    for conversation_id, found in gone.items():  # listed by no legacy turn, or not compared
+    for conversation_id, found in gone.said.items():  # listed by no legacy turn, or not compared
         result.conversations += int(conversation_id not in result.differences)
         result.differences.setdefault(conversation_id, []).extend(found)
     return result
@@ -336,7 +336,7 @@ def _verify_batch(
     batch: list[Any],
     undated_at: datetime | None,
     read: tuple[dict[str, list[str]], set[str]],
-    copies_gone: dict[str, list[str]],
+    copies_gone: dual_writes.Deleted,
     *,
     source: str,
     rules: TurnRules,
@@ -361,10 +361,10 @@ def _verify_batch(
     query = {"_id": {"$in": checked}, **CONVERSATION_FILTER}
     documents = {d["_id"]: d for d in db[CONVERSATIONS].find(query, _DOCUMENT_READ)}
     recorded = problem_report.records(db, checked, placed=None)
-    dual = dual_writes.differences(db, held, legacy, documents, rules)
+    dual = dual_writes.differences(db, held, legacy, documents, rules, copies_gone.turns)
     for cid in checked:
-        if cid in copies_gone:
-            dual.setdefault(cid, []).extend(copies_gone.pop(cid))
+        if cid in copies_gone.said:
+            dual.setdefault(cid, []).extend(copies_gone.said.pop(cid))
     for item in converted:
         conversation_id = item.conversion.conversation_id
         result.conversations += 1

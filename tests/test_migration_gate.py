@@ -10145,3 +10145,152 @@ def test_run_confirms_the_record_a_standing_copy_names_so_its_later_deletion_is_
     out = capsys.readouterr().out
     assert "copy of the live turn 't1' is gone" in out
     assert "copy of the live turn 't2' is gone" in out
+
+
+def _a_turn_copied_as_two_legacy_turns(
+    wire_uri: str, database: Database[dict[str, Any]], shape: str
+) -> tuple[str, str]:
+    """A legacy turn of "c-1" migrated (seq 0-1), then, with the dual write on, either one
+    live turn `t1` of two exchanges, «A» then «B» (seq 2-5, copied as two legacy turns,
+    cut before its second user's message), or two live turns «A» and «B» and a fork "f-1"
+    of the whole (its one turn copied as three legacy turns, one per turn of the original:
+    «A» at seq 2-3, «B» at 4-5); then the runbook's rollback keeping `agent_messages`. The
+    conversation and the turn holding the exchanges."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-1", 0, "OLD"))
+    assert cli(wire_uri, database, "run") == 0
+
+    async def log() -> str:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        db = client[database.name]
+        legacy = LegacyTurns(db, dual_write=True)
+        logger = AgentMessageLogger(db, observers=[legacy], legacy=legacy)
+        exchanges = [
+            [{"role": "user", "content": f"«{x}»?"}, {"role": "assistant", "content": f"r{x}"}]
+            for x in "AB"
+        ]
+        try:
+            if shape == "two exchanges":
+                await logger.log_messages("c-1", [*exchanges[0], *exchanges[1]],
+                                          user_id="u-1", turn_id="t1")  # fmt: skip
+                return "t1"
+            for n, exchange in enumerate(exchanges, start=1):
+                await logger.log_messages("c-1", exchange, user_id="u-1", turn_id=f"t{n}")
+            return (await logger.fork("c-1", 5, "f-1", user_id="u-1")).turn_id
+        finally:
+            await client.close()
+
+    turn_id = asyncio.run(log())
+    roll_back(database, clear_messages=False)
+    return ("c-1" if shape == "two exchanges" else "f-1"), turn_id
+
+
+def _served_user_texts(wire_uri: str, database: Database[dict[str, Any]], cid: str) -> list[str]:
+    texts: list[str] = []
+
+    async def read(store: ConversationStore) -> None:
+        texts.extend(m.content or "" for m in await store.transcript(cid) if m.role == "user")
+
+    _as_a_person(wire_uri, database, read)
+    return texts
+
+
+TURNS_COPIED_AS_SEVERAL = ["two exchanges", "a fork"]
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("shape", TURNS_COPIED_AS_SEVERAL)
+@pytest.mark.parametrize("operator", ["stops", "unmarks the copy and accepts"])
+def test_a_later_legacy_turn_of_a_copy_the_old_service_deleted_is_a_copy_gone(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    shape: str,
+    operator: str,
+) -> None:
+    """A turn copied as several legacy turns (one per exchange; a fork's turn one per turn of
+    its original): after a rollback a person deletes the later exchange, «B», on the old
+    service. The record of the copy lists every legacy turn of it, so the gate names that
+    one gone with the messages it held (seq 4-5), never advising to remove the copy's
+    `dual_write` mark; an operator removing it anyway and accepting what `run` records
+    still gets exit 1 (was: only the first legacy turn was checked, the gate advised the
+    unmark, and after the accept `finish` exited 0, for a fork `verify` too, serving «B»).
+    Those two messages removed, the gate passes: what the person deleted is no longer
+    served, and «A» stays."""
+    cid, turn_id = _a_turn_copied_as_two_legacy_turns(wire_uri, database, shape)
+    database[CONVERSATIONS].delete_one({"conversation_id": cid, "user_message": "«B»?"})
+    assert cli(wire_uri, database, "run") == 0
+    piece_gone = f"the dual-written copy of the messages at seq 4-5 of the live turn {turn_id!r}"
+    if operator == "unmarks the copy and accepts":
+        unmark = {"$unset": {"dual_write": ""}}
+        database[LEGACY_TURNS].update_many({"conversation_id": cid, "dual_write": True}, unmark)
+        assert cli(wire_uri, database, "run") == 0
+        cli(wire_uri, database, "finish", "--accept", cid, "--note", "kept elsewhere")
+
+    for command in ("verify", "finish"):
+        capsys.readouterr()
+        assert cli(wire_uri, database, command) == 1
+        out = capsys.readouterr().out
+        assert piece_gone in out
+        assert "remove its `dual_write` mark" not in out
+    assert "«B»?" in _served_user_texts(wire_uri, database, cid)
+    if operator == "stops":
+        database[MESSAGES].delete_many({"conversation_id": cid, "seq": {"$in": [4, 5]}})
+        assert cli(wire_uri, database, "verify") == 0
+        assert cli(wire_uri, database, "finish") == 0
+        assert _served_user_texts(wire_uri, database, cid)[-1] == "«A»?"
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("shape", TURNS_COPIED_AS_SEVERAL)
+def test_a_first_legacy_turn_of_a_copy_the_old_service_deleted_names_only_its_messages(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    shape: str,
+) -> None:
+    """After a rollback a person deletes the first exchange, «A», of a turn copied as
+    several legacy turns: the gate names the messages that legacy turn held (seq 2-3)
+    gone, never the copy of the whole turn, whose «B» still stands and nobody deleted (was:
+    "the dual-written copy of the live turn … is gone …: pop its messages", which takes «B»
+    too)."""
+    cid, turn_id = _a_turn_copied_as_two_legacy_turns(wire_uri, database, shape)
+    database[CONVERSATIONS].delete_one({"conversation_id": cid, "user_message": "«A»?"})
+    assert cli(wire_uri, database, "run") == 0
+
+    for command in ("verify", "finish"):
+        capsys.readouterr()
+        assert cli(wire_uri, database, command) == 1
+        out = capsys.readouterr().out
+        assert f"copy of the messages at seq 2-3 of the live turn {turn_id!r} (one of" in out
+        assert f"copy of the live turn {turn_id!r} is gone" not in out
+        assert "remove its `dual_write` mark" not in out
+
+
+@pytest.mark.wire
+def test_a_copy_unconfirmed_missing_one_of_its_legacy_turns_is_asked_about_never_called_deleted(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A turn of two exchanges whose copy's record stayed intended (the write after the copy
+    failed, the runtime told the turn failed), its second legacy turn missing (never written,
+    or deleted since): `run` does not confirm a record one of whose legacy turns is missing,
+    and the gate asks whether the person deleted that exchange, naming its messages, never
+    calling it a deletion to act on (was: the first legacy turn standing passed the copy, or,
+    confirmed by `run` on the first one's word, would have been called deleted)."""
+    _copy_confirmation_fails_once(monkeypatch)
+    with pytest.raises(StorageUnavailable):
+        _a_turn_copied_as_two_legacy_turns(wire_uri, database, "two exchanges")
+    database[LEGACY_TURNS].delete_one({"dual_write": True, "user_message": "«B»?"})
+    assert cli(wire_uri, database, "run") == 0
+    states = [d.get("state") for d in database[lease.STATE].find({"kind": "dual_write_copy"})]
+    assert states == ["intended"]
+
+    for command in ("verify", "finish"):
+        capsys.readouterr()
+        assert cli(wire_uri, database, command) == 1
+        out = capsys.readouterr().out
+        assert "recorded it would copy the live turn 't1'" in out
+        assert "the legacy turn of it holding the messages at seq 4-5" in out
+        assert "is gone from the legacy collection" not in out

@@ -28,13 +28,16 @@ from agent_store import (
 from agent_store.core import MAX_JSON_VALUES, AgentMessage, utc_now
 from agent_store.legacy import (
     CLAIMED_FROM,
+    COPY_PIECES,
     LEGACY_TURNS,
     MIGRATION_STATE,
     MIXED_USER_IDS,
     SESSION_HITL,
     convert,
+    copy_record_id,
     derived_user_id,
     is_pending_prompt,
+    legacy_turn_id,
     parse_turns,
     with_session_prompts,
 )
@@ -2989,3 +2992,34 @@ async def test_a_legacy_copy_refused_as_too_large_is_no_invalid_input_for_the_st
     with pytest.raises(StorageFailure, match="the turn itself is stored"):
         await logger.log_messages("conv-refused", [{"role": "user", "content": "hi"}], turn_id="t")
     assert await backend.db[MESSAGES].count_documents({"conversation_id": "conv-refused"}) == 1
+
+
+async def test_the_record_of_a_copy_lists_every_legacy_turn_it_was_written_as(
+    backend: Backend,
+) -> None:
+    """A turn of two exchanges is copied as two legacy turns, a fork's turn as one per turn
+    of its original: the record of the copy (`COPY_RECORD`) lists each of them, by `_id`,
+    with the `seq`s of the messages it holds, so the gate checks every one, not the first
+    alone (was: only the first's deletion by the old service was seen)."""
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(backend.db, observers=[legacy], legacy=legacy)
+    exchanges = [
+        {"role": "user", "content": "«A»"},
+        {"role": "assistant", "content": "ra"},
+        {"role": "user", "content": "«B»"},
+        {"role": "assistant", "content": "rb"},
+    ]
+    await logger.log_messages("c-1", exchanges, user_id="u-1", turn_id="t-1")
+    fork = await logger.fork("c-1", 3, "f-1", user_id="u-1")
+
+    for cid, turn_id in (("c-1", "t-1"), ("f-1", fork.turn_id)):
+        copies = await backend.db[LEGACY_TURNS].find({"conversation_id": cid}).to_list(None)
+        document = await backend.db[CONVERSATIONS].find_one({"_id": cid})
+        assert document is not None
+        record_id = copy_record_id(cid, turn_id, document.get("epoch"))
+        record = await backend.db[MIGRATION_STATE].find_one({"_id": record_id})
+        assert record is not None, cid
+        pieces = [(legacy_turn_id(cid, turn_id), [0, 1]),
+                  (legacy_turn_id(cid, f"{turn_id}\0seq-2"), [2, 3])]  # fmt: skip
+        assert sorted(c["_id"] for c in copies) == sorted(p for p, _ in pieces)
+        assert record[COPY_PIECES] == [{"_id": p, "seqs": seqs} for p, seqs in pieces]

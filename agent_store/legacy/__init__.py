@@ -63,10 +63,12 @@ from agent_store.legacy._documents import (
 )
 from agent_store.legacy._dual_write import (
     COPY_INTENDED,
+    COPY_PIECES,
     COPY_RECORD,
     COPY_STATE,
     COPY_WRITTEN,
     NATIVE_FIELD,
+    copy_pieces,
     copy_record_id,
     exact_form,
     legacy_turn_document,
@@ -104,6 +106,7 @@ __all__ = [
     "CLAIM_RECORD",
     "CONVERSATION_COUNTERS",
     "COPY_INTENDED",
+    "COPY_PIECES",
     "COPY_RECORD",
     "COPY_STATE",
     "COPY_WRITTEN",
@@ -140,6 +143,7 @@ __all__ = [
     "call_arguments",
     "claim_records_owed",
     "convert",
+    "copy_pieces",
     "copy_record_id",
     "dated_turns",
     "derived_conversation_id",

@@ -44,6 +44,11 @@ the runtime told the turn failed), or written and the record's confirmation lost
 COPY_WRITTEN = "copied"
 """A record confirmed after its copy was written: a copy gone is one deleted since."""
 
+COPY_PIECES = "pieces"
+"""The field of a copy's record listing the legacy turns the copy was written as
+(`copy_pieces`): a turn is copied as several (one per exchange; a fork's turn one per turn of
+its original), each of which the old service may delete alone, so the gate checks each."""
+
 
 def copy_record_id(conversation_id: str, turn_id: str, epoch: str | None) -> str:
     """The `_id` of the record that the dual write copied a turn of a conversation in the life
@@ -223,7 +228,7 @@ def legacy_turn_document(
     written = uploads if uploads and uploads[0] in uploads[1:] else uploads[1:]
     parts = turn.parts + [{"type": "file_upload", **u} for u in written]
     document: dict[str, Any] = {
-        "_id": legacy_turn_id(conversation_id, f"{turn_id}\0{part}" if part else turn_id),
+        "_id": _piece_id(conversation_id, turn_id, part),
         "conversation_id": legacy_id if legacy_id is not None else conversation_id,
         "user_id": user_id,
         "name": name,
@@ -402,26 +407,60 @@ def legacy_turn_documents(
     message, or is a system turn holding its system text alone, so each converts back to
     its messages in order. With `max_bytes`, each document fits in that much BSON
     (`_fitted`)."""
-    cuts = [i for i, m in enumerate(messages) if i and m.seq in starts]
     documents: list[dict[str, Any]] = []
+    for piece, suffix in _turn_pieces(messages, starts):
+
+        def write(messages: Sequence[AgentMessage], suffix: str = suffix) -> dict[str, Any]:
+            return legacy_turn_document(
+                conversation_id,
+                turn_id,
+                messages,
+                user_id=user_id,
+                name=name,
+                part=suffix,
+                legacy_id=legacy_id,
+            )
+
+        documents.append(_fitted(piece, write(piece), write, max_bytes))
+    return documents
+
+
+def copy_pieces(
+    conversation_id: str,
+    turn_id: str,
+    messages: Sequence[AgentMessage],
+    *,
+    starts: Collection[int] = (),
+) -> list[dict[str, Any]]:
+    """The legacy turns a logged turn is copied as (`legacy_turn_documents`, cut alike), as
+    the record of its copy lists them (`COPY_PIECES`): each one's `_id` and the first and
+    last `seq` of the messages it holds. No name, no content."""
+    return [
+        {
+            "_id": _piece_id(conversation_id, turn_id, suffix),
+            "seqs": [piece[0].seq, piece[-1].seq],
+        }
+        for piece, suffix in _turn_pieces(messages, starts)
+    ]
+
+
+def _piece_id(conversation_id: str, turn_id: str, part: str) -> str:
+    """The `_id` of the legacy turn holding the piece of a turn named `part` ("" the first)."""
+    return legacy_turn_id(conversation_id, f"{turn_id}\0{part}" if part else turn_id)
+
+
+def _turn_pieces(
+    messages: Sequence[AgentMessage], starts: Collection[int]
+) -> list[tuple[Sequence[AgentMessage], str]]:
+    """A logged turn's messages as the pieces each legacy turn of its copy holds, each with
+    the part naming it: cut at the `seq`s of `starts`, each run named by its first `seq`,
+    then each run cut again (`_pieces`)."""
+    cuts = [i for i, m in enumerate(messages) if i and m.seq in starts]
+    pieces: list[tuple[Sequence[AgentMessage], str]] = []
     for first, end in pairwise([0, *cuts, len(messages)]):
         run = messages[first:end]
-        part = f"seq-{run[0].seq}" if first else ""
-        for piece, suffix in _pieces(run, part):
-
-            def write(messages: Sequence[AgentMessage], suffix: str = suffix) -> dict[str, Any]:
-                return legacy_turn_document(
-                    conversation_id,
-                    turn_id,
-                    messages,
-                    user_id=user_id,
-                    name=name,
-                    part=suffix,
-                    legacy_id=legacy_id,
-                )
-
-            documents.append(_fitted(piece, write(piece), write, max_bytes))
-    return documents
+        pieces += _pieces(run, f"seq-{run[0].seq}" if first else "")
+    return pieces
 
 
 def _pieces(run: Sequence[AgentMessage], part: str) -> list[tuple[Sequence[AgentMessage], str]]:

@@ -64,9 +64,11 @@ from agent_store.legacy._documents import (
 )
 from agent_store.legacy._dual_write import (
     COPY_INTENDED,
+    COPY_PIECES,
     COPY_RECORD,
     COPY_STATE,
     COPY_WRITTEN,
+    copy_pieces,
     copy_record_id,
     legacy_turn_documents,
     legacy_turn_id,
@@ -930,6 +932,7 @@ class LegacyTurns:
         """
         if not self.dual_write:
             return
+        starts = _copied_turn_starts(turn, conversation)
 
         def documents_of(
             messages: Sequence[AgentMessage], max_bytes: int | None = None
@@ -941,7 +944,7 @@ class LegacyTurns:
                 user_id=copied_user_id(conversation),
                 name=conversation.name,
                 legacy_id=legacy_id_of(conversation.id, conversation.legacy_conversation_id),
-                starts=_copied_turn_starts(turn, conversation),
+                starts=starts,
                 max_bytes=max_bytes,
             )
 
@@ -953,7 +956,10 @@ class LegacyTurns:
         record_id = copy_record_id(turn.conversation_id, turn.turn_id, conversation.epoch)
         try:
             with storage_errors("write the legacy turn (dual write)"):
-                await self._intend_copy(record_id)
+                pieces = copy_pieces(
+                    turn.conversation_id, turn.turn_id, turn.messages, starts=starts
+                )
+                await self._intend_copy(record_id, pieces)
                 for document in documents:
                     document[RECORD_FIELD] = record_id
                     await self._turns.replace_one({"_id": document["_id"]}, document, upsert=True)
@@ -963,16 +969,17 @@ class LegacyTurns:
             # The turn is stored by now: a copy refused is no fault of the caller's input.
             raise StorageFailure(f"{exc.message}; the turn itself is stored") from exc
 
-    async def _intend_copy(self, record_id: str) -> None:
+    async def _intend_copy(self, record_id: str, pieces: list[dict[str, Any]]) -> None:
         """Record, before the copy is written, that the turn is to be copied (`COPY_RECORD`,
-        `COPY_INTENDED`, by `copy_record_id`: no name, no content), where the legacy service
-        never writes and a rollback moves nothing: the gate expects a copy of a live turn so
-        recorded only (`migrations.dual_writes.deleted`); one never copied (the dual write
-        off) has no copy to lose. A retry keeps a record already confirmed."""
+        `COPY_INTENDED`, by `copy_record_id`: no name, no content), as which legacy turns
+        (`COPY_PIECES`, `copy_pieces`: each `_id` and the `seq`s it holds), where the legacy
+        service never writes and a rollback moves nothing: the gate expects a copy of a live
+        turn so recorded only, each of those legacy turns
+        (`migrations.dual_writes.deleted`); one never copied (the dual write off) has no
+        copy to lose. A retry keeps a record already confirmed."""
         intended = {"kind": COPY_RECORD, COPY_STATE: COPY_INTENDED, "at": utc_now()}
-        await self._migration.update_one(
-            {"_id": record_id}, {"$setOnInsert": intended}, upsert=True
-        )
+        update = {"$setOnInsert": intended, "$set": {COPY_PIECES: pieces}}
+        await self._migration.update_one({"_id": record_id}, update, upsert=True)
 
     async def _record_copy(self, record_id: str) -> None:
         """Confirm the record of a copy once the copy is written (`COPY_WRITTEN`): a copy gone
