@@ -44,7 +44,7 @@ from agent_store import (
     with_retries,
 )
 from agent_store.legacy import LEGACY_TURNS
-from agent_store.store import PENDING_CALLS_KEPT, _pop, plan_turn, storage_errors
+from agent_store.store import PENDING_CALLS_KEPT, _deletions, _pop, plan_turn, storage_errors
 from agent_store.store._logger import Corrected, HeldOff, OtherContent
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
 from tests.conftest import COUNTED, Backend
@@ -445,6 +445,45 @@ async def test_a_pop_whose_conversation_was_deleted_and_started_again_before_its
     assert [m.content for m in await store.transcript(CID)] == ["new question"]
     conversation = await store.get_conversation(CID)
     assert conversation.last_message_preview == "new question"
+
+
+@pytest.mark.parametrize("by", ["delete", "erasure"])
+async def test_a_delete_racing_the_first_turn_since_epochs_of_its_conversation_takes_it_whole(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, by: str
+) -> None:
+    """DESIGN.md (a delete or an erasure takes the conversation it found: by its `created_at`
+    for one stored before epochs): the conversation's own first turn since epochs draws its
+    epoch between the delete's read and its mark. It is the life the delete found, so the
+    delete takes it, its new turn too, and says so (kept as it was when a stricter filter
+    for a life read without an epoch, fit for a fold or a pop that read again, answered
+    `conversations: 0` and left every message)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    at = {"created_at": datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)}
+    said = [{"role": "user", "content": "my secret"} | at, {"role": "assistant", "content": "ok"}]
+    await logger.log_messages(CID, said, turn_id="t1", user_id="ada")
+    await backend.db["agent_conversations"].update_one({"_id": CID}, {"$unset": {"epoch": ""}})
+    unset = {"$unset": {"epoch": ""}}
+    await backend.db["agent_messages"].update_many({"conversation_id": CID}, unset)
+    real, raced = _deletions.DeletionRecords.record, list[bool]()
+
+    async def first_turn_since_epochs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not raced:
+            raced.append(True)
+            more = [{"role": "user", "content": "second secret"}]
+            await logger.log_messages(CID, more, turn_id="t2", user_id="ada")
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(_deletions.DeletionRecords, "record", first_turn_since_epochs)
+    if by == "delete":
+        deleted = await store.delete(CID, user_id="ada")
+    else:
+        deleted = await store.erase_user("ada")
+    monkeypatch.undo()
+
+    assert raced
+    assert deleted.conversations == 1
+    assert await backend.db["agent_conversations"].count_documents({"_id": CID}) == 0
+    assert await backend.db["agent_messages"].count_documents({"conversation_id": CID}) == 0
 
 
 async def test_the_same_turn_logged_by_two_writers_at_once_is_stored_once(

@@ -66,7 +66,7 @@ from agent_store.store._indexes import LANGGRAPH_TURN, LIFE_READ, checkpoints_re
 from agent_store.store._reservation import (
     UNSTANDING_READ,
     conversation_by_id,
-    life_told,
+    life_still_as_read,
     refuse_unless_standing,
 )
 from agent_store.store._tail import (
@@ -589,10 +589,11 @@ class Pop:
 def _life_of(pop: PopInProgress, conversation: Mapping[str, Any] | None) -> dict[str, Any]:
     """What a pop's mark matches the conversation's life by: the `epoch` of the message it
     read; for a message stored before epochs, the life of the conversation as read before
-    it (its `epoch`, else its `created_at`): never one deleted and started again since."""
+    it (its `epoch`, else its `created_at` and no epoch yet: `still_as_read`): never one
+    deleted and started again since, even given the same `created_at`."""
     if pop.epoch is not None or conversation is None:
         return {} if pop.epoch is None else {"epoch": pop.epoch}
-    return life_told(epoch=conversation.get("epoch"), created_at=conversation.get("created_at"))
+    return life_still_as_read(conversation)
 
 
 async def finish_pop(

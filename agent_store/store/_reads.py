@@ -96,7 +96,6 @@ from agent_store.store._reservation import (
     answered_before,
     concerned_calls,
     conversation_by_id,
-    created_as,
     is_listed,
     is_standing,
     life_named,
@@ -2880,7 +2879,7 @@ class ConversationStore:
         counted = {"end": life.message_count, "pops": life.pops}
         if life.epoch is not None:
             return {"epoch": life.epoch, **counted}
-        life_read = created_as(scope["_id"], life.created_at)
+        life_read = same_conversation(scope["_id"], epoch=None, created_at=life.created_at)
         query = self._as_listed(scope) | life_read
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(query, {"epoch": 1, "created_at": 1})

@@ -83,6 +83,7 @@ from agent_store.store._reservation import (
     relisted_among,
     resolved_by_request,
     same_as_read,
+    still_as_read,
 )
 from agent_store.store._turns import (
     ANSWERED_READ,
@@ -638,7 +639,7 @@ def of_its_life(conversation: Mapping[str, Any], count: int) -> dict[str, Any]:
 def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update that set a conversation's pending state to the fold's (from the
     conversation as it was read): matching only the life it was read in (its `epoch`, else
-    its `created_at`: `same_as_read`), never one deleted and started again under the id
+    its `created_at` and no epoch yet: `still_as_read`), never one deleted and started again under the id
     since, by anyone, and only while no turn reserved (`message_count`) and no pop ran or
     is under way since. The approvals the fold withdraws
     (`Refold.withdrawn`) go while no answer came since (`answered_prompts` as read). When
@@ -651,7 +652,7 @@ def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     conversation = fold.conversation
     pops = int(conversation.get("pops") or 0)
     query: dict[str, Any] = {
-        **same_as_read(conversation["_id"], conversation),
+        **still_as_read(conversation["_id"], conversation),
         "message_count": Int64(int(conversation["message_count"])),
         "pops": pops if pops else {"$in": [None, 0]},
         "popping": None,
@@ -763,7 +764,7 @@ async def settle(
     (`_logger._Reserved.relisted`), written only where it changes what was read
     (`_writes_nothing`): what a later turn answered or asked since only looks otherwise.
 
-    Every read and write of the fold is of one life of the conversation (`same_as_read`):
+    Every read and write of the fold is of one life of the conversation (`still_as_read`):
     `life`'s (a filter of the one the caller read), else `moved`'s, else the one its first
     read finds under the id; a conversation deleted meanwhile, even started again under the
     id, by anyone, is gone to it (False, nothing written to the new one)."""
@@ -773,7 +774,7 @@ async def settle(
         fold = await read(moved, abandon_after=abandon_after, own=own, life=where)
         if fold is None:
             return False
-        where = same_as_read(conversation_id, fold.conversation)
+        where = still_as_read(conversation_id, fold.conversation)
         names = renamed(fold.conversation, first_named(fold.stored, name_chars))
         if not fold.folded and not names and await _changed(conversations, fold):
             moved = None  # a pop (or a turn) ran between its two reads: read again

@@ -336,26 +336,16 @@ def same_conversation(
     drawn at random as its document is created (a caller supplies its first message's
     `created_at`, so two conversations may share one). A conversation read before it had an
     epoch (created before epochs: the first turn since draws it one) is told by its
-    `created_at` and by having no epoch yet (`life_told`)."""
+    `created_at`."""
     return conversation_by_id(conversation_id) | life_told(epoch=epoch, created_at=created_at)
 
 
 def life_told(*, epoch: str | None, created_at: datetime | None) -> dict[str, Any]:
     """What `same_conversation` tells a conversation's life by, apart from its id: its
-    `epoch`, else its `created_at` and no epoch (as a deletion's record names it too). A
-    conversation started under the id since draws an epoch, so it never matches a life read
-    without one, even with the same `created_at`; the first turn drawing this life's own
-    epoch meanwhile makes a write computed from the read miss too, and read again."""
+    `epoch`, else its `created_at` (as a deletion's record names it too)."""
     if epoch is not None:
         return {"epoch": epoch}
-    return {"created_at": created_at, "epoch": None}
-
-
-def created_as(conversation_id: str, created_at: datetime | None) -> dict[str, Any]:
-    """The conversation under `conversation_id` created at `created_at`, with or without an
-    epoch: what a token read before the conversation drew its epoch (a version, a stream's
-    pin) is checked against, the epoch it may have drawn since then read back from it."""
-    return conversation_by_id(conversation_id) | {"created_at": created_at}
+    return {"created_at": created_at}
 
 
 def same_as_read(conversation_id: str, read: Mapping[str, Any]) -> dict[str, Any]:
@@ -364,6 +354,23 @@ def same_as_read(conversation_id: str, read: Mapping[str, Any]) -> dict[str, Any
     return same_conversation(
         conversation_id, epoch=read.get("epoch"), created_at=read.get("created_at")
     )
+
+
+def still_as_read(conversation_id: str, read: Mapping[str, Any]) -> dict[str, Any]:
+    """`same_as_read` for a write that reads again when it misses (a fold, a pop's mark):
+    a life read without an epoch is told by having none yet too. A conversation started
+    under the id since draws one, so it never matches, even given the same `created_at`
+    (a caller's choice); the first turn drawing this life's own epoch makes it miss too,
+    and the caller reads again. Never for a write whose miss means "gone" (a delete, an
+    erasure, a fork's check of its source: they take the life by `created_at` alone)."""
+    return conversation_by_id(conversation_id) | life_still_as_read(read)
+
+
+def life_still_as_read(read: Mapping[str, Any]) -> dict[str, Any]:
+    """What `still_as_read` tells the life `read` holds by, apart from its id."""
+    epoch = read.get("epoch")
+    none_yet = {} if epoch is not None else {"epoch": None}
+    return life_told(epoch=epoch, created_at=read.get("created_at")) | none_yet
 
 
 def life_named(
@@ -377,7 +384,7 @@ def life_named(
     if conversation_version(conversation_id, found.get("epoch"), created) == version:
         return same_as_read(conversation_id, found)
     if conversation_version(conversation_id, None, created) == version:
-        return created_as(conversation_id, created)
+        return same_conversation(conversation_id, epoch=None, created_at=created)
     return None
 
 
