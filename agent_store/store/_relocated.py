@@ -639,8 +639,8 @@ def of_its_life(conversation: Mapping[str, Any], count: int) -> dict[str, Any]:
 def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update that set a conversation's pending state to the fold's (from the
     conversation as it was read): matching only the life it was read in (its `epoch`, else
-    its `created_at` and no epoch yet: `still_as_read`), never one deleted and started again under the id
-    since, by anyone, and only while no turn reserved (`message_count`) and no pop ran or
+    its `created_at` and no epoch yet: `still_as_read`), never one deleted and started
+    again under the id since, by anyone, and only while no turn reserved (`message_count`) and no pop ran or
     is under way since. The approvals the fold withdraws
     (`Refold.withdrawn`) go while no answer came since (`answered_prompts` as read). When
     the fold tells `resolved_hitl` (`Refold.resolved`), it is set too, and the prompt is
