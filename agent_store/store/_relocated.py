@@ -640,8 +640,8 @@ def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update that set a conversation's pending state to the fold's (from the
     conversation as it was read): matching only the life it was read in (its `epoch`, else
     its `created_at` and no epoch yet: `still_as_read`), never one deleted and started
-    again under the id since, by anyone, and only while no turn reserved (`message_count`) and no pop ran or
-    is under way since. The approvals the fold withdraws
+    again under the id since, by anyone, and only while no turn reserved (`message_count`)
+    and no pop ran or is under way since. The approvals the fold withdraws
     (`Refold.withdrawn`) go while no answer came since (`answered_prompts` as read). When
     the fold tells `resolved_hitl` (`Refold.resolved`), it is set too, and the prompt is
     pending unless among them, the whole update matching only while no answer came since;
