@@ -63,6 +63,7 @@ from agent_store.legacy import (
 )
 from agent_store.store import (
     CONVERSATIONS,
+    COPY_OWED,
     DEFAULT_MARKERS,
     MESSAGES,
     MIGRATED_TURN_PREFIX,
@@ -523,11 +524,24 @@ COPY_UNCONFIRMED = (
     "but not that it did, and no copy is in the legacy collection: either its copy's write "
     "failed (the runtime was told the turn failed, yet its messages are stored and served) "
     "or the legacy service deleted it after a rollback. Ask whether the person deleted that "
-    "exchange: if so pop its messages through the store; if not, delete that record (the "
-    "turn was never copied)"
+    "exchange: if so pop its messages through the store; if not, delete that record and "
+    "unset `copy_owed` on the turn's messages (the turn was never copied)"
 )
 """What the gate says of a live turn whose record was never confirmed and whose copy is
 missing: which it is nothing stored tells, so neither passes nor advises a deletion."""
+
+COPY_OWED_UNRECORDED = (
+    "the dual write owed a copy of the live turn {turn_id!r} (its messages are marked "
+    "`copy_owed`) but recorded nothing of it and no copy is in the legacy collection: its "
+    "first write, the record before the copy, failed (the runtime was told the turn failed, "
+    "yet its messages are stored and served), so the legacy service never held that turn, "
+    "and what a person did there after a rollback (deleted the conversation whole?) is not "
+    "read from it. Ask the person: if the conversation or the exchange was deleted, pop its "
+    "messages through the store (or delete the conversation), never put its document back; "
+    "if not, unset `copy_owed` on the turn's messages (the turn was never copied)"
+)
+"""What the gate says of a live turn stored while the dual write was on (`COPY_OWED`) whose
+copy was never recorded nor written: never read as logged with the dual write off."""
 
 COPY_RECORDS_READ = 1000
 """The most copy records one read asks for (`copied`), and live turns one chunk of
@@ -550,9 +564,12 @@ def deleted(
     service deleted it after a rollback (a person deleted the exchange, or the whole
     conversation), while the new store still serves it (`COPY_GONE`). A record only
     intended (`COPY_INTENDED`: the write after the copy failed) whose copy is missing may be
-    either (`COPY_UNCONFIRMED`); one whose copy stands passes. A turn with no record is never
-    one (logged with the dual write off: after the rollback window, before the first move,
-    or by a writer without it; or copied by an earlier release, `unrecorded`), nor one of
+    either (`COPY_UNCONFIRMED`); one whose copy stands passes. A turn with no record whose
+    messages say the dual write owed it a copy (`COPY_OWED`, stored with them), no copy
+    standing, is one whose every dual write failed (`COPY_OWED_UNRECORDED`: ask the person).
+    Any other turn with no record is never one (logged with the dual write off: after the
+    rollback window, before the first move, or by a writer without it; or copied by an
+    earlier release, `unrecorded`), nor one of
     another `epoch` than its conversation's (a late insert of a conversation deleted under
     the id). Reads the live turns grouped (one aggregation), then per `COPY_RECORDS_READ` of
     them their documents, records and copies (three reads)."""
@@ -566,16 +583,21 @@ def deleted(
 
 def _stored_live_turns(
     db: Database[dict[str, Any]], conversations: Sequence[str] | None
-) -> Iterator[tuple[str, str, str | None]]:
-    """(conversation id, turn id, epoch) of each live turn (not the migration's) whose
-    messages are stored, grouped by the server."""
+) -> Iterator[tuple[str, str, str | None, bool]]:
+    """(conversation id, turn id, epoch, whether a message of it is marked `COPY_OWED`) of
+    each live turn (not the migration's) whose messages are stored, grouped by the server."""
     match: dict[str, Any] = {"turn_id": {"$type": "string", "$not": _MIGRATED}}
     if conversations is not None:
         match["conversation_id"] = {"$in": list(conversations)}
     grouped = db[MESSAGES].aggregate(
         [
             {"$match": match},
-            {"$group": {"_id": {"c": "$conversation_id", "t": "$turn_id", "e": "$epoch"}}},
+            {
+                "$group": {
+                    "_id": {"c": "$conversation_id", "t": "$turn_id", "e": "$epoch"},
+                    "owed": {"$max": f"${COPY_OWED}"},
+                }
+            },
             {"$sort": {"_id.c": 1, "_id.t": 1}},
         ],
         allowDiskUse=True,
@@ -583,28 +605,32 @@ def _stored_live_turns(
     for group in grouped:
         key = group["_id"]
         if isinstance(key.get("c"), str) and not is_migrated(key.get("t")):
-            yield key["c"], key["t"], key.get("e")
+            yield key["c"], key["t"], key.get("e"), group.get("owed") is True
 
 
 _MIGRATED = {"$regex": f"^{re.escape(MIGRATED_TURN_PREFIX)}"}
 
 
 def _gone(
-    db: Database[dict[str, Any]], turns: Sequence[tuple[str, str, str | None]], *, source: str
+    db: Database[dict[str, Any]],
+    turns: Sequence[tuple[str, str, str | None, bool]],
+    *,
+    source: str,
 ) -> dict[str, list[str]]:
     """`deleted` for one chunk of live turns: each of the epoch of its conversation's
     document (of the epoch its messages carry when none stands under the id)."""
-    cids = sorted({cid for cid, _, _ in turns})
+    cids = sorted({cid for cid, *_ in turns})
     query = {"_id": {"$in": cids}, **CONVERSATION_FILTER}
     documents = {d["_id"]: d for d in db[CONVERSATIONS].find(query, {"epoch": 1})}
     records: dict[str, tuple[str, str]] = {}
-    for cid, turn_id, epoch in turns:
+    for cid, turn_id, epoch, _ in turns:
         life = documents[cid].get("epoch") if cid in documents else epoch
         if epoch in (None, life):
             records[copy_record_id(cid, turn_id, life)] = (cid, turn_id)
     query = {"_id": {"$in": sorted(records)}, "kind": COPY_RECORD}
     states = {records[d["_id"]]: d for d in db[STATE].find(query, {COPY_STATE: 1})}
-    ids = {legacy_turn_id(cid, turn_id): (cid, turn_id) for cid, turn_id in states}
+    owed = _owed_unrecorded(turns, set(records.values()) - set(states))
+    ids = {legacy_turn_id(cid, turn_id): (cid, turn_id) for cid, turn_id in [*states, *owed]}
     there = {ids[d["_id"]] for d in db[source].find({"_id": {"$in": sorted(ids)}}, {"_id": 1})}
     found: dict[str, list[str]] = {}
     for (cid, turn_id), record in sorted(states.items()):
@@ -615,7 +641,22 @@ def _gone(
         else:
             said = (COPY_GONE if cid in documents else COPY_GONE_WHOLE).format(turn_id=turn_id)
         found.setdefault(cid, []).append(said)
+    for cid, turn_id in sorted(set(owed) - there):
+        found.setdefault(cid, []).append(COPY_OWED_UNRECORDED.format(turn_id=turn_id))
     return found
+
+
+def _owed_unrecorded(
+    turns: Sequence[tuple[str, str, str | None, bool]], unrecorded: set[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    """Of the live turns of their conversation's epoch that no copy record names
+    (`unrecorded`: conversation id, turn id), those whose messages say the dual write owed
+    them a copy (`COPY_OWED`, stored by the insert that stored them): the record written
+    before the copy failed, so nothing but the mark tells them from turns logged with the
+    dual write off."""
+    return [
+        (cid, turn_id) for cid, turn_id, _, owed in turns if owed and (cid, turn_id) in unrecorded
+    ]
 
 
 def confirm_copies(db: Database[dict[str, Any]], *, source: str) -> int:
