@@ -66,6 +66,7 @@ from agent_store.legacy import (
 )
 from agent_store.store import (
     CONVERSATIONS,
+    COPY_OWED,
     DEFAULT_MARKERS,
     MESSAGES,
     MIGRATED_TURN_PREFIX,
@@ -551,8 +552,8 @@ COPY_UNCONFIRMED = (
     "but not that it did, and no copy is in the legacy collection: either its copy's write "
     "failed (the runtime was told the turn failed, yet its messages are stored and served) "
     "or the legacy service deleted it after a rollback. Ask whether the person deleted that "
-    "exchange: if so pop its messages through the store; if not, delete that record (the "
-    "turn was never copied)"
+    "exchange: if so pop its messages through the store; if not, delete that record and "
+    "unset `copy_owed` on the turn's messages (the turn was never copied)"
 )
 """What the gate says of a live turn whose record was never confirmed and whose copy is
 missing: which it is nothing stored tells, so neither passes nor advises a deletion."""
@@ -586,6 +587,19 @@ PIECE_UNCONFIRMED = (
 )
 """What the gate says of a legacy turn missing of a copy whose record was never confirmed,
 some other legacy turn of it standing."""
+
+COPY_OWED_UNRECORDED = (
+    "the dual write owed a copy of the live turn {turn_id!r} (its messages are marked "
+    "`copy_owed`) but recorded nothing of it and no copy is in the legacy collection: its "
+    "first write, the record before the copy, failed (the runtime was told the turn failed, "
+    "yet its messages are stored and served), so the legacy service never held that turn, "
+    "and what a person did there after a rollback (deleted the conversation whole?) is not "
+    "read from it. Ask the person: if the conversation or the exchange was deleted, pop its "
+    "messages through the store (or delete the conversation), never put its document back; "
+    "if not, unset `copy_owed` on the turn's messages (the turn was never copied)"
+)
+"""What the gate says of a live turn stored while the dual write was on (`COPY_OWED`) whose
+copy was never recorded nor written: never read as logged with the dual write off."""
 
 COPY_RECORDS_READ = 1000
 """The most copy records one read asks for (`copied`), and live turns one chunk of
@@ -627,7 +641,10 @@ def deleted(
     new store still serves it (`COPY_GONE`; one legacy turn of several gone, the messages
     it held alone, `PIECE_GONE`). A record only intended (`COPY_INTENDED`: the write after
     the copy failed) whose copy is missing may be either (`COPY_UNCONFIRMED`,
-    `PIECE_UNCONFIRMED`); one whose copy stands passes. A turn with no record is never one
+    `PIECE_UNCONFIRMED`); one whose copy stands passes. A turn with no record whose
+    messages say the dual write owed it a copy (`COPY_OWED`, stored with them), no copy
+    standing, is one whose every dual write failed (`COPY_OWED_UNRECORDED`: ask the person).
+    Any other turn with no record is never one
     (logged with the dual write off: after the rollback window, before the first move, or
     by a writer without it; or copied by an earlier release, `unrecorded`), nor one of
     another `epoch` than its conversation's (a late insert of a conversation deleted under
@@ -640,15 +657,16 @@ def deleted(
     return found
 
 
-_LiveTurn = tuple[str, str, str | None, list[int]]
-"""(conversation id, turn id, epoch, the `seq`s of its stored messages)."""
+_LiveTurn = tuple[str, str, str | None, list[int], bool]
+"""(conversation id, turn id, epoch, the `seq`s of its stored messages, whether a message of
+it is marked `COPY_OWED`)."""
 
 
 def _stored_live_turns(
     db: Database[dict[str, Any]], conversations: Sequence[str] | None
 ) -> Iterator[_LiveTurn]:
-    """Each live turn (not the migration's) whose messages are stored, with their `seq`s,
-    grouped by the server."""
+    """Each live turn (not the migration's) whose messages are stored, with their `seq`s
+    and whether a message of it is marked `COPY_OWED`, grouped by the server."""
     match: dict[str, Any] = {"turn_id": {"$type": "string", "$not": _MIGRATED}}
     if conversations is not None:
         match["conversation_id"] = {"$in": list(conversations)}
@@ -659,6 +677,7 @@ def _stored_live_turns(
                 "$group": {
                     "_id": {"c": "$conversation_id", "t": "$turn_id", "e": "$epoch"},
                     "seqs": {"$push": "$seq"},
+                    "owed": {"$max": f"${COPY_OWED}"},
                 }
             },
             {"$sort": {"_id.c": 1, "_id.t": 1}},
@@ -669,7 +688,7 @@ def _stored_live_turns(
         key = group["_id"]
         if isinstance(key.get("c"), str) and not is_migrated(key.get("t")):
             seqs = [s for s in group.get("seqs") or [] if isinstance(s, int)]
-            yield key["c"], key["t"], key.get("e"), seqs
+            yield key["c"], key["t"], key.get("e"), seqs, group.get("owed") is True
 
 
 _MIGRATED = {"$regex": f"^{re.escape(MIGRATED_TURN_PREFIX)}"}
@@ -685,7 +704,7 @@ def _gone(
     query = {"_id": {"$in": cids}, **CONVERSATION_FILTER}
     documents = {d["_id"]: d for d in db[CONVERSATIONS].find(query, {"epoch": 1})}
     records: dict[str, tuple[str, str, list[int]]] = {}
-    for cid, turn_id, epoch, seqs in turns:
+    for cid, turn_id, epoch, seqs, _ in turns:
         life = documents[cid].get("epoch") if cid in documents else epoch
         if epoch in (None, life):
             record_id = copy_record_id(cid, turn_id, life)
@@ -696,7 +715,10 @@ def _gone(
         key=lambda d: records[d["_id"]][:2],
     )
     pieces = {d["_id"]: _recorded_pieces(d, *records[d["_id"]][:2]) for d in read}
-    ids = sorted({piece[0] for listed in pieces.values() for piece in listed})
+    recorded = {records[d["_id"]][:2] for d in read}
+    owed = _owed_unrecorded(turns, {r[:2] for r in records.values()} - recorded)
+    owed_ids = {legacy_turn_id(cid, turn_id): (cid, turn_id) for cid, turn_id in owed}
+    ids = sorted({piece[0] for listed in pieces.values() for piece in listed} | set(owed_ids))
     there = {d["_id"] for d in db[source].find({"_id": {"$in": ids}}, {"_id": 1})}
     for record in read:
         cid, turn_id, seqs = records[record["_id"]]
@@ -704,6 +726,9 @@ def _gone(
         if missing:
             listed = len(pieces[record["_id"]])
             found.add(cid, turn_id, _said(record, turn_id, missing, listed, seqs, cid in documents))
+    for legacy_id, (cid, turn_id) in sorted(owed_ids.items(), key=lambda item: item[1]):
+        if legacy_id not in there:
+            found.add(cid, turn_id, [COPY_OWED_UNRECORDED.format(turn_id=turn_id)])
 
 
 _Piece = tuple[str, int | None, int | None]
@@ -762,6 +787,21 @@ def _said(
             template.format(turn_id=turn_id, record=record["_id"], seqs=named, count=listed)
         )
     return said
+
+
+def _owed_unrecorded(
+    turns: Sequence[_LiveTurn], unrecorded: set[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    """Of the live turns of their conversation's epoch that no copy record names
+    (`unrecorded`: conversation id, turn id), those whose messages say the dual write owed
+    them a copy (`COPY_OWED`, stored by the insert that stored them): the record written
+    before the copy failed, so nothing but the mark tells them from turns logged with the
+    dual write off."""
+    return [
+        (cid, turn_id)
+        for cid, turn_id, _, _, owed in turns
+        if owed and (cid, turn_id) in unrecorded
+    ]
 
 
 def confirm_copies(db: Database[dict[str, Any]], *, source: str) -> int:

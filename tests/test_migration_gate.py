@@ -7675,6 +7675,7 @@ def test_the_gate_names_the_conversations_whose_dual_written_copies_recorded_not
     log_live(wire_uri, database, "c-1", "live-0", "«GONE»", dual_write=True)
     log_live(wire_uri, database, "c-1", "live-1", "«KEPT»", dual_write=True)
     database[lease.STATE].delete_many({"kind": dual_writes.COPY_RECORD})
+    database[MESSAGES].update_many({}, {"$unset": {"copy_owed": ""}})  # nor marked its turns
     database[LEGACY_TURNS].delete_one({"dual_write": True, "turn_id": "live-0"})
 
     said = "c-1: its dual-written copies recorded nothing"
@@ -10294,3 +10295,102 @@ def test_a_copy_unconfirmed_missing_one_of_its_legacy_turns_is_asked_about_never
         assert "recorded it would copy the live turn 't1'" in out
         assert "the legacy turn of it holding the messages at seq 4-5" in out
         assert "is gone from the legacy collection" not in out
+
+
+def _copy_intent_fails_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dual write's first write after the turn is stored (`LegacyTurns._intend_copy`, the
+    record of the copy it is about to write) fails once, as a primary stepping down would:
+    the turn is stored, neither its copy nor a record of it is written, and the runtime is
+    told the turn failed (StorageUnavailable)."""
+    from pymongo.errors import AutoReconnect
+
+    failed: list[bool] = []
+    intend = LegacyTurns._intend_copy
+
+    async def flaky(self: LegacyTurns, *args: Any) -> None:
+        if not failed:
+            failed.append(True)
+            raise AutoReconnect("primary stepped down")
+        await intend(self, *args)
+
+    monkeypatch.setattr(LegacyTurns, "_intend_copy", flaky)
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("after", ["no rollback", "the old service deleted it whole"])
+def test_a_turn_whose_copy_was_owed_but_never_recorded_is_never_passed_nor_its_document_put_back(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    after: str,
+) -> None:
+    """MIGRATION.md "What `finish` guarantees": the record of a turn's copy, written before
+    the copy, fails, and the runtime never sends the turn again: the turn is stored, with
+    neither copy nor record. Its messages say the dual write owed it a copy (`copy_owed`,
+    written by the insert that stored them), so the gate never reads it as logged with the
+    dual write off: `verify` and `finish` fail naming it and asking the person, before any
+    rollback and after the old service deleted the conversation whole, and never advise
+    putting its document back (was: exit 0 before the rollback; after it, "logged while the
+    dual write was off … Put its conversation document back", which brought back what Ada
+    deleted, `finish` and the drop at 0). Its advice followed, the gate passes."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-0", "c-1", 0, "OLD"), legacy_turn("t-2", "c-2", 0, "OTHER")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    _copy_intent_fails_once(monkeypatch)
+    with pytest.raises(StorageUnavailable):
+        log_live(wire_uri, database, "c-1", "t1", "«SECRET»", dual_write=True)
+    log_live(wire_uri, database, "c-1", "t2", "«NEXT»", dual_write=True)
+    assert database[lease.STATE].count_documents({"kind": dual_writes.COPY_RECORD}) == 1
+    if after != "no rollback":
+        roll_back(database, clear_messages=False)
+        database[CONVERSATIONS].delete_many({"conversation_id": "c-1"})
+        assert cli(wire_uri, database, "run") == 0
+
+    for command in ("verify", "finish"):
+        capsys.readouterr()
+        assert cli(wire_uri, database, command) == 1
+        out = capsys.readouterr().out
+        assert "owed a copy of the live turn 't1'" in out, out
+        assert "Put its conversation document back" not in out
+        assert "written before this release" not in out
+        assert "'t2' is gone" in out if after != "no rollback" else "'t2'" not in out
+
+    if after == "no rollback":  # the person deleted nothing: the turn was never copied
+        database[MESSAGES].update_many({"turn_id": "t1"}, {"$unset": {"copy_owed": ""}})
+    else:  # the person deleted the conversation: its messages go
+        database[MESSAGES].delete_many({"conversation_id": "c-1"})
+    for command in ("verify", "finish"):
+        assert cli(wire_uri, database, command) == 0
+    assert (database[MESSAGES].count_documents({"conversation_id": "c-1"}) > 0) is (
+        after == "no rollback"
+    )
+
+
+@pytest.mark.wire
+def test_a_record_never_confirmed_passes_once_its_advice_for_an_exchange_kept_is_followed(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record intended, never confirmed, its copy missing, and the person deleted nothing:
+    deleting the record alone leaves a turn that owed a copy and recorded none, still named;
+    with `copy_owed` unset on its messages too, as the advice says, the gate passes."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-1", 0, "OLD"))
+    assert cli(wire_uri, database, "run") == 0
+    _copy_confirmation_fails_once(monkeypatch)
+    with pytest.raises(StorageUnavailable):
+        log_live(wire_uri, database, "c-1", "t1", "«KEPT»", dual_write=True)
+    database[LEGACY_TURNS].delete_one({"dual_write": True, "turn_id": "t1"})
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 1
+    assert "unset `copy_owed` on the turn's messages" in capsys.readouterr().out
+
+    database[lease.STATE].delete_one({"kind": dual_writes.COPY_RECORD, "state": "intended"})
+    assert cli(wire_uri, database, "verify") == 1
+    assert "owed a copy of the live turn 't1'" in capsys.readouterr().out
+    database[MESSAGES].update_many({"turn_id": "t1"}, {"$unset": {"copy_owed": ""}})
+    for command in ("verify", "finish"):
+        assert cli(wire_uri, database, command) == 0

@@ -3023,3 +3023,46 @@ async def test_the_record_of_a_copy_lists_every_legacy_turn_it_was_written_as(
                   (legacy_turn_id(cid, f"{turn_id}\0seq-2"), [2, 3])]  # fmt: skip
         assert sorted(c["_id"] for c in copies) == sorted(p for p, _ in pieces)
         assert record[COPY_PIECES] == [{"_id": p, "seqs": seqs} for p, seqs in pieces]
+
+
+@pytest.mark.parametrize("dual_write", [True, False], ids=["dual write on", "dual write off"])
+async def test_every_write_adding_messages_stores_them_owing_their_copy_while_the_dual_write_is_on(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, dual_write: bool
+) -> None:
+    """MIGRATION.md "What `finish` guarantees": while the dual write is on, a turn, a fork's
+    copies and a steering delivery are stored marked `copy_owed` by the insert that stores
+    them, before any observer runs, so a turn whose first dual write (the record of its copy)
+    failed, the runtime never sending it again, still says it owed a copy; never served.
+    With the dual write off no message carries the key."""
+    legacy = LegacyTurns(backend.db, dual_write=dual_write)
+    logger = AgentMessageLogger(backend.db, observers=[legacy], legacy=legacy)
+    await _three_turns(logger, "c-1")
+    await logger.fork("c-1", 3, "f-1", user_id="u-1")
+    inbox = SteeringInbox(logger)
+    await inbox.open_turn("c-1", "t-3", user_id="u-1")
+    await inbox.try_deliver("c-1", "t-3", {"role": "user", "content": "«STEER»"}, delivery_id="d")
+    intend = LegacyTurns._intend_copy
+
+    async def failing(self: LegacyTurns, *args: Any) -> None:
+        if self.dual_write:
+            raise AutoReconnect("primary stepped down")
+        await intend(self, *args)
+
+    monkeypatch.setattr(LegacyTurns, "_intend_copy", failing)
+    failed = [{"role": "user", "content": "«LOST»"}, {"role": "assistant", "content": "ok"}]
+    if dual_write:
+        with pytest.raises(StorageUnavailable):
+            await logger.log_messages("c-1", failed, user_id="u-1", turn_id="t-9")
+    else:
+        await logger.log_messages("c-1", failed, user_id="u-1", turn_id="t-9")
+
+    stored = await backend.db[MESSAGES].find({}).to_list(None)
+    assert {d["conversation_id"] for d in stored} == {"c-1", "f-1"}  # the fork's copies
+    assert {"t-0", "t-9"} <= {d["turn_id"] for d in stored}
+    assert "«STEER»" in [d["content"] for d in stored]  # the delivery
+    if dual_write:
+        assert all(d.get("copy_owed") is True for d in stored)
+    else:
+        assert not any("copy_owed" in d for d in stored)
+    served = await ConversationStore(backend.db).transcript("c-1")
+    assert all("copy_owed" not in m.model_dump(by_alias=True) for m in served)

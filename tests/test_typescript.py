@@ -137,7 +137,8 @@ def test_shared_types_take_the_time_type_without_a_default_and_api_types_hold_st
         "IAgentConversation<string>[]"
     )
     assert (
-        "export type AgentMessageDocument = AgentMessageByRole<Date> & { epoch?: string | null };"
+        "export type AgentMessageDocument = AgentMessageByRole<Date> & "
+        "{ epoch?: string | null; copy_owed?: boolean };"
     ) in text
 
 

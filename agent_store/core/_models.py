@@ -847,6 +847,11 @@ class _MessageBase(_Model):
     """The `epoch` of the conversation that stored it (the store's bookkeeping, never served;
     absent on messages stored before it was recorded): tells its messages from those of a
     conversation created again under the id."""
+    copy_owed: bool = Field(default=False, exclude=True)
+    """Stored by a logger whose observers copy every turn elsewhere (the legacy dual write
+    on: `CopyingObserver`), in the insert that stores the message (the store's bookkeeping,
+    never served; absent otherwise): its turn owes that copy, so a turn whose copy and
+    record of it were never written is told from one logged with the dual write off."""
 
     assigned_by_store: ClassVar[tuple[str, ...]] = ("id", "conversation_id", "seq", "turn_id")
     """Set on every stored and served message; null only in what a caller sends."""

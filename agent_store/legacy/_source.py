@@ -154,6 +154,14 @@ class LegacyTurns:
         self.read_fallback = read_fallback
         self.dual_write = dual_write
 
+    @property
+    def copies_turns(self) -> bool:
+        """With `dual_write`, every turn the logger stores owes a legacy copy
+        (`CopyingObserver`): its messages are stored marked `copy_owed`, in the insert that
+        stores them, so the gate tells a turn whose copy's every write failed from one logged
+        with the dual write off."""
+        return self.dual_write
+
     async def conversation(
         self, conversation_id: str, *, user_id: str | None = None
     ) -> FallbackConversation | None:
@@ -925,8 +933,11 @@ class LegacyTurns:
         before it is written (`_intend_copy`, one more round trip), each of its documents
         naming that record (`RECORD_FIELD`), and the record confirmed once it is
         (`_record_copy`, one more): a record lost never leaves a copy the gate cannot check,
-        nor a copy never written one it calls deleted. Every document fits in
-        `MAX_LEGACY_DOCUMENT_BYTES` (texts cut further when the cut ones do not:
+        nor a copy never written one it calls deleted. The turn's messages were stored owing
+        the copy already (`copies_turns`: marked `copy_owed` by the logger's insert), so a
+        turn whose intended record failed, the runtime never sending it again, is still one
+        the gate expects a copy of, never one logged with the dual write off. Every document
+        fits in `MAX_LEGACY_DOCUMENT_BYTES` (texts cut further when the cut ones do not:
         `legacy_turn_documents`), so the copy is written; a copy still refused is a
         StorageFailure, never InvalidInput: the turn is stored by now.
         """

@@ -68,7 +68,14 @@ from agent_store.store._legacy_seam import (
     is_derived_id,
     refuse_derived_user,
 )
-from agent_store.store._logger import AgentMessageLogger, LoggedTurn, OtherContent, TurnObserver
+from agent_store.store._logger import (
+    COPY_OWED,
+    AgentMessageLogger,
+    CopyingObserver,
+    LoggedTurn,
+    OtherContent,
+    TurnObserver,
+)
 from agent_store.store._naming import NAMED_WINDOW, Named, first_named, named_window, renamed
 from agent_store.store._reads import (
     EXPORT_READS,
@@ -173,6 +180,7 @@ __all__ = [
     "CHUNK_BYTES",
     "CONVERSATIONS",
     "CONVERSATION_DOCUMENT",
+    "COPY_OWED",
     "DEFAULT_MARKERS",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DELETIONS",
@@ -221,6 +229,7 @@ __all__ = [
     "Claimed",
     "ConversationExport",
     "ConversationStore",
+    "CopyingObserver",
     "Database",
     "DatabaseSettings",
     "Deleted",

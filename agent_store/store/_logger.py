@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from functools import partial, wraps
 from itertools import takewhile
-from typing import Any, Literal, NoReturn, ParamSpec, Protocol, TypeVar
+from typing import Any, Literal, NoReturn, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 from bson import Int64
 from pydantic import BaseModel, ConfigDict
@@ -450,6 +450,24 @@ class TurnObserver(Protocol):
         ...
 
 
+@runtime_checkable
+class CopyingObserver(TurnObserver, Protocol):
+    """A `TurnObserver` that copies every turn elsewhere while `copies_turns` (the legacy dual
+    write): the turn owes that copy from the moment it is stored, so its messages are stored
+    marked so (`copy_owed`), by the insert that stores them (no round trip more). A copy
+    whose every write failed, the runtime never sending the turn again, is then still told
+    from a turn that was never to be copied (MIGRATION.md, "What `finish` guarantees")."""
+
+    @property
+    def copies_turns(self) -> bool:
+        """Whether the turns stored now are copied."""
+        ...
+
+
+COPY_OWED = "copy_owed"
+"""The field of a stored message whose turn a `CopyingObserver` owes a copy."""
+
+
 class _DerivedBefore(Exception):
     """A turn logged with no `turn_id` is recorded under the id derived for it before key
     order stopped counting (`TurnPlan.derived_before`): logged by a store of then, it is
@@ -497,7 +515,8 @@ class AgentMessageLogger:
         legacy: LegacySource | None = None,
     ) -> None:
         """Log into `db`. `observers` are told of each stored turn (e.g. the legacy dual write,
-        which costs three more round trips per turn while it is on). With `legacy`, a new
+        which costs four more round trips per turn while it is on, and marks the turn's
+        messages as owing its copy: `CopyingObserver`). With `legacy`, a new
         conversation is first checked against the legacy turns: an id that exists only there
         is refused until it is migrated (two more round trips, on a conversation's first turn
         only)."""
@@ -513,6 +532,11 @@ class AgentMessageLogger:
         self._in_doubt: dict[tuple[str, int], _GiveBack] = {}
         """The give-backs of a turn's block whose writes raised (`_give_back`), by
         conversation and turn key: finished by the turn's retry through this logger."""
+
+    def _copies_owed(self) -> bool:
+        """Whether an observer copies the turns stored now (`CopyingObserver`): their
+        messages are stored marked `copy_owed`."""
+        return any(isinstance(o, CopyingObserver) and o.copies_turns for o in self._observers)
 
     def add_observer(self, observer: TurnObserver) -> None:
         """Tell `observer` too of every turn stored from now on (e.g. a service's metrics)."""
@@ -2807,8 +2831,9 @@ class AgentMessageLogger:
         await self._full_texts.keep(plan.full_texts)  # a turn with a cut message: 2 more commands
         reserved = await self._past_what_readers_passed(plan, reserved, started, writer)
         owner, first, epoch = reserved.owner, reserved.first_seq, reserved.epoch
+        owed = {COPY_OWED: True} if self._copies_owed() else {}
         documents = [
-            {**document, "seq": Int64(first + i), "user_id": owner, "epoch": epoch}
+            {**document, "seq": Int64(first + i), "user_id": owner, "epoch": epoch, **owed}
             for i, document in enumerate(plan.documents)
         ]
         found, inserted, reserved = await self._insert_into(plan, reserved, documents)

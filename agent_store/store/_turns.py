@@ -452,8 +452,9 @@ def inbox_field(turn_id: str) -> str:
 
 
 _DIGEST_EXCLUDES = frozenset(
-    {"created_at", "seq", "user_id", "_id", "conversation_id", "turn_id", "search_text", "epoch"}
-)
+    {"created_at", "seq", "user_id", "_id", "conversation_id", "turn_id", "search_text", "epoch",
+     "copy_owed"}
+)  # fmt: skip
 """Fields a replay may differ in (its times), or that follow from the turn id and the rest."""
 
 
@@ -686,7 +687,7 @@ def canonical_documents(documents: Sequence[Mapping[str, Any]]) -> list[dict[str
     return [m.model_dump(by_alias=True) for m in messages_adapter.validate_python(documents)]
 
 
-_JSON_EXCLUDES = frozenset({"created_at", "seq", "user_id", "epoch"})
+_JSON_EXCLUDES = frozenset({"created_at", "seq", "user_id", "epoch", "copy_owed"})
 
 
 def json_content_digest(documents: Sequence[Mapping[str, Any]]) -> int:

@@ -166,7 +166,7 @@ export interface IAgentConversation<TDate extends DateLike> {
  * A document of `agent_messages`, as the Node.js driver returns it, with the store's
  * bookkeeping (absent on messages stored before it; read none of it).
  */
-export type AgentMessageDocument = AgentMessageByRole<Date> & { epoch?: string | null };
+export type AgentMessageDocument = AgentMessageByRole<Date> & { epoch?: string | null; copy_owed?: boolean };
 
 /**
  * A document of `agent_conversations`, as the Node.js driver returns it: what the API serves
