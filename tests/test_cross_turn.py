@@ -9703,6 +9703,47 @@ async def test_popping_past_a_landed_question_keeps_the_approval_given_before_it
     await _denial_refused(logger, CID, "c1", made_by)
 
 
+async def test_an_approval_given_to_a_later_prompt_of_its_request_id_is_never_marked_by_a_landing(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md `approved_calls` (a pop keeps what a fork of all that remains keeps): t0's r1
+    and tA's r2 (stalled, its block passed by tP) ask about c1; tB asks r1 again, and she
+    approves r1: tB's question, stored after tA's. tA's landing does not mark that approval
+    (`landed_after`: only one whose prompt is stored below the landed question), so popping
+    tB's question leaves what the same messages and answer logged with no stall leave: c1
+    held by r2, her approval gone (was: marked, it stayed in force, c1 served released and a
+    denial refused, only because a writer had stalled)."""
+
+    async def popped_after(cid: str, stalled: bool) -> Any:
+        logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+        asked = [_user("Pay."), _calls("c1"), _asks_about("r1", "c1")]
+        await logger.log_messages(cid, asked, turn_id="t0")
+        turn = [_user("Sure?"), _asks_about("r2", "c1")]
+        if stalled:
+            writer = AgentMessageLogger(backend.db)
+            stall, clock = _StalledInsert(writer, monkeypatch), _ReservedADayAgo(monkeypatch)
+            late = await stall.start(writer.log_messages(cid, turn, turn_id="tA"))
+            clock.caught_up()
+        else:
+            await logger.log_messages(cid, turn, turn_id="tA")
+        await AgentMessageLogger(backend.db).log_messages(cid, [_user("Hm?")], turn_id="tP")
+        again = [_user("Again?"), _asks_about("r1", "c1")]
+        await AgentMessageLogger(backend.db).log_messages(cid, again, turn_id="tB")
+        await store.resolve_hitl(cid, "r1", call_ids=["c1"])
+        if stalled:
+            stall.release()
+            await late
+            monkeypatch.undo()
+        popped = await store.pop_last_message(cid)
+        assert popped is not None
+        assert popped.turn_id == "tB"
+        return await held_state(store, cid), await _approved_calls(backend, cid)
+
+    logged_afresh = await popped_after(f"{CID}-afresh", stalled=False)
+    assert logged_afresh == (([("c1", "r2")], "r2"), [])
+    assert await popped_after(CID, stalled=True) == logged_afresh
+
+
 async def test_an_old_replay_of_a_turn_a_later_turn_asked_after_reads_twice_more(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

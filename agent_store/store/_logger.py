@@ -2912,10 +2912,11 @@ class AgentMessageLogger:
         ):
             return (), ()
         asked_about = await _asked_about(self._messages, plan, first, reserved.epoch)
-        return (
-            _held_again(plan, conversation, first, asked_about),
-            _landed_after(plan, conversation, first, asked_about),
-        )
+        marks = _landed_after(plan, conversation, first, asked_about)
+        if marks:
+            asked = await _asked_above(self._messages, plan, first, reserved.epoch, marks)
+            marks = tuple(m for m in marks if not _for_a_later_prompt(m, conversation, asked))
+        return _held_again(plan, conversation, first, asked_about), marks
 
     async def _to_fold(self, plan: TurnPlan, reserved: _Reserved, started: float) -> bool:
         """Whether the pending state is folded from the stored messages after the turn's
@@ -4517,6 +4518,55 @@ async def _asked_about(
     return latest
 
 
+async def _asked_above(
+    messages: Any,
+    plan: TurnPlan,
+    first_seq: int,
+    epoch: str | None,
+    marks: Sequence[LandedAfter],
+) -> dict[str, list[int]]:
+    """The `seq`s of the prompts of the marks' request ids stored above the landed turn's
+    block (at `first_seq`), by request id: one find of the conversation's life (`epoch`)."""
+    ids = sorted({request_id for _, _, request_id, _ in marks})
+    query: dict[str, Any] = {
+        "conversation_id": plan.conversation_id,
+        "seq": {"$gte": first_seq + len(plan.documents)},
+        "hitl_action.request_id": {"$in": ids},
+        **({} if epoch is None else {"epoch": {"$in": [epoch, None]}}),
+    }
+    with storage_errors("read the prompts asked after the turn"):
+        docs = await messages.find(query, {"seq": 1, "hitl_action.request_id": 1}).to_list(None)
+    asked: dict[str, list[int]] = {}
+    for doc in docs:
+        asked.setdefault(doc["hitl_action"]["request_id"], []).append(int(doc["seq"]))
+    return asked
+
+
+def _for_a_later_prompt(
+    mark: LandedAfter, conversation: Mapping[str, Any], asked: Mapping[str, list[int]]
+) -> bool:
+    """Whether the answer giving the approval `mark` names was for a prompt of its request
+    id stored above the landed turn (`_asked_above`): below the answer's reach, that prompt
+    is the one the person answered, after the landed question in the stored order, so the
+    landing never marks it (the order already tells a pop or a fork the right thing)."""
+    call_id, made_by, request_id, _ = mark
+    reaches = _answer_reaches(answered_in(conversation), request_id, call_id, made_by)
+    return bool(reaches) and any(seq < max(reaches) for seq in asked.get(request_id, ()))
+
+
+def _answer_reaches(
+    answers: Sequence[Answer], request_id: Any, call_id: Any, made_by: Any
+) -> list[int]:
+    """How far each answer to `request_id` that released the call (`answered_in`: one naming
+    it, by id alone too, or naming none) reaches."""
+    return [
+        below
+        for r, below, calls in answers
+        if r == request_id
+        and (calls is None or (call_id, made_by) in calls or (call_id, None) in calls)
+    ]
+
+
 def _approved_after(approval: Mapping[str, Any], answers: Sequence[Answer], first_seq: int) -> bool:
     """Whether the approval (an `approved_calls` entry) was given after the block at
     `first_seq` was reserved: the latest answer to its request id that released its call
@@ -4525,12 +4575,7 @@ def _approved_after(approval: Mapping[str, Any], answers: Sequence[Answer], firs
     counts as given before, as the turn's reservation found it."""
     request_id = approval.get("request_id")
     call_id, made_by = approval.get("tool_call_id"), approval.get("message_id")
-    reaches = [
-        below
-        for r, below, calls in answers
-        if r == request_id
-        and (calls is None or (call_id, made_by) in calls or (call_id, None) in calls)
-    ]
+    reaches = _answer_reaches(answers, request_id, call_id, made_by)
     return request_id is not None and bool(reaches) and max(reaches) > first_seq
 
 
