@@ -8,6 +8,7 @@ encodes it anyway); a reservation brings back only what the logger needs.
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from collections import Counter
 from datetime import UTC, datetime
@@ -556,3 +557,68 @@ def test_the_reservation_of_the_largest_turn_allowed_stays_far_below_16_mib() ->
     from scripts.reservation_bounds import largest_turn
 
     assert len(reservation_command(largest_turn())) < 8 * 2**20
+
+
+def reservation_pipeline(messages: list[dict[str, Any]], runtime_name: str | None) -> list[Any]:
+    """The update pipeline of a turn's reservation on a conversation that lists pending blocks."""
+    from agent_store.store._reservation import Actor, reservation
+    from agent_store.store._turns import TurnRules, plan_turn
+
+    plan = plan_turn(CID, messages, turn_id="t-1")
+    return reservation(plan, Actor("u-1"), runtime_name, TurnRules(), datetime.now(UTC))
+
+
+RESERVED_TURNS: dict[str, list[dict[str, Any]]] = {
+    "plain": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+    "answered in the turn": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "tool_calls": [{"id": "c-1", "function": {"name": "f"}}]},
+        {"role": "tool", "tool_call_id": "c-1", "content": "ok"},
+    ],
+    "answering earlier calls": [
+        {"role": "tool", "tool_call_id": "c-0", "content": "ok"},
+        {"role": "tool", "tool_call_id": "c-2", "content": "ok"},
+    ],
+    "leaving a call open": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "tool_calls": [{"id": "c-3", "function": {"name": "f"}}]},
+    ],
+}
+
+
+def parts(value: Any) -> list[str]:
+    """Every object and array of `value` holding ten operands or more, as canonical JSON."""
+    found: list[str] = []
+    if isinstance(value, dict | list):
+        inner = list(value.values()) if isinstance(value, dict) else value
+        if operands(value) >= 10:
+            found.append(json.dumps(value, sort_keys=True, default=str))
+        for item in inner:
+            found += parts(item)
+    return found
+
+
+def operands(value: Any) -> int:
+    """Every key and array element of `value`, nested ones included."""
+    if isinstance(value, dict):
+        return sum(1 + operands(item) for item in value.values())
+    if isinstance(value, list):
+        return sum(1 + operands(item) for item in value)
+    return 0
+
+
+@pytest.mark.parametrize("runtime_name", [None, "bot"])
+@pytest.mark.parametrize("shape", sorted(RESERVED_TURNS))
+def test_a_reservation_is_two_stages_and_builds_its_pending_blocks_once(
+    shape: str, runtime_name: str | None
+) -> None:
+    """A turn's reservation is two `$set` stages whatever the turn (its own fields, then those
+    computed from them: each stage costs the server a pass over the document), and the
+    pending blocks it keeps are built once (`$let`), never written twice in the expression
+    (the list was built once to count it and again to keep it, and the blocks listed filtered
+    twice: 245 of a reservation's 689 nodes)."""
+    pipeline = reservation_pipeline(RESERVED_TURNS[shape], runtime_name)
+    assert [list(stage) for stage in pipeline] == [["$set"], ["$set"]]
+    blocks = pipeline[0]["$set"]["pending_blocks"]
+    assert [n for n in Counter(parts(blocks)).values() if n > 1] == []
+    assert operands(blocks) < 150

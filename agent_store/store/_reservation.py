@@ -1525,13 +1525,13 @@ def _pending_blocks(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str
     since = literal(now - BLOCKS_WATCHED_FOR)
     unwatched = {"$eq": [{"$ifNull": ["$$b.w", None]}, None]}
     unseen = {"$and": [{"$ne": [{"$ifNull": ["$$b.d", False]}, True]}, unwatched]}
-    listed = {"$filter": {"input": _kept(PENDING_BLOCKS, []), "as": "b", "cond": unseen}}
+    listed = {"$filter": {"input": "$$held", "as": "b", "cond": unseen}}
     still = {"$gt": [{"$ifNull": ["$$b.w", literal(_NEVER)]}, since]}
-    watched = {"$filter": {"input": _kept(PENDING_BLOCKS, []), "as": "b", "cond": still}}
+    watched = {"$filter": {"input": "$$held", "as": "b", "cond": still}}
 
     def marked(passed: bool) -> dict[str, Any]:
         aged = {"$lte" if passed else "$gt": ["$$b.a", passed_by]}
-        chosen = {"$filter": {"input": listed, "as": "b", "cond": aged}}
+        chosen = {"$filter": {"input": "$$listed", "as": "b", "cond": aged}}
         entry = {
             "f": "$$b.f",
             "l": "$$b.l",
@@ -1560,8 +1560,12 @@ def _pending_blocks(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str
             {"$slice": [young, -PENDING_BLOCKS_KEPT]},
         ]
     }
-    none = {"$and": [_UNLISTED, {"$eq": [{"$size": blocks}, 0]}]}
-    return {"$cond": [none, "$$REMOVE", blocks]}  # absent while no turn listed pending state
+    # Each part bound once (`$$held`, `$$listed`, `$$blocks`), evaluated once, written once.
+    none = {"$and": [_UNLISTED, {"$eq": [{"$size": "$$blocks"}, 0]}]}
+    kept = {"$cond": [none, "$$REMOVE", "$$blocks"]}  # absent while no turn listed pending state
+    built = {"$let": {"vars": {"blocks": blocks}, "in": kept}}
+    parts = {"$let": {"vars": {"listed": listed}, "in": built}}
+    return {"$let": {"vars": {"held": _kept(PENDING_BLOCKS, [])}, "in": parts}}
 
 
 _TURNS = _kept("turns", [])
@@ -1785,11 +1789,23 @@ def reservation(
         **_reopened(plan),
         **_asked_again(plan),
     }
-    superseded = _superseded(plan)
-    after = [RECORDS_DROPPED, BLOCKS_MOOT_DROPPED]
-    if superseded:
-        after.append({"$set": superseded})
-    return [{"$set": stage}, *calls_cut(plan), *after]
+    return [{"$set": stage}, {"$set": _after_reservation(plan)}]
+
+
+def _after_reservation(plan: TurnPlan) -> dict[str, Any]:
+    """The fields a reservation sets from what its first stage left, in one stage: each reads
+    only fields that stage set, none a field another of them sets (a `$set` evaluates every
+    field on the document it receives), so one stage sets what `calls_cut`,
+    `RECORDS_DROPPED`, `BLOCKS_MOOT_DROPPED` and `_superseded` would set one after the
+    other (cutting `pending_calls` to its newest calls leaves it empty only where it was,
+    what `BLOCKS_MOOT_DROPPED` reads of it). Each stage costs a server a pass over the
+    document: a reservation is the command every turn sends."""
+    fields: dict[str, Any] = {**RECORDS_DROPPED["$set"], **BLOCKS_MOOT_DROPPED["$set"]}
+    for cut in calls_cut(plan):
+        fields |= cut["$set"]
+    if (superseded := _superseded(plan)) is not None:
+        fields |= superseded
+    return fields
 
 
 _KEPT_OR_NULL: dict[str, Any] = {
@@ -1821,16 +1837,19 @@ def _superseded(plan: TurnPlan) -> dict[str, Any] | None:
     # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
     earlier = {"$eq": [{"$in": ["$$a.message_id", own]}, False]}
     reused = {"$and": [_NAMING_SOME, earlier, _NOT_SUPERSEDED]}
-    superseded_by = {"$cond": [reused, _FIRST_MAKER, _SUPERSEDED_BEFORE]}
+    # The approval's makers bound once (`$$naming`): counted, then the first taken.
+    chosen = {"$cond": [reused, _FIRST_MAKER, _SUPERSEDED_BEFORE]}
+    superseded_by = {"$let": {"vars": {"naming": _NAMING}, "in": chosen}}
     return approvals_superseded_by(superseded_by, bound={"makers": makers})
 
 
 _NAMING = {
     "$filter": {"input": "$$makers", "as": "p", "cond": {"$in": ["$$a.tool_call_id", "$$p.c"]}}
 }
-"""The turn's makers (`$$makers`) of a call of the approval's (`$$a`) id (`_superseded`)."""
-_NAMING_SOME = {"$gt": [{"$size": _NAMING}, 0]}
-_FIRST_MAKER = {"$arrayElemAt": [{"$map": {"input": _NAMING, "as": "p", "in": "$$p.m"}}, 0]}
+"""The turn's makers (`$$makers`) of a call of the approval's (`$$a`) id (`_superseded`), bound
+to `$$naming` for the parts below."""
+_NAMING_SOME = {"$gt": [{"$size": "$$naming"}, 0]}
+_FIRST_MAKER = {"$arrayElemAt": [{"$map": {"input": "$$naming", "as": "p", "in": "$$p.m"}}, 0]}
 _SUPERSEDED_BEFORE = {"$ifNull": ["$$a.superseded_by", None]}
 _NOT_SUPERSEDED = {"$eq": [_SUPERSEDED_BEFORE, None]}
 """The parts of `_superseded`'s expression that no turn changes: built once, never changed in
