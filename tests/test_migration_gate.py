@@ -32,6 +32,7 @@ from agent_store.core import (
     Conversation,
     NotFound,
     StorageUnavailable,
+    TurnRecord,
     VersionMismatch,
     message_adapter,
 )
@@ -4271,6 +4272,40 @@ def test_a_second_attempt_keeps_a_live_turn_logged_where_a_person_popped_a_migra
     assert cli(wire_uri, database, "run") == 0
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
     assert database[MESSAGES].count_documents({"conversation_id": "c-p"}) == len(texts)
+
+
+@pytest.mark.wire
+def test_a_second_attempt_keeps_every_message_of_a_live_turn_poppable(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """The second attempt rebuilds the records of the live turns from their messages (theirs
+    went with the documents the rollback moved away): a pop marks the record popped and
+    keeps it a record, so every message of those turns can be popped, each by a service's
+    pop (was: the first pop wrote the fields the rebuilt record lacks as nulls, and the next
+    one failed to read the record, a ValidationError, a 500 over HTTP)."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-q", 0, "L0"))
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-q", "live-1", "ONE", dual_write=True)
+    log_live(wire_uri, database, "c-q", "live-2", "TWO", dual_write=True)
+    roll_back(database, clear_messages=False)
+    assert cli(wire_uri, database, "run") == 0
+
+    popped: list[Any] = []
+
+    async def pop(store: ConversationStore) -> None:
+        popped.append(await store.pop_last_message("c-q", user_id="u-1"))
+
+    for _ in range(4):
+        _as_a_person(wire_uri, database, pop)  # a service's pop each, as over HTTP
+
+    assert [m.content for m in popped] == ["TWO", "TWO?", "ONE", "ONE?"]
+    stored = database[MESSAGES].find({"conversation_id": "c-q"}).sort("seq", 1)
+    assert [m["content"] for m in stored] == ["L0 question", "L0 answer"]
+    found = database[CONVERSATIONS].find_one({"_id": "c-q"})
+    assert found is not None
+    assert [TurnRecord.model_validate(r).popped for r in found["turns"]] == [True, True]
+    flags = [(r["p"], r["g"], r["m"], r["u"]) for r in found["turns"]]
+    assert flags == [(True, False, False, False)] * 2
 
 
 @pytest.mark.wire

@@ -26,6 +26,7 @@ from agent_store import (
     LoggedTurn,
     SteeringInbox,
     StorageUnavailable,
+    TurnRecord,
     TurnRules,
 )
 from agent_store.store import CONVERSATIONS, MAX_TURN_NAMED_CALLS, MESSAGES, PENDING_CALLS_KEPT
@@ -1715,6 +1716,43 @@ async def test_turn_records_kept_before_they_carried_their_order_still_pass_out_
     assert conversation["turns_dropped"] == 5
     replayed = await logger.log_messages(CID, turn("old 0"), turn_id="old-0")
     assert replayed.replayed
+
+
+REBUILT_RECORD_KEYS = ("k", "f", "d", "a", "p", "g", "u")
+"""The fields of a turn record the migration rebuilds from its messages (`stored_turn_record`)."""
+
+
+@pytest.mark.parametrize(
+    "written_by",
+    ["the migration's rebuild", "an earlier release's pop"],
+)
+async def test_turn_records_written_by_any_path_stay_records_through_pops_and_turns(
+    backend: Backend, written_by: str
+) -> None:
+    """Turn records as the migration rebuilds them (the fields a record said before `o`,
+    `m`, `l`, `c`, `h`, `n` left out), or as an earlier release's pop rewrote those (each
+    null), are read as records kept before records said so: every message of the turns is
+    popped, each pop by a store of its own, and a turn is logged after; each record a pop
+    or a turn writes is whole, every field it lacked at its default, never a flag null."""
+    logger = AgentMessageLogger(backend.db)
+    for n in range(2):
+        await logger.log_messages(CID, turn(f"turn {n}"), turn_id=f"t{n}")
+    found = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert found is not None
+    blank = dict.fromkeys(("o", "m", "l", "c", "h", "n")) if "pop" in written_by else {}
+    rebuilt = [{k: r[k] for k in REBUILT_RECORD_KEYS} | blank for r in found["turns"]]
+    await backend.db[CONVERSATIONS].update_one({"_id": CID}, {"$set": {"turns": rebuilt}})
+
+    popped = [(await ConversationStore(backend.db).pop_last_message(CID)) for _ in range(3)]
+    await logger.log_messages(CID, turn("after"), turn_id="after")
+
+    assert [m.content for m in popped if m is not None] == ["turn 1!", "turn 1?", "turn 0!"]
+    conversation = await check_conversation(backend.db, gaps=True)
+    records = conversation["turns"]
+    assert [TurnRecord.model_validate(r).popped for r in records] == [True, True, False]
+    whole = {field.alias for field in TurnRecord.model_fields.values()}
+    assert [set(r) for r in records] == [whole] * 3
+    assert all(isinstance(r[flag], bool) for r in records for flag in ("p", "g", "m", "u"))
 
 
 async def test_past_the_kept_records_a_fork_or_delivery_refused_by_its_condition_says_why(

@@ -1096,9 +1096,24 @@ class Usage(_Model):
         )
 
 
+_FLAGS = ("p", "g", "m", "u")
+"""The stored keys of a turn record's flags (`TurnRecord`): False when lacking or null."""
+
+
 class TurnRecord(_Model):
     """One logged turn, kept on its conversation so a retry of any age is recognised
-    (extension; the store's bookkeeping, never served). Short keys keep it small."""
+    (extension; the store's bookkeeping, never served). Short keys keep it small.
+
+    A record holding null for a flag (`p`, `g`, `m`, `u`) says False, as one lacking it does:
+    an earlier release rewrote the records the migration rebuilt (which hold none of the
+    fields records said since) with null in each field they lacked."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_flags_unset(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or not any(data.get(k, False) is None for k in _FLAGS):
+            return data
+        return {k: v for k, v in data.items() if not (k in _FLAGS and v is None)}
 
     key: int = Field(alias="k")
     """A 64-bit digest of the turn id."""

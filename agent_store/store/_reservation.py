@@ -2401,13 +2401,28 @@ def _holding_named(calls: Any, named: Sequence[tuple[str, str]]) -> Any:
     return {"$let": {"vars": {"held": calls, "holders": holders}, "in": mapped}}
 
 
-_RECORD_KEYS = tuple(f.alias or name for name, f in TurnRecord.model_fields.items())
+_RECORD_DEFAULTS: dict[str, Any] = {
+    f.alias or name: None if f.is_required() else f.default
+    for name, f in TurnRecord.model_fields.items()
+}
+"""Each field of a turn record, by its stored key, with what a record lacking it says (its
+model default; None for the fields every record holds)."""
+
+
+def _record_field(key: str) -> Any:
+    """A field of `$$record` as a record rewritten holds it: as it is, or, when the record
+    lacks it or holds null (one the migration rebuilt from its messages, one kept before
+    records said so, one an earlier release rewrote), its default (`TurnRecord`)."""
+    default = _RECORD_DEFAULTS[key]
+    return {"$ifNull": [f"$$record.{key}", literal(default)]}
 
 
 def records_changed(matching: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     """The conversation's turn records, as an expression: those `matching` (an expression on
-    `$$record`) with the fields `changes` names set to its expressions, the rest as they are."""
-    kept = {key: f"$$record.{key}" for key in _RECORD_KEYS if key not in changes}
+    `$$record`) with the fields `changes` names set to its expressions, the rest as they are,
+    the record written whole (`_record_field`): a field it lacks is never written as null
+    where a record must say a value, so any record rewritten validates as it did."""
+    kept = {key: _record_field(key) for key in _RECORD_DEFAULTS if key not in changes}
     changed = {"$cond": [matching, {**kept, **changes}, "$$record"]}
     return {"$map": {"input": _kept("turns", []), "as": "record", "in": changed}}
 
