@@ -933,10 +933,9 @@ class LegacyTurns:
         before it is written (`_intend_copy`, one more round trip), each of its documents
         naming that record (`RECORD_FIELD`), and the record confirmed once it is
         (`_record_copy`, one more): a record lost never leaves a copy the gate cannot check,
-        nor a copy never written one it calls deleted. The turn's messages were stored owing
-        the copy already (`copies_turns`: marked `copy_owed` by the logger's insert), so a
-        turn whose intended record failed, the runtime never sending it again, is still one
-        the gate expects a copy of, never one logged with the dual write off. Every document
+        nor a copy never written one it calls deleted. Its messages were stored marked
+        `copy_owed` (`copies_turns`), so a turn whose intended record failed, never sent
+        again, is still one the gate expects a copy of. Every document
         fits in `MAX_LEGACY_DOCUMENT_BYTES` (texts cut further when the cut ones do not:
         `legacy_turn_documents`), so the copy is written; a copy still refused is a
         StorageFailure, never InvalidInput: the turn is stored by now.
@@ -965,11 +964,9 @@ class LegacyTurns:
             if all(len(bson.encode(d)) <= MAX_LEGACY_DOCUMENT_BYTES for d in whole):
                 documents = whole  # else the texts stay cut: the turn is never lost over it
         record_id = copy_record_id(turn.conversation_id, turn.turn_id, conversation.epoch)
+        pieces = copy_pieces(turn.conversation_id, turn.turn_id, turn.messages, starts=starts)
         try:
             with storage_errors("write the legacy turn (dual write)"):
-                pieces = copy_pieces(
-                    turn.conversation_id, turn.turn_id, turn.messages, starts=starts
-                )
                 await self._intend_copy(record_id, pieces)
                 for document in documents:
                     document[RECORD_FIELD] = record_id
