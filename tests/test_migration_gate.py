@@ -10069,18 +10069,24 @@ def test_a_turn_whose_id_is_not_valid_utf8_left_by_a_copy_is_named_again_by_ever
 def _copy_confirmation_fails_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The write that follows a turn's copy (`LegacyTurns._record_copy`) fails once, as a
     primary stepping down would: the runtime is told the turn failed (StorageUnavailable)."""
+    _dual_write_step_fails_once(monkeypatch, "_record_copy")
+
+
+def _dual_write_step_fails_once(monkeypatch: pytest.MonkeyPatch, step: str) -> None:
+    """The dual write's `step` (a method of `LegacyTurns`) fails once, as a primary stepping
+    down would."""
     from pymongo.errors import AutoReconnect
 
     failed: list[bool] = []
-    record = LegacyTurns._record_copy
+    real = getattr(LegacyTurns, step)
 
     async def flaky(self: LegacyTurns, *args: Any) -> None:
         if not failed:
             failed.append(True)
             raise AutoReconnect("primary stepped down")
-        await record(self, *args)
+        await real(self, *args)
 
-    monkeypatch.setattr(LegacyTurns, "_record_copy", flaky)
+    monkeypatch.setattr(LegacyTurns, step, flaky)
 
 
 @pytest.mark.wire
@@ -10337,18 +10343,7 @@ def _copy_intent_fails_once(monkeypatch: pytest.MonkeyPatch) -> None:
     record of the copy it is about to write) fails once, as a primary stepping down would:
     the turn is stored, neither its copy nor a record of it is written, and the runtime is
     told the turn failed (StorageUnavailable)."""
-    from pymongo.errors import AutoReconnect
-
-    failed: list[bool] = []
-    intend = LegacyTurns._intend_copy
-
-    async def flaky(self: LegacyTurns, *args: Any) -> None:
-        if not failed:
-            failed.append(True)
-            raise AutoReconnect("primary stepped down")
-        await intend(self, *args)
-
-    monkeypatch.setattr(LegacyTurns, "_intend_copy", flaky)
+    _dual_write_step_fails_once(monkeypatch, "_intend_copy")
 
 
 @pytest.mark.wire
