@@ -7586,6 +7586,18 @@ def _late_legacy_turn(database: Database[dict[str, Any]], cid: str) -> None:
     database[CONVERSATIONS].insert_one(legacy_turn("late-1", cid, 9, "«LATE»"))
 
 
+def _gate_says(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: Any, *, exits: int
+) -> list[str]:
+    """What `verify` and `finish` print, each run once and exiting with `exits`."""
+    said = []
+    for command in ("verify", "finish"):
+        capsys.readouterr()
+        assert cli(wire_uri, database, command) == exits
+        said.append(capsys.readouterr().out)
+    return said
+
+
 def _no_copy_gone(out: str) -> None:
     assert "is gone from the legacy collection" not in out
     assert "pop_last_message" not in out
@@ -7714,10 +7726,7 @@ def test_the_gate_names_the_conversations_whose_dual_written_copies_recorded_not
     database[LEGACY_TURNS].delete_one({"dual_write": True, "turn_id": "live-0"})
 
     said = "c-1: its dual-written copies recorded nothing"
-    for command in ("verify", "finish"):
-        capsys.readouterr()
-        assert cli(wire_uri, database, command) == 0
-        out = capsys.readouterr().out
+    for out in _gate_says(wire_uri, database, capsys, exits=0):
         assert said in out
         assert "written before this release recorded copies" in out
         assert "c-2:" not in out
@@ -10113,10 +10122,7 @@ def test_a_copy_whose_record_was_not_confirmed_is_never_passed_unchecked_nor_bla
     if copy == "deleted":
         database[LEGACY_TURNS].delete_one({"dual_write": True, "turn_id": "t1"})
 
-    for command in ("verify", "finish"):
-        capsys.readouterr()
-        assert cli(wire_uri, database, command) == int(copy == "deleted")
-        out = capsys.readouterr().out
+    for out in _gate_says(wire_uri, database, capsys, exits=int(copy == "deleted")):
         assert "written before this release" not in out
         assert "is gone from the legacy collection" not in out  # no advice to pop blindly
         assert ("'t1'" in out) is (copy == "deleted")
@@ -10150,10 +10156,7 @@ def test_a_conversation_the_old_service_deleted_whole_after_a_rollback_is_named_
     if operator == "puts the documents back":
         database[CONVERSATIONS].insert_many(documents)
 
-    for command in ("verify", "finish"):
-        capsys.readouterr()
-        assert cli(wire_uri, database, command) == 1
-        out = capsys.readouterr().out
+    for out in _gate_says(wire_uri, database, capsys, exits=1):
         assert "copy of the live turn 'live-1' is gone" in out
         assert "copy of the live turn 'live-2' is gone" in out
         assert "Put its conversation document back" not in out
@@ -10268,10 +10271,7 @@ def test_a_later_legacy_turn_of_a_copy_the_old_service_deleted_is_a_copy_gone(
         assert cli(wire_uri, database, "run") == 0
         cli(wire_uri, database, "finish", "--accept", cid, "--note", "kept elsewhere")
 
-    for command in ("verify", "finish"):
-        capsys.readouterr()
-        assert cli(wire_uri, database, command) == 1
-        out = capsys.readouterr().out
+    for out in _gate_says(wire_uri, database, capsys, exits=1):
         assert piece_gone in out
         assert "remove its `dual_write` mark" not in out
     assert "«B»?" in _served_user_texts(wire_uri, database, cid)
@@ -10299,10 +10299,7 @@ def test_a_first_legacy_turn_of_a_copy_the_old_service_deleted_names_only_its_me
     database[CONVERSATIONS].delete_one({"conversation_id": cid, "user_message": "«A»?"})
     assert cli(wire_uri, database, "run") == 0
 
-    for command in ("verify", "finish"):
-        capsys.readouterr()
-        assert cli(wire_uri, database, command) == 1
-        out = capsys.readouterr().out
+    for out in _gate_says(wire_uri, database, capsys, exits=1):
         assert f"copy of the messages at seq 2-3 of the live turn {turn_id!r} (one of" in out
         assert f"copy of the live turn {turn_id!r} is gone" not in out
         assert "remove its `dual_write` mark" not in out
@@ -10329,10 +10326,7 @@ def test_a_copy_unconfirmed_missing_one_of_its_legacy_turns_is_asked_about_never
     states = [d.get("state") for d in database[lease.STATE].find({"kind": "dual_write_copy"})]
     assert states == ["intended"]
 
-    for command in ("verify", "finish"):
-        capsys.readouterr()
-        assert cli(wire_uri, database, command) == 1
-        out = capsys.readouterr().out
+    for out in _gate_says(wire_uri, database, capsys, exits=1):
         assert "recorded it would copy the live turn 't1'" in out
         assert "the legacy turn of it holding the messages at seq 4-5" in out
         assert "is gone from the legacy collection" not in out
@@ -10378,10 +10372,7 @@ def test_a_turn_whose_copy_was_owed_but_never_recorded_is_never_passed_nor_its_d
         database[CONVERSATIONS].delete_many({"conversation_id": "c-1"})
         assert cli(wire_uri, database, "run") == 0
 
-    for command in ("verify", "finish"):
-        capsys.readouterr()
-        assert cli(wire_uri, database, command) == 1
-        out = capsys.readouterr().out
+    for out in _gate_says(wire_uri, database, capsys, exits=1):
         assert "owed a copy of the live turn 't1'" in out, out
         assert "Put its conversation document back" not in out
         assert "written before this release" not in out
