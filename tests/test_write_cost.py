@@ -27,6 +27,7 @@ from agent_store.core._models import _MessageBase, _Model
 from agent_store.store import MAX_TURN_NAMED_CALLS
 from agent_store.store._text import search_text
 from app.examples import example_turns
+from scripts.reservation_cost import nodes
 
 CID = "cost-1"
 
@@ -591,20 +592,11 @@ def parts(value: Any) -> list[str]:
     found: list[str] = []
     if isinstance(value, dict | list):
         inner = list(value.values()) if isinstance(value, dict) else value
-        if operands(value) >= 10:
+        if nodes(value) >= 10:
             found.append(json.dumps(value, sort_keys=True, default=str))
         for item in inner:
             found += parts(item)
     return found
-
-
-def operands(value: Any) -> int:
-    """Every key and array element of `value`, nested ones included."""
-    if isinstance(value, dict):
-        return sum(1 + operands(item) for item in value.values())
-    if isinstance(value, list):
-        return sum(1 + operands(item) for item in value)
-    return 0
 
 
 @pytest.mark.parametrize("runtime_name", [None, "bot"])
@@ -621,4 +613,4 @@ def test_a_reservation_is_two_stages_and_builds_its_pending_blocks_once(
     assert [list(stage) for stage in pipeline] == [["$set"], ["$set"]]
     blocks = pipeline[0]["$set"]["pending_blocks"]
     assert [n for n in Counter(parts(blocks)).values() if n > 1] == []
-    assert operands(blocks) < 150
+    assert nodes(blocks) < 150
