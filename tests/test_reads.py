@@ -326,16 +326,20 @@ async def test_message_pages_walk_the_transcript_in_both_orders(store: Conversat
 
 
 async def store_code_run_by(read: Callable[[], Awaitable[Any]]) -> Counter[str]:
-    """The functions of the store's own code `read` runs (calls and resumptions, counted by
-    `sys.setprofile`), the models' validators (agent_store/core/_models.py) left out."""
+    """The functions of the store's own code `read` runs (each call once, its resumptions
+    not counted: how often a coroutine waits on a driver's thread is the scheduler's, not the
+    store's; seen by `sys.setprofile`), the models' validators (agent_store/core/_models.py)
+    left out."""
     package = Path(agent_store.__file__).parent
     validators = package / "core" / "_models.py"
     ran: Counter[str] = Counter()
+    frames: list[Any] = []  # kept alive, so no frame's identity is reused while counting
 
     def profile(frame: Any, event: str, _arg: Any) -> None:
-        if event == "call":
+        if event == "call" and not any(frame is seen for seen in frames):
             where = Path(frame.f_code.co_filename)
             if where.is_relative_to(package) and where != validators:
+                frames.append(frame)
                 ran[frame.f_code.co_qualname] += 1
 
     sys.setprofile(profile)
