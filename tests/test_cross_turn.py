@@ -9014,9 +9014,10 @@ async def test_a_persons_answer_after_a_stalled_writers_own_call_was_answered_co
 ) -> None:
     """RELIABILITY.md (the ordinary path has no command more): after tA's stalled insert
     landed past its passed block, its own call c2 is answered by a turn not naming it (no
-    `answers_to`), and a later turn asks r5 about c5. Her answer to r5 is the one guarded
-    update, c5 approved, no mark left to look at (was: c2 stayed marked until a fold, so
-    every answer of hers read and updated again: `update, find, update`)."""
+    `answers_to`), and a later turn asks r5 about c5. Her answer to r5 is the lookup of the
+    prompts of r5 stored and the one guarded update, c5 approved, no mark left to look at
+    (was: c2 stayed marked until a fold, so every answer of hers read and updated again:
+    `update, find, update`)."""
     logger, store = await _own_call_landed(backend, monkeypatch, None)
     await logger.log_messages(CID, [_answer("c2", "booked")], turn_id="tE")
     await logger.log_messages(CID, [_calls("c5"), _asks_about("r5", "c5")], turn_id="tG")
@@ -9026,7 +9027,7 @@ async def test_a_persons_answer_after_a_stalled_writers_own_call_was_answered_co
     await store.resolve_hitl(CID, "r5")
 
     if backend.commands is not None:
-        assert backend.commands.names == ["update"]
+        assert backend.commands.names == ["find", "update"]
     assert await _approved_calls(backend) == ["c5"]
     assert await _marked_listed_again(backend) == []
 
@@ -9742,6 +9743,87 @@ async def test_an_approval_given_to_a_later_prompt_of_its_request_id_is_never_ma
     logged_afresh = await popped_after(f"{CID}-afresh", stalled=False)
     assert logged_afresh == (([("c1", "r2")], "r2"), [])
     assert await popped_after(CID, stalled=True) == logged_afresh
+
+
+async def test_an_approval_given_while_a_later_prompt_of_its_request_id_was_in_flight_is_marked(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md `approved_calls` (`landed_after`: one given to a prompt stored below the
+    landed question): t0 asks r1 about c1, tA (r2 about c1) stalls past `abandon_after`, tP
+    passes its block; tB asks r1 again, its block reserved, its insert still in flight as
+    she approves r1: the only r1 prompt stored is t0's, below tA's question. tB lands, then
+    tA, which marks her approval; popping tB's question leaves what the same turns leave
+    with tB logged just after her answer: c1 released, r2 asking, her approval kept (was:
+    the answer's reach counted tB's reserved block, the approval left unmarked and the pop
+    withdrew it, c1 held by r2)."""
+
+    async def popped_after(cid: str, in_flight: bool) -> Any:
+        logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+        asked = [_user("Pay."), _calls("c1"), _asks_about("r1", "c1")]
+        await logger.log_messages(cid, asked, turn_id="t0")
+        writer = AgentMessageLogger(backend.db)
+        stall, clock = _StalledInsert(writer, monkeypatch), _ReservedADayAgo(monkeypatch)
+        late = await stall.start(writer.log_messages(cid, _ASKS_R2, turn_id="tA"))
+        clock.caught_up()
+        await AgentMessageLogger(backend.db).log_messages(cid, [_user("Hm?")], turn_id="tP")
+        again, asker = [_user("Again?"), _asks_about("r1", "c1")], AgentMessageLogger(backend.db)
+        if in_flight:
+            asking = _StalledInsert(asker, monkeypatch)
+            landing = await asking.start(asker.log_messages(cid, again, turn_id="tB"))
+            await store.resolve_hitl(cid, "r1", call_ids=["c1"])
+            asking.release()
+            await landing
+        else:
+            await store.resolve_hitl(cid, "r1", call_ids=["c1"])
+            await asker.log_messages(cid, again, turn_id="tB")
+        stall.release()
+        await late
+        monkeypatch.undo()
+        popped = await store.pop_last_message(cid)
+        assert popped is not None
+        assert popped.turn_id == "tB"
+        return await held_state(store, cid), await _approved_calls(backend, cid)
+
+    logged_after = await popped_after(f"{CID}-after", in_flight=False)
+    assert logged_after == (([("c1", None)], "r2"), ["c1"])
+    assert await popped_after(CID, in_flight=True) == logged_after
+
+
+async def test_popping_a_later_prompt_of_its_request_id_before_the_stalled_landing_withdraws_it(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md `approved_calls`: as `..._is_never_marked_by_a_landing`, but tB's question,
+    the one she approved, is popped before tA's stalled insert lands: the landing then finds
+    no prompt of r1 above its block, and leaves what the same turns logged with no stall
+    leave: c1 held by r2, her approval gone."""
+
+    async def popped_before(cid: str, stalled: bool) -> Any:
+        logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+        asked = [_user("Pay."), _calls("c1"), _asks_about("r1", "c1")]
+        await logger.log_messages(cid, asked, turn_id="t0")
+        writer = AgentMessageLogger(backend.db)
+        if stalled:
+            stall, clock = _StalledInsert(writer, monkeypatch), _ReservedADayAgo(monkeypatch)
+            late = await stall.start(writer.log_messages(cid, _ASKS_R2, turn_id="tA"))
+            clock.caught_up()
+        else:
+            await writer.log_messages(cid, _ASKS_R2, turn_id="tA")
+        await AgentMessageLogger(backend.db).log_messages(cid, [_user("Hm?")], turn_id="tP")
+        again = [_user("Again?"), _asks_about("r1", "c1")]
+        await AgentMessageLogger(backend.db).log_messages(cid, again, turn_id="tB")
+        await store.resolve_hitl(cid, "r1", call_ids=["c1"])
+        popped = await store.pop_last_message(cid)
+        assert popped is not None
+        assert popped.turn_id == "tB"
+        if stalled:
+            stall.release()
+            await late
+            monkeypatch.undo()
+        return await held_state(store, cid), await _approved_calls(backend, cid)
+
+    logged_afresh = await popped_before(f"{CID}-afresh", stalled=False)
+    assert logged_afresh == (([("c1", "r2")], "r2"), [])
+    assert await popped_before(CID, stalled=True) == logged_afresh
 
 
 async def test_an_old_replay_of_a_turn_a_later_turn_asked_after_reads_twice_more(

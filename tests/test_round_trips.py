@@ -296,15 +296,17 @@ async def test_the_turn_that_assigns_an_unowned_conversation_costs_three_round_t
     assert wire_backend.commands.names == ["findAndModify", "insert"]
 
 
-async def test_resolving_a_prompt_costs_one_round_trip_and_its_retry_two(
+async def test_resolving_a_prompt_costs_two_round_trips_and_its_retry_three(
     wire_backend: Backend,
 ) -> None:
-    """The retry (nothing matched) looks the conversation up once to tell it from a Conflict."""
+    """The lookup of the newest prompt of the id stored (`AnsweredPrompt.stored_below`), then
+    the update; the retry (nothing matched) looks the conversation up once to tell it from a
+    Conflict."""
     assert wire_backend.commands is not None
     logger, store = AgentMessageLogger(wire_backend.db), ConversationStore(wire_backend.db)
     for turn_id, messages in example_turns()[:2]:
         await logger.log_messages(CID, messages, turn_id=turn_id)
-    for expected in (["update"], ["update", "find"]):
+    for expected in (["find", "update"], ["find", "update", "find"]):
         wire_backend.commands.clear()
         await store.resolve_hitl(CID, "req-booking-1")
         assert wire_backend.commands.names == expected

@@ -2116,7 +2116,7 @@ async def test_a_resolutions_dual_write_costs_three_more_round_trips(wire_backen
 
     await store.resolve_hitl(cid, "r-1")
 
-    assert wire_backend.commands.names == ["update", "find", "find", "update"]
+    assert wire_backend.commands.names == ["find", "update", "find", "find", "update"]
 
 
 # -- every write that adds messages is dual-written ---------------------------------------

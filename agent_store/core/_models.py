@@ -1384,6 +1384,12 @@ class AnsweredPrompt(_Model):
     the message that made it (null: named by id alone): it released those of them the
     prompts of the id held, and answered the id once none of the calls they held is left
     unreleased. None (absent): it named none, and answered every prompt of the id."""
+    stored_below: Count | None = Field(default=None, alias="p")
+    """One past the `seq` of the newest prompt of the id stored when the answer came (0:
+    none), at most `below`, brought down with it: a prompt of the id stored from there on,
+    below `below`, was still being written (its turn's block reserved) and is not the one
+    the person read and answered, which a stalled turn landing below it tells
+    (`landed_after`). None (absent): recorded before the store read it, `below` tells."""
 
 
 class Conversation(_Model):

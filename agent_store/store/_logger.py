@@ -40,6 +40,7 @@ from agent_store.core import (
     MAX_SAFE_INTEGER,
     AgentMessage,
     AnsweredBefore,
+    AnsweredPrompt,
     ApprovedCall,
     CallsPushedOff,
     Conflict,
@@ -4546,12 +4547,34 @@ def _for_a_later_prompt(
     mark: LandedAfter, conversation: Mapping[str, Any], asked: Mapping[str, list[int]]
 ) -> bool:
     """Whether the answer giving the approval `mark` names was for a prompt of its request
-    id stored above the landed turn (`_asked_above`): below the answer's reach, that prompt
-    is the one the person answered, after the landed question in the stored order, so the
-    landing never marks it (the order already tells a pop or a fork the right thing)."""
+    id stored above the landed turn (`_asked_above`): stored when the answer came (below
+    the reach of the prompts then stored, `_stored_reaches`), that prompt is the one the
+    person answered, after the landed question in the stored order, so the landing never
+    marks it (the order already tells a pop or a fork the right thing). One whose turn was
+    still being written as she answered (below the answer's reach only, its block
+    reserved) is not: she answered one stored below the landed question, and the landing
+    marks it."""
     call_id, made_by, request_id, _ = mark
-    reaches = _answer_reaches(answered_in(conversation), request_id, call_id, made_by)
+    reaches = _stored_reaches(conversation, request_id, call_id, made_by)
     return bool(reaches) and any(seq < max(reaches) for seq in asked.get(request_id, ()))
+
+
+def _stored_reaches(
+    conversation: Mapping[str, Any], request_id: Any, call_id: Any, made_by: Any
+) -> list[int]:
+    """How far the prompts of `request_id` stored as each answer to it that released the call
+    came reach (`AnsweredPrompt.stored_below`, at most its reach; its reach, `below`, for
+    an answer recorded without it)."""
+    entries = map(AnsweredPrompt.model_validate, conversation.get("answered_prompts") or ())
+    answers = [
+        (
+            a.request_id,
+            a.below if a.stored_below is None else min(a.stored_below, a.below),
+            None if a.calls is None else tuple(a.calls),
+        )
+        for a in entries
+    ]
+    return _answer_reaches(answers, request_id, call_id, made_by)
 
 
 def _answer_reaches(

@@ -1888,13 +1888,15 @@ class ConversationStore:
         id released (a call a turn denied, another prompt's) is refused as before.
         `call_ids` name the calls by their ids only: a later call of the same id is taken
         for the one read. A prompt holding a call listed again: `_resolution_recorded`.
+        It records the prompts of the id stored as it came (`_stored_below`, one lookup).
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidInput("request_id must be a non-empty string")
         request_id = storable(request_id, "request_id")
         concerns = concerned_calls(call_ids, calls)
         scope = self._scope(conversation_id, user_id, or_unowned=or_unowned)
-        query, update = resolution(request_id, concerns)
+        stored_below = await self._stored_below(conversation_id, request_id)
+        query, update = resolution(request_id, concerns, stored_below=stored_below)
         doc = await self._resolution_recorded(scope, query, update, request_id)
         if doc == {}:
             return await self._resolved_in_legacy(conversation_id, request_id)
@@ -1906,8 +1908,20 @@ class ConversationStore:
         # Resolved before, its first answer standing, or answered by `_answer_unheld`: its
         # dual write (again, for a retry whose first attempt failed after the answer).
         if not answered_before(doc, request_id, concerns):
-            await self._answer_unheld(scope, conversation_id, request_id, doc, concerns)
+            answer = (request_id, concerns, stored_below)
+            await self._answer_unheld(scope, conversation_id, answer, doc)
         return await self._resolved_in_legacy(conversation_id, request_id)
+
+    async def _stored_below(self, conversation_id: str, request_id: str) -> int:
+        """One past the `seq` of the newest prompt of `request_id` stored in the conversation
+        (0: none), as an answer to it reads before it is recorded
+        (`AnsweredPrompt.stored_below`): one `find_one` down the `{conversation_id, seq}`
+        index from its end."""
+        query = {"conversation_id": conversation_id, "hitl_action.request_id": request_id}
+        with storage_errors("read the prompt answered"):
+            found = await self._messages.find_one(query, {"seq": 1}, sort=[("seq", -1)])
+        seq = None if found is None else found.get("seq")
+        return seq + 1 if isinstance(seq, int) else 0
 
     async def _resolution_recorded(
         self,
@@ -1964,16 +1978,18 @@ class ConversationStore:
         self,
         scope: dict[str, Any],
         conversation_id: str,
-        request_id: str,
+        answer: tuple[str, Sequence[CallKey] | None, int],
         doc: Mapping[str, Any],
-        concerns: Sequence[CallKey] | None,
     ) -> None:
         """Answer the pending prompt `request_id` holding no call, which `resolution` leaves
         to this check when the answer names calls, only when it was not asked again since
         one of them was made (`_asked_after`), and that very prompt (its message), so one
         asked meanwhile is not answered, nor by calls named by an identity no message of the
         conversation made (read in a fork, or never made: `None`); else the Conflict saying
-        why the answer `resolve_hitl` read the conversation `doc` for matched nothing."""
+        why the answer `resolve_hitl` read the conversation `doc` for matched nothing.
+        `answer`: its request id, the calls it concerns and how far the prompts of the id
+        stored as it came reach (`AnsweredPrompt.stored_below`)."""
+        request_id, concerns, stored_below = answer
         raw = doc.get("pending_hitl")
         pending = PendingHitl.model_validate(raw) if raw else None
         open_calls = awaiting_results(
@@ -1985,7 +2001,9 @@ class ConversationStore:
         asked = pending if pending and pending.request_id == request_id else None
         again = await self._asked_after(conversation_id, asked, concerns)
         if asked is not None and concerns is not None and again is False and not held:
-            query, update = resolution(request_id, concerns, asked=asked.message_id)
+            query, update = resolution(
+                request_id, concerns, asked=asked.message_id, stored_below=stored_below
+            )
             with storage_errors("resolve the pending prompt"):
                 result = await self._conversations.update_one(scope | query | STANDING, update)
             if result.matched_count:

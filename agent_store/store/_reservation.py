@@ -751,7 +751,11 @@ def _call_identity(index: int, call: Any) -> CallKey:
 
 
 def resolution(
-    request_id: str, concerns: Sequence[CallKey] | None = None, *, asked: str | None = None
+    request_id: str,
+    concerns: Sequence[CallKey] | None = None,
+    *,
+    asked: str | None = None,
+    stored_below: int | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update that record a person's answer to the prompt `request_id`
     (`ConversationStore.resolve_hitl`): they match while the prompt is pending or holds back a
@@ -769,7 +773,8 @@ def resolution(
     does not answer that one). They then release those of the calls only (`_named`): a
     call a prompt of the id holds that the answer does not name stays held (one an earlier
     answer released that a later prompt asked about again too), and the request id is
-    remembered once none is left unreleased (`_held_unreleased`)."""
+    remembered once none is left unreleased (`_held_unreleased`), and `stored_below` is
+    recorded with the answer (`AnsweredPrompt.stored_below`)."""
     pending: dict[str, Any] = {"pending_hitl.request_id": request_id}
     held: dict[str, Any] = {"resolved_hitl": {"$ne": request_id}}
     named: dict[str, Any] | None = None
@@ -802,7 +807,7 @@ def resolution(
         "pending_hitl": {"$cond": [is_pending, None, _kept("pending_hitl", None)]},
         "resolved_hitl": {"$cond": [resolved_by_request(request_id), resolved, remembered]},
         "approved_calls": _approved_with(request_id, named),
-        "answered_prompts": _answered_now(request_id, concerns),
+        "answered_prompts": _answered_now(request_id, concerns, stored_below),
     }
     return query, [{"$set": stage}]
 
@@ -837,20 +842,25 @@ def _held_unreleased(
     return {"$filter": {"input": calls, "as": "call", "cond": {"$and": [holder, cond, unreleased]}}}
 
 
-def _answered_now(request_id: str, concerns: Sequence[CallKey] | None) -> dict[str, Any]:
+def _answered_now(
+    request_id: str, concerns: Sequence[CallKey] | None, stored_below: int | None
+) -> dict[str, Any]:
     """`answered_prompts` with one more answer, to the prompts `request_id`, reaching every
     `seq` reserved so far (`message_count`): the prompts of the id asked up to now, a turn
     still being written among them (its reservation made its prompt the pending one), are
     answered. An earlier answer to the id stays: it answered the prompts of the id asked
     before it, and a pop or a fork folds each answer where it came. The calls it names
     (`concerns`) that a prompt of the id holds are recorded with it (`AnsweredPrompt.calls`):
-    the others it releases none of, and are not kept. The newest `RESOLVED_PROMPTS_KEPT`
-    answers kept."""
+    the others it releases none of, and are not kept; so is how far the prompts of the id
+    stored as it came reach (`stored_below`, at most its reach; null: not read). The newest
+    `RESOLVED_PROMPTS_KEPT` answers kept."""
+    reach = int64({"$ifNull": ["$message_count", 0]})
     entry: dict[str, Any] = {
         "r": literal(request_id),
-        "s": int64({"$ifNull": ["$message_count", 0]}),
+        "s": reach,
         # Every key of `AnsweredPrompt`, as the model dumps it: null, it named no call.
         "c": literal(None) if concerns is None else _held_of(request_id, concerns),
+        "p": literal(None) if stored_below is None else {"$min": [int64(stored_below), reach]},
     }
     # A one-element array built by `$map`: some servers (mongomock) keep an array literal's
     # elements unevaluated.
@@ -890,15 +900,20 @@ def _held_of(request_id: str, concerns: Sequence[CallKey]) -> dict[str, Any]:
 def answers_reaching(below: Any, request_ids: Sequence[str] | None = None) -> dict[str, Any]:
     """`answered_prompts` with each answer's reach (`AnsweredPrompt.below`) set to the
     expression `below` (evaluated with the answer's own in `$$s`), for those of `request_ids`
-    only when given. Left unset on a conversation that has none."""
+    only when given, and the reach of the prompts stored as it came
+    (`AnsweredPrompt.stored_below`) brought down to it. Left unset on a conversation that
+    has none."""
     reach: Any = below
     if request_ids is not None:
         named = {"$in": ["$$a.r", literal(list(request_ids))]}
         reach = {"$cond": [named, below, "$$s"]}
+    now = int64({"$let": {"vars": {"s": "$$a.s"}, "in": reach}})
+    stored = {"$ifNull": ["$$a.p", None]}
     entry = {
         "r": "$$a.r",
-        "s": int64({"$let": {"vars": {"s": "$$a.s"}, "in": reach}}),
+        "s": now,
         "c": {"$ifNull": ["$$a.c", None]},
+        "p": {"$cond": [{"$eq": [stored, None]}, None, {"$min": [stored, now]}]},
     }
     answered = {"$map": {"input": _kept("answered_prompts", []), "as": "a", "in": entry}}
     return {"answered_prompts": absent_stays("answered_prompts", answered)}
