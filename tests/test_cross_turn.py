@@ -9826,6 +9826,36 @@ async def test_popping_a_later_prompt_of_its_request_id_before_the_stalled_landi
     assert await popped_before(CID, stalled=True) == logged_afresh
 
 
+async def test_a_later_prompt_of_the_request_id_about_another_call_leaves_the_landing_marking(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md `approved_calls`: t0's r1 holds c1; tA's r2 asks about c1 and stalls, its
+    block passed by tP; tB asks r1 again about its own call c5. Her approval of c1 through
+    r1 was given to t0's prompt (tB's never held c1), stored below the landed question: the
+    landing marks it, c1 stays served released and a stale denial of it is refused (was:
+    any later prompt of the id counted as the one she answered, the approval was withdrawn
+    and the denial stored)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    asked = [_user("Pay."), _calls("c1"), _asks_about("r1", "c1")]
+    made = await logger.log_messages(CID, asked, turn_id="t0")
+    writer = AgentMessageLogger(backend.db)
+    stall, clock = _StalledInsert(writer, monkeypatch), _ReservedADayAgo(monkeypatch)
+    turn = [_user("Sure?"), _asks_about("r2", "c1")]
+    late = await stall.start(writer.log_messages(CID, turn, turn_id="tA"))
+    clock.caught_up()
+    await AgentMessageLogger(backend.db).log_messages(CID, [_user("Hm?")], turn_id="tP")
+    other = [_user("Also?"), _calls("c5"), _asks_about("r1", "c5")]
+    await AgentMessageLogger(backend.db).log_messages(CID, other, turn_id="tB")
+    await store.resolve_hitl(CID, "r1", call_ids=["c1"])
+    stall.release()
+    await late
+    monkeypatch.undo()
+
+    assert ("c1", None) in (await held_state(store))[0]
+    assert await _approved_calls(backend) == ["c1"]
+    await _denial_refused(logger, CID, "c1", str(made.messages[1].id))
+
+
 async def test_an_old_replay_of_a_turn_a_later_turn_asked_after_reads_twice_more(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -4525,9 +4525,11 @@ async def _asked_above(
     first_seq: int,
     epoch: str | None,
     marks: Sequence[LandedAfter],
-) -> dict[str, list[int]]:
+) -> dict[tuple[str, str], list[int]]:
     """The `seq`s of the prompts of the marks' request ids stored above the landed turn's
-    block (at `first_seq`), by request id: one find of the conversation's life (`epoch`)."""
+    block (at `first_seq`), by request id and call id they name: one find of the
+    conversation's life (`epoch`). A prompt naming no call holds only calls of its own turn,
+    never a mark's, made before the landed turn: it is left out."""
     ids = sorted({request_id for _, _, request_id, _ in marks})
     query: dict[str, Any] = {
         "conversation_id": plan.conversation_id,
@@ -4535,28 +4537,35 @@ async def _asked_above(
         "hitl_action.request_id": {"$in": ids},
         **({} if epoch is None else {"epoch": {"$in": [epoch, None]}}),
     }
+    fields = {"seq": 1, "hitl_action.request_id": 1, "hitl_action.tool_call_ids": 1}
     with storage_errors("read the prompts asked after the turn"):
-        docs = await messages.find(query, {"seq": 1, "hitl_action.request_id": 1}).to_list(None)
-    asked: dict[str, list[int]] = {}
+        docs = await messages.find(query, fields).to_list(None)
+    asked: dict[tuple[str, str], list[int]] = {}
     for doc in docs:
-        asked.setdefault(doc["hitl_action"]["request_id"], []).append(int(doc["seq"]))
+        action = doc["hitl_action"]
+        for call_id in action.get("tool_call_ids") or ():
+            asked.setdefault((action["request_id"], call_id), []).append(int(doc["seq"]))
     return asked
 
 
 def _for_a_later_prompt(
-    mark: LandedAfter, conversation: Mapping[str, Any], asked: Mapping[str, list[int]]
+    mark: LandedAfter,
+    conversation: Mapping[str, Any],
+    asked: Mapping[tuple[str, str], list[int]],
 ) -> bool:
     """Whether the answer giving the approval `mark` names was for a prompt of its request
-    id stored above the landed turn (`_asked_above`): stored when the answer came (below
-    the reach of the prompts then stored, `_stored_reaches`), that prompt is the one the
-    person answered, after the landed question in the stored order, so the landing never
-    marks it (the order already tells a pop or a fork the right thing). One whose turn was
-    still being written as she answered (below the answer's reach only, its block
-    reserved) is not: she answered one stored below the landed question, and the landing
-    marks it."""
+    id about its call stored above the landed turn (`_asked_above`): stored when the answer
+    came (below the reach of the prompts then stored, `_stored_reaches`), that prompt is
+    the one the person answered, after the landed question in the stored order, so the
+    landing never marks it (the order already tells a pop or a fork the right thing). One
+    whose turn was still being written as she answered (below the answer's reach only, its
+    block reserved) is not, nor one of the id about other calls, which never held the
+    approved one: she answered one stored below the landed question, and the landing marks
+    it."""
     call_id, made_by, request_id, _ = mark
     reaches = _stored_reaches(conversation, request_id, call_id, made_by)
-    return bool(reaches) and any(seq < max(reaches) for seq in asked.get(request_id, ()))
+    later = asked.get((request_id, call_id), ())
+    return bool(reaches) and any(seq < max(reaches) for seq in later)
 
 
 def _stored_reaches(
