@@ -8307,9 +8307,25 @@ async def _call_turn_folded_off(
     backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks, held: bool
 ) -> tuple[PendingCall, asyncio.Task[LoggedTurn] | None, _StalledInsert | None]:
     """t0 = [user, call c0] reserves its block and its insert is lost before the server (its
-    writer alive, retrying later) or `held` in the network; past `abandon_after` another
-    turn passes the empty block and folds c0 off `pending_calls`. Returns c0 as
-    `pending_calls` served it before, and the held insert's writer with its stall."""
+    writer alive, retrying later) or `held` in the network (`_call_turn_unstored`); past
+    `abandon_after` another turn passes the empty block and folds c0 off `pending_calls`.
+    Returns c0 as `pending_calls` served it before, and the held insert's writer with its
+    stall."""
+    read, late, stall = await _call_turn_unstored(backend, monkeypatch, held)
+    clocks.wait(_SHORT.abandon_after.total_seconds() + 0.2)
+    await AgentMessageLogger(backend.db, rules=_SHORT).log_messages(
+        CID, [_user("Meanwhile."), _say("Yes?")], turn_id="t3"
+    )
+    assert await ConversationStore(backend.db).pending_calls(CID) == []
+    return read, late, stall
+
+
+async def _call_turn_unstored(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, held: bool
+) -> tuple[PendingCall, asyncio.Task[LoggedTurn] | None, _StalledInsert | None]:
+    """t0 = [user, call c0] reserves its block and its insert is lost before the server (its
+    writer alive, retrying later) or `held` in the network. Returns c0 as `pending_calls`
+    serves it, and the held insert's writer with its stall."""
     writer = AgentMessageLogger(backend.db, rules=_SHORT)
     store = ConversationStore(backend.db, rules=_SHORT)
     late: asyncio.Task[LoggedTurn] | None = None
@@ -8323,11 +8339,6 @@ async def _call_turn_folded_off(
             with contextlib.suppress(ConnectionError):
                 await writer.log_messages(CID, _FOLDED_CALL_TURN, turn_id="t0")
     (read,) = await store.pending_calls(CID)
-    clocks.wait(_SHORT.abandon_after.total_seconds() + 0.2)
-    await AgentMessageLogger(backend.db, rules=_SHORT).log_messages(
-        CID, [_user("Meanwhile."), _say("Yes?")], turn_id="t3"
-    )
-    assert await store.pending_calls(CID) == []
     return read, late, stall
 
 
@@ -8391,6 +8402,98 @@ async def test_an_answer_naming_a_message_never_listed_stays_invalid_while_a_tur
 
     assert await store.transcript(CID) == before
     assert await pending_state(store) == _folded(await store.transcript(CID))
+
+
+async def _land_call_turn(
+    logger: AgentMessageLogger,
+    monkeypatch: pytest.MonkeyPatch,
+    late: asyncio.Task[LoggedTurn] | None,
+    stall: _StalledInsert | None,
+) -> None:
+    """t0 (`_call_turn_unstored`) lands: its held insert released, else its writer's retry."""
+    if late is not None and stall is not None:
+        stall.release()
+        await late
+        monkeypatch.undo()
+    else:
+        await logger.log_messages(CID, _FOLDED_CALL_TURN, turn_id="t0")
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["its insert lost", "its insert held"])
+async def test_the_answer_passing_the_block_of_its_calls_unstored_turn_waits_for_it(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks, held: bool
+) -> None:
+    """The turn making c0 is not stored (its insert lost, its writer alive; or held in the
+    network), and past `abandon_after` the answer to c0, named as `pending_calls` served it,
+    is the turn that passes its block: it is not stored ahead of its call, an orphan, but
+    told to come again (`StorageUnavailable`), nothing stored, as is a second answer to c0
+    (never the 422 "does not make call … a fork?"). Once the call's turn lands, the answer
+    is stored, once."""
+    logger, store = AgentMessageLogger(backend.db, rules=_SHORT), ConversationStore(backend.db)
+    read, late, stall = await _call_turn_unstored(backend, monkeypatch, held)
+    before = await store.transcript(CID)
+    clocks.wait(_SHORT.abandon_after.total_seconds() + 0.2)
+    answer: dict[str, Any] = {
+        "messages": [_answer("c0", "r"), _say("Found it.")],
+        "turn_id": "t2",
+        "answers_to": {"c0": read.message_id},
+    }
+    denied = {"role": "tool", "tool_call_id": "c0", "content": None,
+              "error": {"message": "tool call denied"}}  # fmt: skip
+
+    with pytest.raises(StorageUnavailable, match=r"'c0'.*not stored.*may still be logged"):
+        await logger.log_messages(CID, **answer)
+    with pytest.raises(StorageUnavailable, match=r"'c0'.*not stored.*may still be logged"):
+        await logger.log_messages(CID, [denied], turn_id="t4", answers_to={"c0": read.message_id})
+    assert await store.transcript(CID) == before
+
+    await _land_call_turn(logger, monkeypatch, late, stall)
+    await logger.log_messages(CID, **answer)
+
+    assert await store.pending_calls(CID) == []
+    stored = await store.transcript(CID)
+    assert [m.content for m in stored if m.tool_call_id == "c0"] == ["r"]
+    assert [m.seq for m in stored if m.id == read.message_id] < [
+        m.seq for m in stored if m.tool_call_id == "c0"
+    ]
+
+
+async def test_an_answer_to_a_call_another_answer_in_flight_took_off_waits_for_its_turn(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks
+) -> None:
+    """The turn making c0 is not stored (its insert lost, its writer alive), and an answer
+    to c0 reserved within `abandon_after` took it off `pending_calls`, its own insert still
+    in flight. Past `abandon_after` another turn passes c0's empty block: c0 is waited for
+    as a call that turn took off would be, so an answer naming it as `pending_calls` served
+    it is told to come again (`StorageUnavailable`), nothing stored, never the 422 "does
+    not make call … a fork?"; once c0's turn lands, it is stored."""
+    logger, store = AgentMessageLogger(backend.db, rules=_SHORT), ConversationStore(backend.db)
+    read, _, _ = await _call_turn_unstored(backend, monkeypatch, held=False)
+    other = AgentMessageLogger(backend.db, rules=_SHORT)
+    first = partial(
+        other.log_messages, CID, [_answer("c0", "first")], turn_id="tA",
+        answers_to={"c0": read.message_id},
+    )  # fmt: skip
+    await reserved_insert_lost(other, first)  # tA reserved, its insert still in flight
+    clocks.wait(_SHORT.abandon_after.total_seconds() + 0.2)
+    await AgentMessageLogger(backend.db, rules=_SHORT).log_messages(
+        CID, [_user("Meanwhile."), _say("Yes?")], turn_id="t3"
+    )
+    before = await store.transcript(CID)
+    answer: dict[str, Any] = {
+        "messages": [_answer("c0", "second")],
+        "turn_id": "t2",
+        "answers_to": {"c0": read.message_id},
+    }
+
+    with pytest.raises(StorageUnavailable, match=r"'c0'.*not stored.*may still be logged"):
+        await logger.log_messages(CID, **answer)
+    assert await store.transcript(CID) == before
+
+    await logger.log_messages(CID, _FOLDED_CALL_TURN, turn_id="t0")
+    await logger.log_messages(CID, **answer)
+    stored = await store.transcript(CID)
+    assert [m.content for m in stored if m.tool_call_id == "c0"] == ["second"]
 
 
 async def test_a_call_being_answered_is_never_listed_again(

@@ -1187,6 +1187,25 @@ class PendingBlock(_Model):
     naming one as `pending_calls` served it is told to come again, its turn may still be
     logged, never refused as naming a message that makes no call. Null while not watched,
     and on a block watched before blocks said so."""
+    taken: list[CallTaken] | None = Field(default=None, alias="t")
+    """The calls its turn's reservation listed pending that an answering turn's reservation
+    took off `pending_calls` since (`pending_calls` made there, `seq` in the block): while
+    the block is not found stored, that answer may be all that lists them no more, so the
+    fold that finds it passed and empty waits for them too (`calls`), and the answering
+    turn that passes it waits for its turn to land. Null while none was."""
+
+
+class CallTaken(_Model):
+    """A call made in a block listing pending state that an answering turn's reservation took
+    off `pending_calls` (`PendingBlock.taken`; extension, the store's bookkeeping, never
+    served)."""
+
+    tool_call_id: str = Field(alias="c")
+    """The call's id."""
+    message_id: str = Field(alias="m")
+    """The message that makes it, as `pending_calls` listed it."""
+    turn_key: int = Field(alias="k")
+    """The key of the turn whose reservation took it off (`TurnRecord.key`)."""
 
 
 class CallUnlanded(_Model):

@@ -377,6 +377,15 @@ class _Reserved:
     """The first `seq`s of the blocks the conversation watches (`watched_blocks`: a fold found
     them passed and empty, their turn's insert may still land): one holding a message now
     is folded again after the insert (`AgentMessageLogger._left_unstored`)."""
+    ahead: tuple[tuple[int, str], ...] = ()
+    """The calls the turn's own reservation took off `pending_calls` that are made in a
+    block it found passed (`passed`; `PendingBlock.taken` naming the turn), each as the
+    block's first `seq` and the call's id: the turn answers a call whose turn may not be
+    stored. Such a block is looked up before the insert (`AgentMessageLogger._waits_for`)."""
+    stored_in: frozenset[int] | None = None
+    """Those of `passed` and `watched` found holding a message before the insert
+    (`AgentMessageLogger._waits_for`), which `_left_unstored` then reads no more; None:
+    not looked up."""
     relisted: bool = False
     """A replay's: the conversation as it read it lists otherwise than the turn's stored
     messages leave it (`_listed_otherwise`), as a fold that passed the block of its first
@@ -2955,10 +2964,35 @@ class AgentMessageLogger:
         own fold, and what it stores is folded in. One `find` of the blocks' first messages,
         only when the reservation found such a block; none on the common path."""
         passed, watched = set(reserved.passed), set(reserved.watched)
-        found = await stored_among(
-            self._messages, plan.conversation_id, reserved.epoch, passed | watched
-        )
+        found = reserved.stored_in
+        if found is None:
+            found = await stored_among(
+                self._messages, plan.conversation_id, reserved.epoch, passed | watched
+            )
         return bool(passed - found or watched & found)
+
+    async def _waits_for(
+        self, plan: TurnPlan, reserved: _Reserved, documents: list[dict[str, Any]]
+    ) -> _Reserved:
+        """Before the insert of a turn whose own reservation took off `pending_calls` calls
+        made in a block it found passed (`_Reserved.ahead`): the blocks it passed and those
+        watched looked up (one `find`, which `_left_unstored` reads after the insert). A call
+        whose block holds no message has its turn not stored (its writer may still be
+        retrying, a move keeping the message ids, or its insert still in the network): the
+        answer is not stored ahead of it, an orphan. The turn's block is given back, and
+        with it the call the reservation took off; the fold that follows (`_give_back`)
+        watches the block with the call (`PendingBlock.calls`), and the turn is refused
+        `StorageUnavailable`, nothing stored, as an answer naming the call is while the
+        block is watched; sent again once that turn landed, it is stored."""
+        if not reserved.ahead or reserved.replayed or reserved.moved is not None:
+            return reserved
+        looked = set(reserved.passed) | set(reserved.watched)
+        found = await stored_among(self._messages, plan.conversation_id, reserved.epoch, looked)
+        unstored = sorted({call for first, call in reserved.ahead if first not in found})
+        if not unstored:
+            return replace(reserved, stored_in=found)
+        await self._give_back(plan, reserved, documents, refused=True)
+        raise _call_turn_unstored(plan, unstored)
 
     async def _past_what_readers_passed(
         self, plan: TurnPlan, reserved: _Reserved, started: float, writer: _Writer | None
@@ -3016,7 +3050,8 @@ class AgentMessageLogger:
     ) -> tuple[list[AgentMessage] | None, bool, _Reserved]:
         """`_insert` into the reserved block: what it answers, and the block the turn is stored
         in. A block the turn's own reservation just took (not a retry's, nor a move's) is given
-        back when the turn is refused there. The block the attempt writes into, its own
+        back when the turn is refused there, or before the insert when the turn answers a call
+        whose turn may not be stored (`_waits_for`). The block the attempt writes into, its own
         reservation's or the one a retry found its record naming (not a move's), is given back
         when another attempt that reserved too stored the turn in a block of its own
         (`_another_attempts`; `_given_back`, which makes this attempt a replay of that block).
@@ -3027,6 +3062,7 @@ class AgentMessageLogger:
         the turn found stored whole in the block that move left (an attempt stalled inside its
         insert landed there), has the move undone (`_move_undone`): given back, the turn's
         block the one it left again."""
+        reserved = await self._waits_for(plan, reserved, documents)
         owner, epoch, first = reserved.owner, reserved.epoch, reserved.first_seq
         fresh = not reserved.replayed and reserved.moved is None
         gather = reserved.moved is None
@@ -4257,13 +4293,25 @@ def _reserved(plan: TurnPlan, conversation: dict[str, Any], *, observed: bool) -
         assigns=_assigned_at(conversation, first_seq),
         owed=conversation.get(REFOLD_OWED) is not None,
         pops=int(conversation.get("pops") or 0),
-        passed=tuple(
-            int(b["f"])
-            for b in conversation.get(PENDING_BLOCKS) or ()
-            if b.get("d") and b.get("w") is None and int(b["f"]) < first_seq
-        ),
+        passed=tuple(int(b["f"]) for b in _passed_by(conversation, first_seq)),
         watched=tuple(f for f in watched_blocks(conversation, utc_now()) if f < first_seq),
+        ahead=tuple(
+            (int(b["f"]), str(t["c"]))
+            for b in _passed_by(conversation, first_seq)
+            for t in b.get("t") or ()
+            if isinstance(t, Mapping) and t.get("k") == plan.key
+        ),
     )
+
+
+def _passed_by(conversation: Mapping[str, Any], first_seq: int) -> list[Mapping[str, Any]]:
+    """The blocks listing pending state (`PENDING_BLOCKS`) that the reservation of the block
+    at `first_seq` found passed (`d`), not watched, below it (`_Reserved.passed`)."""
+    return [
+        b
+        for b in conversation.get(PENDING_BLOCKS) or ()
+        if isinstance(b, Mapping) and b.get("d") and b.get("w") is None and int(b["f"]) < first_seq
+    ]
 
 
 def _recorded_before(plan: TurnPlan, conversation: Mapping[str, Any]) -> bool:

@@ -560,30 +560,34 @@ def watched_after(fold: Refold) -> dict[str, Any]:
 
 
 def _unlanded_calls(fold: Refold) -> dict[int, list[dict[str, str]]]:
-    """For each block the fold found passed and empty (`Refold.unlanded`), the calls
-    `pending_calls` listed as read made there (their `seq` in the block) that the fold
-    takes off (`PendingBlock.calls`, `c`: its turn may still be logged, and an answer to
-    one waits for it while the block is watched). A call listed with no `seq` (before the
-    list recorded it) is not told apart: left out."""
+    """For each block the fold found passed and empty (`Refold.unlanded`), the calls made
+    there that the fold does not list (`PendingBlock.calls`, `c`: its turn may still be
+    logged, and an answer to one waits for it while the block is watched): those
+    `pending_calls` listed as read (their `seq` in the block), and those an answering
+    turn's reservation took off the list before (`PendingBlock.taken`, `t`: that answer
+    still in flight, or given back as it passed the block). A call listed with no `seq`
+    (before the list recorded it) is not told apart: left out."""
     folded = {(c.tool_call_id, c.message_id) for c in fold.calls}
     blocks = [
-        (int(b["f"]), int(b["f"]) + int(b["l"]))
+        (int(b["f"]), int(b["f"]) + int(b["l"]), b.get("t") or ())
         for b in fold.conversation.get(PENDING_BLOCKS) or ()
         if isinstance(b, Mapping) and int(b["f"]) in fold.unlanded
     ]
-    taken: dict[int, list[dict[str, str]]] = {}
+    made: dict[int, list[tuple[Any, Any]]] = {first: [] for first, _, _ in blocks}
     for call in fold.conversation.get("pending_calls") or ():
-        if not isinstance(call, Mapping) or not isinstance(seq := call.get("seq"), int):
-            continue
-        call_id, made_by = call.get("tool_call_id"), call.get("message_id")
-        if not isinstance(call_id, str) or not isinstance(made_by, str):
-            continue
-        if (call_id, made_by) in folded:
-            continue
-        for first, end in blocks:
-            if first <= seq < end:
-                taken.setdefault(first, []).append({"c": call_id, "m": made_by})
-    return taken
+        if isinstance(call, Mapping) and isinstance(seq := call.get("seq"), int):
+            for first, end, _ in blocks:
+                if first <= seq < end:
+                    made[first].append((call.get("tool_call_id"), call.get("message_id")))
+    for first, _, taken_off in blocks:
+        made[first] += [(t.get("c"), t.get("m")) for t in taken_off if isinstance(t, Mapping)]
+    unlanded: dict[int, list[dict[str, str]]] = {}
+    for first, calls in made.items():
+        for call_id, made_by in dict.fromkeys(calls):
+            named = isinstance(call_id, str) and isinstance(made_by, str)
+            if named and (call_id, made_by) not in folded:
+                unlanded.setdefault(first, []).append({"c": call_id, "m": made_by})
+    return unlanded
 
 
 async def stored_among(

@@ -1531,31 +1531,34 @@ def _pending_blocks(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str
     `abandon_after` ago or more are passed now (`d` true: this reservation takes them, and
     its logger looks whether their turns stored anything, `AgentMessageLogger._left_unstored`);
     the others stay, with the turn's own block when its reservation lists pending state
-    (calls it leaves open, a prompt it raises), the newest `PENDING_BLOCKS_KEPT` of them.
-    The blocks a fold found passed and empty stay watched (`w`, `watched_blocks`) for
-    `BLOCKS_WATCHED_FOR`, the newest `PENDING_BLOCKS_KEPT` of them.
+    (calls it leaves open, a prompt it raises), the newest `PENDING_BLOCKS_KEPT` of them,
+    each with the calls answering turns took off the list (`t`; for a turn answering calls,
+    with those `pending_calls` lists made there as well, which the next stage keeps only
+    where the turn took them off: `_taken_kept`). The blocks a fold found passed and empty
+    stay watched (`w`, `watched_blocks`) for `BLOCKS_WATCHED_FOR`, the newest
+    `PENDING_BLOCKS_KEPT` of them.
     Not kept with an `abandon_after` of zero (a setting for tests): every block not yet
     written would be passed at once, a turn still being written folded away."""
     passed_by = literal(now - rules.abandon_after)
     since = literal(now - BLOCKS_WATCHED_FOR)
     unwatched = {"$eq": [{"$ifNull": ["$$b.w", None]}, None]}
     unseen = {"$and": [{"$ne": [{"$ifNull": ["$$b.d", False]}, True]}, unwatched]}
-    listed = {"$filter": {"input": "$$held", "as": "b", "cond": unseen}}
+    entry = {
+        "f": "$$b.f",
+        "l": "$$b.l",
+        "a": "$$b.a",
+        "d": {"$lte": ["$$b.a", passed_by]},
+        "w": literal(None),
+        "c": literal(None),
+        "t": _taken_listed(plan),
+    }
+    unseen_ones = {"$filter": {"input": "$$held", "as": "b", "cond": unseen}}
+    listed = {"$map": {"input": unseen_ones, "as": "b", "in": entry}}
     still = {"$gt": [{"$ifNull": ["$$b.w", literal(_NEVER)]}, since]}
     watched = {"$filter": {"input": "$$held", "as": "b", "cond": still}}
 
     def marked(passed: bool) -> dict[str, Any]:
-        aged = {"$lte" if passed else "$gt": ["$$b.a", passed_by]}
-        chosen = {"$filter": {"input": "$$listed", "as": "b", "cond": aged}}
-        entry = {
-            "f": "$$b.f",
-            "l": "$$b.l",
-            "a": "$$b.a",
-            "d": literal(passed),
-            "w": literal(None),
-            "c": literal(None),
-        }
-        return {"$map": {"input": chosen, "as": "b", "in": entry}}
+        return {"$filter": {"input": "$$listed", "as": "b", "cond": {"$eq": ["$$b.d", passed]}}}
 
     young = marked(False)
     if lists_pending(plan):
@@ -1566,6 +1569,7 @@ def _pending_blocks(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str
             "d": literal(False),
             "w": literal(None),
             "c": literal(None),
+            "t": literal(None),
         }
         young = {"$concatArrays": [young, {"$map": {"input": [0], "in": own}}]}
     blocks = {
@@ -1581,6 +1585,24 @@ def _pending_blocks(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str
     built = {"$let": {"vars": {"blocks": blocks}, "in": kept}}
     parts = {"$let": {"vars": {"listed": listed}, "in": built}}
     return {"$let": {"vars": {"held": _kept(PENDING_BLOCKS, [])}, "in": parts}}
+
+
+def _taken_listed(plan: TurnPlan) -> Any:
+    """`t` of the entry `$$b` of `PENDING_BLOCKS` (neither passed nor watched) as the first
+    stage of the reservation of `plan`'s turn writes it (`_pending_blocks`), as an
+    expression: as it is for a turn answering no call; for one answering calls, with the
+    calls `pending_calls` lists before it made there (their `seq` in the block) appended,
+    each with the turn's key. The stage after keeps of those only the calls the turn took
+    off the list (`_taken_kept`): the first stage reads the list before the turn, the
+    second the list after it, and the ids the turn answers are named in neither."""
+    if not plan.answered_calls:
+        return {"$ifNull": ["$$b.t", None]}
+    seq = {"$ifNull": ["$$call.seq", -1]}
+    here = {"$and": [{"$gte": [seq, "$$b.f"]}, {"$lt": [seq, {"$add": ["$$b.f", "$$b.l"]}]}]}
+    made_here = {"$filter": {"input": _PENDING_CALLS, "as": "call", "cond": here}}
+    entry = {"c": "$$call.tool_call_id", "m": "$$call.message_id", "k": literal(Int64(plan.key))}
+    listed = {"$map": {"input": made_here, "as": "call", "in": entry}}
+    return {"$concatArrays": [{"$ifNull": ["$$b.t", literal([])]}, listed]}
 
 
 _TURNS = _kept("turns", [])
@@ -1633,20 +1655,61 @@ _NOTHING_PENDING = {
         {"$eq": [{"$ifNull": ["$pending_hitl", None]}, None]},
     ]
 }
-_WATCHED_ONLY = {
+_WATCHED_OR_TAKEN = {
     "$filter": {
-        "input": f"${PENDING_BLOCKS}",
+        "input": "$$blocks",
         "as": "b",
-        "cond": {"$ne": [{"$ifNull": ["$$b.w", None]}, None]},
+        "cond": {
+            "$or": [
+                {"$ne": [{"$ifNull": ["$$b.w", None]}, None]},
+                {"$gt": [{"$size": {"$ifNull": ["$$b.t", literal([])]}}, 0]},
+            ]
+        },
     }
 }
-_BLOCKS_KEPT = {"$cond": [_NOTHING_PENDING, _WATCHED_ONLY, f"${PENDING_BLOCKS}"]}
-BLOCKS_MOOT_DROPPED = {"$set": {PENDING_BLOCKS: {"$cond": [_UNLISTED, "$$REMOVE", _BLOCKS_KEPT]}}}
-"""The stage after one that set `PENDING_BLOCKS` (`_records`): none is kept while nothing is
-pending (no call, no prompt), as a turn that died before its insert then leaves nothing to
-fold away, and the next reservation looks at nothing (absent while no turn listed pending
-state), but the blocks watched (`w`): an insert landing there lists what it stores. Never
-changed in place."""
+_BLOCKS_KEPT = {"$cond": [_NOTHING_PENDING, _WATCHED_OR_TAKEN, "$$blocks"]}
+"""The parts of `blocks_moot_dropped` that no turn changes, on the blocks bound to
+`$$blocks`: built once, never changed in place."""
+
+
+def blocks_moot_dropped(plan: TurnPlan) -> dict[str, Any]:
+    """The stage after one that set `PENDING_BLOCKS` (`_records`), before `calls_cut`: none
+    is kept while nothing is pending (no call, no prompt), as a turn that died before its
+    insert then leaves nothing to fold away, and the next reservation looks at nothing
+    (absent while no turn listed pending state), but the blocks watched (`w`): an insert
+    landing there lists what it stores; and those recording calls an answer took off
+    (`t`): that answer, still in flight or the turn passing the block, may be all that
+    lists them no more. For a turn answering calls, each block's `t` is cut to the calls
+    the turn took off as well (`_taken_kept`)."""
+    blocks: Any = f"${PENDING_BLOCKS}"
+    if plan.answered_calls:
+        blocks = _taken_kept(plan)
+    kept = {"$let": {"vars": {"blocks": blocks}, "in": _BLOCKS_KEPT}}
+    return {"$set": {PENDING_BLOCKS: {"$cond": [_UNLISTED, "$$REMOVE", kept]}}}
+
+
+def _taken_kept(plan: TurnPlan) -> dict[str, Any]:
+    """`PENDING_BLOCKS` as the first stage of the reservation (or the move) of a turn
+    answering calls left them (`_taken_listed`), each block's `t` keeping of the calls it
+    appended (the turn's key, `k`) only those `pending_calls` lists no more after the turn
+    (before it is cut to its newest: `calls_cut`), the calls the turn's answers took off
+    (`PendingBlock.taken`); null when it keeps none. Told by key, so the ids answered are
+    named nowhere more (`_answering`). The fold that finds such a block passed and empty
+    waits for its `t` calls (`_relocated._unlanded_calls`), as an answer naming one does
+    (`calls_awaited`), and the turn passing the block waits for its call's turn
+    (`_logger._Reserved.ahead`)."""
+    after = {"$map": {"input": _PENDING_CALLS, "as": "call", "in": _call_key("call")}}
+    named = {"tool_call_id": "$$t.c", "message_id": "$$t.m"}
+    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+    gone = {"$eq": [{"$in": [named, "$$after"]}, False]}
+    kept = {"$or": [{"$ne": ["$$t.k", literal(Int64(plan.key))]}, gone]}
+    taken = {"$filter": {"input": {"$ifNull": ["$$b.t", literal([])]}, "as": "t", "cond": kept}}
+    none = {"$eq": [{"$size": "$$taken"}, 0]}
+    block: dict[str, Any] = {key: {"$ifNull": [f"$$b.{key}", None]} for key in "dwc"}
+    block |= {"f": "$$b.f", "l": "$$b.l", "a": "$$b.a"}
+    block["t"] = {"$let": {"vars": {"taken": taken}, "in": {"$cond": [none, None, "$$taken"]}}}
+    blocks = {"$map": {"input": f"${PENDING_BLOCKS}", "as": "b", "in": block}}
+    return {"$let": {"vars": {"after": after}, "in": blocks}}
 
 
 def watched_blocks(conversation: Mapping[str, Any], now: datetime) -> tuple[int, ...]:
@@ -1671,15 +1734,28 @@ def calls_awaited(conversation: Mapping[str, Any], now: datetime) -> frozenset[t
     passed and empty (`PendingBlock.calls`): their turn is not stored and may still be
     logged (a writer retrying, moved to the end with its message ids; or an insert still
     in the network), so an answer naming one waits for it (`StorageUnavailable`) until the
-    watch ends, never refused as naming a message that makes no call."""
+    watch ends, never refused as naming a message that makes no call. So are the calls an
+    answering turn's reservation took off the list that a block not watched records
+    (`PendingBlock.taken`, `t`): that answer may be all that lists them no more, and no
+    turn has passed the block yet, or one passed it since and looks it up; the caller
+    counts only a call whose message is not stored."""
     watched = set(watched_blocks(conversation, now))
     return frozenset(
         (str(call["c"]), str(call["m"]))
         for block in conversation.get(PENDING_BLOCKS) or ()
-        if isinstance(block, Mapping) and block.get("f") in watched
-        for call in block.get("c") or ()
+        if isinstance(block, Mapping)
+        for call in _awaited_in(block, block.get("f") in watched)
         if isinstance(call, Mapping) and "c" in call and "m" in call
     )
+
+
+def _awaited_in(block: Mapping[str, Any], watched: bool) -> list[Any]:
+    """The calls a block listing pending state records as awaited (`calls_awaited`): those
+    the fold watching it took off (`c`) while `watched`; those an answer took off (`t`)
+    unless it was watched once, its watch now over."""
+    if watched:
+        return [*(block.get("c") or ()), *(block.get("t") or ())]
+    return [] if block.get("w") is not None else list(block.get("t") or ())
 
 
 _NAME_MESSAGE_KEPT = absent_stays("name_message_id", "$name_message_id")
@@ -1811,11 +1887,12 @@ def _after_reservation(plan: TurnPlan) -> dict[str, Any]:
     """The fields a reservation sets from what its first stage left, in one stage: each reads
     only fields that stage set, none a field another of them sets (a `$set` evaluates every
     field on the document it receives), so one stage sets what `calls_cut`,
-    `RECORDS_DROPPED`, `BLOCKS_MOOT_DROPPED` and `_superseded` would set one after the
+    `RECORDS_DROPPED`, `blocks_moot_dropped` and `_superseded` would set one after the
     other (cutting `pending_calls` to its newest calls leaves it empty only where it was,
-    what `BLOCKS_MOOT_DROPPED` reads of it). Each stage costs a server a pass over the
+    what `blocks_moot_dropped` reads of it, and the calls the turn took off are those
+    listed whole no more). Each stage costs a server a pass over the
     document: a reservation is the command every turn sends."""
-    fields: dict[str, Any] = {**RECORDS_DROPPED["$set"], **BLOCKS_MOOT_DROPPED["$set"]}
+    fields: dict[str, Any] = {**RECORDS_DROPPED["$set"], **blocks_moot_dropped(plan)["$set"]}
     for cut in calls_cut(plan):
         fields |= cut["$set"]
     if (superseded := _superseded(plan)) is not None:
@@ -2506,7 +2583,7 @@ def relocation(
         stage["pending_hitl"] = {"$cond": [resolved, kept, stage["pending_hitl"]]}
     if assigned:
         stage["owned_from"] = int64({"$ifNull": ["$message_count", 0]})
-    return query, [{"$set": stage}, *calls_cut(plan), RECORDS_DROPPED, BLOCKS_MOOT_DROPPED]
+    return query, [{"$set": stage}, blocks_moot_dropped(plan), *calls_cut(plan), RECORDS_DROPPED]
 
 
 def move_undone(
