@@ -19,7 +19,9 @@ import pytest
 from pymongo.errors import AutoReconnect, BulkWriteError, DuplicateKeyError
 
 from agent_store import (
+    AgentMessage,
     AgentMessageLogger,
+    AssistantMessage,
     Conflict,
     ConversationStore,
     InvalidInput,
@@ -1034,6 +1036,58 @@ async def test_a_dead_landing_past_the_end_pops_left_gives_way_whole_to_the_next
     await check_conversation(backend.db, CID, gaps=True)
     with pytest.raises(Corrected):
         await twins.log_messages(CID, call_turn(), turn_id="late")
+
+
+def _refusing_calls(message: AgentMessage) -> Conflict | None:
+    """A caller's check refusing a message that makes calls (as the Agents SDK session
+    refuses a message of several items)."""
+    calls = isinstance(message, AssistantMessage) and message.tool_calls
+    return Conflict(f"seq {message.seq} makes calls") if calls else None
+
+
+@pytest.mark.parametrize("after", ["the-landing", "a-one-message-turn", "a-refusing-caller"])
+async def test_a_pop_after_a_dead_landing_past_the_end_pops_the_users_last_message(
+    backend: Backend, after: str
+) -> None:
+    """RUNTIMES.md §pops: the give-up of "late" at 2-3 passed by three pops (the end back at
+    1), its stalled insert lands there and its writer dies before it looks. A pop then
+    removes the user's last message below the end the conversation records, "t0?" at 0 (or,
+    after a one-message turn at 1, that message), and the next pops go on down; a caller's
+    check of the message (`refuse`) is asked of that message alone. The landing, past
+    `message_count`, is no message any mark lets a pop remove: it is passed, as a deleted
+    conversation's late insert is (was: every pop read the call of "late" at 3 as the last
+    message, its mark refused five times, StorageUnavailable "other pops or turns came
+    first" with nothing else running, until a later insert happened to meet the landing;
+    the refusing caller refused for the call of "late")."""
+    await AgentMessageLogger(backend.db).ensure_indexes()  # a `seq` holds one message
+    _, held, first, _ = await _a_twin_gives_up_a_stalled_call_turn(
+        backend, _GIVE_UP_AFTER, dies=True
+    )
+    store = ConversationStore(backend.db, rules=_GIVE_UP_AFTER)
+    for _ in range(3):
+        await store.pop_last_message(CID)
+    held.release.set()
+    await held.landed.wait()  # "late" at 2-3, past the end at 1, its writer dead
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    expected = [(0, "t0?")]
+    if after == "a-one-message-turn":
+        await AgentMessageLogger(backend.db).log_messages(
+            CID, [{"role": "user", "content": "next?"}], turn_id="next"
+        )
+        expected.insert(0, (1, "next?"))
+    refuse = _refusing_calls if after == "a-refusing-caller" else None
+
+    popped = [await store.pop_last_message(CID, refuse=refuse) for _ in expected]
+
+    assert [(m.seq, m.content) for m in popped if m is not None] == expected
+    assert await store.pop_last_message(CID) is None
+    landed = await backend.db[MESSAGES].find({"turn_id": "late"}).to_list(None)
+    assert sorted(m["seq"] for m in landed) == [2, 3]  # left to the next insert meeting it
+    await backend.db[MESSAGES].delete_many({"turn_id": "late"})
+    conversation = await check_conversation(backend.db, CID, gaps=True)
+    assert (conversation["message_count"], conversation["turn_count"]) == (0, 0)
 
 
 CALL_L = {"id": "c-L", "function": {"name": "lookup", "arguments": "{}"}}

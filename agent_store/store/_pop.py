@@ -6,6 +6,12 @@ write: when those reads come upon a `seq` below the message with no message that
 still writing (`Gaps.passed` does not pass it), the pop raises StorageUnavailable (retry
 shortly) and writes nothing.
 
+The last message is the last below the conversation's end (`message_count`): no mark ever
+lets a pop remove one past it (a deleted conversation's late insert, a dead given-up turn's
+landing past the end pops left). Read before the conversation was, it is passed once the pop,
+refused for it (its mark, the caller's check, or a LangGraph thread's), reads the conversation
+and finds it there: it reads the last message again below the end.
+
 A pop is three writes on two documents, and none of them can be undone by the next:
 
 1. mark: the conversation records the pop under way (`popping`: the message and what
@@ -247,20 +253,16 @@ class Pop:
                 if not visible:
                     return None
                 continue
-            if conversation is None and message.epoch is not None:
-                try:  # reads below the message may come upon a gap: a turn in flight, or...
-                    pop = await self._what_removing_changes(message)
-                except StorageUnavailable:
+            if conversation is None:
+                try:  # what it read may lie past the end: refused for it, or...
+                    pop = await self._checked(scope[0], message, None)
+                except StoreError:
                     visible, conversation, _ = await self._finish_under_way()
-                    if not visible or (conversation or {}).get("epoch") in (None, message.epoch):
+                    if not visible or not _past_its_end(message, conversation):
                         raise
-                    continue  # ...a deleted conversation's late insert: its own last one next
-            elif pop is None or pop.message_id != message.id:  # else what it read still holds
-                pop = await self._what_removing_changes(message)
-            assert pop is not None
-            if self.refuse is not None and (refused := self.refuse(message)) is not None:
-                raise refused
-            await self._refuse_a_threads(scope[0], message)
+                    continue  # ...its mark would be: the conversation's own last one next
+            else:
+                pop = await self._checked(scope[0], message, pop)
             count = self._passing(message, conversation, read_at)
             removed = await self._remove(scope, message, pop, count, conversation)
             if removed is not None:
@@ -272,6 +274,19 @@ class Pop:
             f"could not pop the last message of conversation {scope[0]!r}: other pops or "
             f"turns came first {POP_ATTEMPTS} times"
         )
+
+    async def _checked(
+        self, conversation_id: str, message: AgentMessage, pop: PopInProgress | None
+    ) -> PopInProgress:
+        """What removing `message` changes (`pop`, when computed for it already: what it read
+        still holds), once the caller's check (`refuse`) and the LangGraph thread's
+        (`_refuse_a_threads`) let it go; the error either gives is raised, nothing written."""
+        if pop is None or pop.message_id != message.id:
+            pop = await self._what_removing_changes(message)
+        if self.refuse is not None and (refused := self.refuse(message)) is not None:
+            raise refused
+        await self._refuse_a_threads(conversation_id, message)
+        return pop
 
     async def _nothing_to_pop(self, read_at: datetime) -> None:
         """No message found: refused for no conversation (a delete's mark, a fork not made
@@ -691,11 +706,34 @@ async def preview_source(
 
 
 def _own(query: dict[str, Any], conversation: Mapping[str, Any] | None) -> dict[str, Any]:
-    """`query` for the last message, once a read of the conversation told its `epoch`: its own
-    messages (that epoch, or none), never a deleted conversation's late insert lying past its
-    last one, which no mark would ever let the pop remove."""
-    epoch = None if conversation is None else conversation.get("epoch")
-    return query if epoch is None else {**query, "epoch": {"$in": [epoch, None]}}
+    """`query` for the last message, once a read of the conversation told its `epoch` and its
+    end (`message_count`): its own messages (that epoch, or none) below its end, never one
+    lying past its last one, which no mark would ever let the pop remove (`_past_its_end`)."""
+    if conversation is None:
+        return query
+    own = {**query, "seq": {"$lt": _end_of(conversation)}}
+    epoch = conversation.get("epoch")
+    return own if epoch is None else {**own, "epoch": {"$in": [epoch, None]}}
+
+
+def _past_its_end(message: AgentMessage, conversation: Mapping[str, Any] | None) -> bool:
+    """Whether `message` lies past the last message of `conversation` (read after it; False
+    when not read), where no mark lets a pop remove it (`nothing_reserved_past`): a deleted
+    conversation's late insert (another `epoch`), or a message at or past `message_count`,
+    the landing of a turn given up for good in a block pops passed since, its writer gone
+    before it looked (until an insert meets it: `_with_turns_given_up`)."""
+    if conversation is None:
+        return False
+    assert message.seq is not None
+    epoch = conversation.get("epoch")
+    other_life = epoch is not None and message.epoch not in (None, epoch)
+    return other_life or message.seq >= _end_of(conversation)
+
+
+def _end_of(conversation: Mapping[str, Any]) -> int:
+    """The `seq` the conversation's next turn reserves from (`message_count`): every message
+    of it lies below."""
+    return int(conversation.get("message_count") or 0)
 
 
 def _removed_by(entry: PoppedMessage, message_id: str | None, pop_id: str | None) -> bool:
