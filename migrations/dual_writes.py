@@ -601,8 +601,9 @@ PIECE_UNCONFIRMED = (
     "the turn failed, yet its messages are stored and served) or the legacy service deleted "
     "it after a rollback. Ask whether the person deleted that exchange: if so remove those "
     "messages alone; if not, keep that record (the legacy collection lacks an exchange a "
-    "rollback would lose) and run `run --copy-again {record}`, which writes that legacy turn "
-    "from the stored messages and confirms the record"
+    "rollback would lose) and, the messages of any exchange the person did delete removed "
+    "first, run `run --copy-again {record}`, which writes the legacy turns missing of the "
+    "copy from the turn's stored messages and confirms the record"
 )
 """What the gate says of a legacy turn missing of a copy whose record was never confirmed,
 some other legacy turn of it standing: never advising to delete the record, which `run`
