@@ -272,7 +272,7 @@ def _source(
         db[LEGACY_TURNS].create_index(LEGACY_INDEX, name="migration_conversation_id")
         db[lease.STATE].create_index(STATE_INDEX, name="migration_state_kind")
         create_indexes_sync(db)
-        dual_writes.confirm_copies(db, source=source)
+        dual_writes.confirm_copies(db, source=source, copy_again=args.copy_again)
     return source, also
 
 
@@ -829,6 +829,14 @@ def _run_parser(run: argparse.ArgumentParser) -> None:
         default=16,
         help="ranges of the id space each batch draws from in turn, so the writes of a batch "
         "spread over a sharded cluster's chunks (default 16; 1: sorted order)",
+    )
+    run.add_argument(
+        "--copy-again",
+        action="append",
+        default=[],
+        metavar="RECORD",
+        help="write the legacy turns missing of the copy this record names, from its turn's "
+        "stored messages, and confirm it (the gate's advice when the person deleted nothing)",
     )
     run.add_argument(
         "--force-unlock", action="store_true", help="take the lock from a run known to be dead"

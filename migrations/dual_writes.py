@@ -38,10 +38,18 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import ValidationError
 from pymongo import UpdateOne
 from pymongo.database import Database
 
-from agent_store.core import AgentMessage, InvalidInput, Usage, to_utc_millis, utc_now
+from agent_store.core import (
+    AgentMessage,
+    Conversation,
+    InvalidInput,
+    Usage,
+    to_utc_millis,
+    utc_now,
+)
 from agent_store.legacy import (
     COPY_INTENDED,
     COPY_PIECES,
@@ -50,12 +58,14 @@ from agent_store.legacy import (
     COPY_WRITTEN,
     CUT_FIELD,
     DUAL_WRITE_NOT_EXACT,
+    MAX_LEGACY_DOCUMENT_BYTES,
     NATIVE_FIELD,
     RECORD_FIELD,
     LegacyConversion,
     LegacyTurn,
     Problem,
     convert,
+    copy_pieces,
     copy_record_id,
     legacy_turn_id,
     normalize_part,
@@ -63,6 +73,8 @@ from agent_store.legacy import (
     result_text,
     sort_turns,
     stored_conversation_id,
+    turn_copy,
+    turn_copy_pieces,
 )
 from agent_store.store import (
     CONVERSATIONS,
@@ -74,6 +86,7 @@ from agent_store.store import (
     TurnRules,
 )
 from migrations import full_texts
+from migrations.errors import Misuse
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.relocate import CONVERSATION_FILTER
 from migrations.settings import SERVICE_DEFAULTS
@@ -291,8 +304,12 @@ def _unnamed(
 def _likely_cause(group: Sequence[Mapping[str, Any]], messages: Sequence[AgentMessage]) -> str:
     """Why a dual-written copy may not hold what its stored messages do, for a person: texts
     cut in the copy (to fit a legacy document, `CUT_FIELD`, or by the store, `truncated`),
-    which the store keeps whole, as well as an edit after a rollback."""
-    edited = "the legacy service edited it after a rollback?"
+    which the store keeps whole, as well as an edit since (by the old service after a
+    rollback, or by hand: the words assume no rollback)."""
+    edited = (
+        "it was edited in the legacy collection since it was written (by the legacy service "
+        "after a rollback, or by hand?)"
+    )
     if any(CUT_FIELD in document for document in group) or any(m.truncated for m in messages):
         return (
             "its copy holds texts cut, which the store keeps whole (check that its stored "
@@ -583,10 +600,14 @@ PIECE_UNCONFIRMED = (
     "{count}) is not in the legacy collection: either its write failed (the runtime was told "
     "the turn failed, yet its messages are stored and served) or the legacy service deleted "
     "it after a rollback. Ask whether the person deleted that exchange: if so remove those "
-    "messages alone; if not, delete that record (the turn was never wholly copied)"
+    "messages alone; if not, keep that record (the legacy collection lacks an exchange a "
+    "rollback would lose) and, the messages of any exchange the person did delete removed "
+    "first, run `run --copy-again {record}`, which writes the legacy turns missing of the "
+    "copy from the turn's stored messages and confirms the record"
 )
 """What the gate says of a legacy turn missing of a copy whose record was never confirmed,
-some other legacy turn of it standing."""
+some other legacy turn of it standing: never advising to delete the record, which `run`
+writes again from the copies standing, nor a deletion."""
 
 COPY_OWED_UNRECORDED = (
     "the dual write owed a copy of the live turn {turn_id!r} (its messages are marked "
@@ -804,46 +825,166 @@ def _owed_unrecorded(
     ]
 
 
-def confirm_copies(db: Database[dict[str, Any]], *, source: str) -> int:
+def confirm_copies(
+    db: Database[dict[str, Any]], *, source: str, copy_again: Collection[str] = ()
+) -> int:
     """Confirm the record of each dual-written copy standing in `source` that names one
     (`RECORD_FIELD`) still only intended (`COPY_INTENDED`: the write after the copy failed)
     or missing (removed by hand), so that once the old service deletes it the gate calls it
     gone (`COPY_GONE`) rather than unconfirmed or unrecorded; how many. A record listing
     legacy turns of the copy (`COPY_PIECES`) is confirmed only when every one stands (one
-    missing may be one whose write failed: the gate asks, `PIECE_UNCONFIRMED`). `run` does
-    it: one read of the copies naming a record, one of those records, one write when any is
-    left."""
+    missing may be one whose write failed: the gate asks, `PIECE_UNCONFIRMED`). A record
+    missing is written again listing the legacy turns its turn's stored messages are copied
+    as (`_expected_pieces`), never without them, and stays intended while one of them is
+    missing. The records named in `copy_again` (the person deleted no exchange of the turn)
+    first get their missing legacy turns written from the turn's stored messages
+    (`_copy_again`). `run` does it: one read of the copies naming a record, one of those
+    records, one write when any is left; for a record missing or copied again, one read of
+    its turn's stored messages and one of its conversation's document."""
     standing: dict[str, set[Any]] = {}
-    for copy in db[source].find(_NAMING_A_RECORD, {RECORD_FIELD: 1}):
+    turns: dict[str, tuple[str, str]] = {}
+    for copy in db[source].find(_NAMING_A_RECORD, _COPY_FIELDS):
         standing.setdefault(copy[RECORD_FIELD], set()).add(copy["_id"])
+        if (key := _turn(copy)) is not None:
+            turns[copy[RECORD_FIELD]] = key
     if not standing:
+        _refuse_copying_again(copy_again, {}, standing)
         return 0
     query = {"_id": {"$in": sorted(standing)}, "kind": COPY_RECORD}
     records = {d["_id"]: d for d in db[STATE].find(query, {COPY_STATE: 1, COPY_PIECES: 1})}
-    left = [r for r in sorted(standing) if _unconfirmed(records.get(r), standing[r])]
-    if left:
+    _refuse_copying_again(copy_again, records, standing)
+    wanted = {r: turns[r] for r in standing if r in turns and (r not in records or r in copy_again)}
+    expected = _expected_pieces(db, wanted, source=source, copy_again=copy_again)
+    for record_id, (_, written) in expected.items():
+        standing[record_id] |= written
+    updates = {
+        record_id: update
+        for record_id in sorted(standing)
+        if (
+            update := _confirmation(
+                records.get(record_id), standing[record_id], expected.get(record_id)
+            )
+        )
+    }
+    if updates:
         db[STATE].bulk_write(
             [
                 UpdateOne(
-                    {"_id": record_id},
-                    {"$set": {COPY_STATE: COPY_WRITTEN}, "$setOnInsert": {"kind": COPY_RECORD}},
-                    upsert=True,
+                    {"_id": r}, {"$set": u, "$setOnInsert": {"kind": COPY_RECORD}}, upsert=True
                 )
-                for record_id in left
+                for r, u in updates.items()
             ],
             ordered=False,
         )
-    return len(left)
+    return sum(1 for u in updates.values() if u[COPY_STATE] == COPY_WRITTEN)
 
 
-def _unconfirmed(record: Mapping[str, Any] | None, standing: Collection[Any]) -> bool:
-    """Whether `run` confirms a copy's record, the copies naming it `standing` (by `_id`):
-    one missing, or only intended whose every listed legacy turn stands."""
+_COPY_FIELDS = {RECORD_FIELD: 1, "conversation_id": 1, "turn_id": 1, "dual_write": 1}
+
+_Expected = tuple[list[dict[str, Any]], set[Any]]
+"""The legacy turns a turn's stored messages are copied as (`COPY_PIECES`), and the `_id`s of
+those `_copy_again` wrote."""
+
+
+def _confirmation(
+    record: Mapping[str, Any] | None, standing: Collection[Any], expected: _Expected | None
+) -> dict[str, Any] | None:
+    """What `confirm_copies` sets on a copy's record, the legacy turns of the copy `standing`
+    (by `_id`): a record missing is written again listing the legacy turns its turn is
+    copied as (`expected`; those standing when its messages are not stored), confirmed when
+    every one stands, else intended; one only intended is confirmed once every legacy turn
+    it lists stands; None for any other."""
     if record is None:
-        return True
+        pieces = expected[0] if expected and expected[0] else [{"_id": i} for i in sorted(standing)]
+        whole = all(piece["_id"] in standing for piece in pieces)
+        return {COPY_STATE: COPY_WRITTEN if whole else COPY_INTENDED, COPY_PIECES: pieces}
     if record.get(COPY_STATE) != COPY_INTENDED:
-        return False
-    return all(piece["_id"] in standing for piece in _listed(record))
+        return None
+    if not all(piece["_id"] in standing for piece in _listed(record)):
+        return None
+    return {COPY_STATE: COPY_WRITTEN}
+
+
+def _refuse_copying_again(
+    copy_again: Collection[str], records: Mapping[str, Any], standing: Mapping[str, Any]
+) -> None:
+    """Misuse when a record named to copy again is not one of a copy some legacy turn of
+    which stands, only intended (`PIECE_UNCONFIRMED`'s): no other is the gate's question."""
+    for record_id in copy_again:
+        record = records.get(record_id)
+        if record_id not in standing or (record or {}).get(COPY_STATE) != COPY_INTENDED:
+            raise Misuse(
+                f"{record_id!r} is no record of a copy only intended some legacy turn of "
+                "which stands (the gate names such a record when one of them is missing)"
+            )
+
+
+def _expected_pieces(
+    db: Database[dict[str, Any]],
+    wanted: Mapping[str, tuple[str, str]],
+    *,
+    source: str,
+    copy_again: Collection[str],
+) -> dict[str, _Expected]:
+    """For each record (by id) of a turn `wanted` (conversation id, turn id): the legacy
+    turns its stored messages are copied as (`turn_copy_pieces`: a fork's cut where its
+    document says the turns of its original began; none when no message is stored) and,
+    for one in `copy_again`, those of them `_copy_again` wrote. One read of the turns'
+    stored messages and one of their conversations' documents; none when none is wanted."""
+    if not wanted:
+        return {}
+    cids = sorted({cid for cid, _ in wanted.values()})
+    stored = full_texts.stored_messages(db, cids)
+    query = {"_id": {"$in": cids}, **CONVERSATION_FILTER}
+    documents = {d["_id"]: _conversation(d) for d in db[CONVERSATIONS].find(query)}
+    found: dict[str, _Expected] = {}
+    for record_id, (cid, turn_id) in sorted(wanted.items()):
+        messages = [m for m in stored.get(cid, []) if m.turn_id == turn_id]
+        conversation = documents.get(cid)
+        if record_id in copy_again and (conversation is None or not messages):
+            raise Misuse(
+                f"{record_id!r} cannot be copied again: its turn's messages or its "
+                "conversation's document are no longer stored (nothing is left to copy)"
+            )
+        if conversation is None or not messages:
+            found[record_id] = (copy_pieces(cid, turn_id, messages) if messages else [], set())
+            continue
+        pieces = turn_copy_pieces(conversation, turn_id, messages)
+        written: set[Any] = set()
+        if record_id in copy_again:
+            written = _copy_again(db, conversation, turn_id, messages, record_id, source=source)
+        found[record_id] = (pieces, written)
+    return found
+
+
+def _conversation(document: Mapping[str, Any]) -> Conversation | None:
+    """A stored conversation document as the store's model (`readable`); None when even so
+    it is none."""
+    try:
+        return Conversation.model_validate(readable(document))
+    except ValidationError:
+        return None
+
+
+def _copy_again(
+    db: Database[dict[str, Any]],
+    conversation: Conversation,
+    turn_id: str,
+    messages: Sequence[AgentMessage],
+    record_id: str,
+    *,
+    source: str,
+) -> set[Any]:
+    """Write into `source` the legacy turns of a turn's copy that are missing, from its
+    stored messages, as the dual write writes them (`turn_copy`, each fitting one legacy
+    document, naming its record), never replacing one standing: the `_id`s written."""
+    documents = turn_copy(conversation, turn_id, messages, MAX_LEGACY_DOCUMENT_BYTES)
+    ids = [d["_id"] for d in documents]
+    there = {d["_id"] for d in db[source].find({"_id": {"$in": ids}}, {"_id": 1})}
+    missing = [d | {RECORD_FIELD: record_id} for d in documents if d["_id"] not in there]
+    if missing:
+        db[source].insert_many(missing, ordered=False)
+    return {d["_id"] for d in missing}
 
 
 _NAMING_A_RECORD = {"dual_write": True, RECORD_FIELD: {"$type": "string"}}

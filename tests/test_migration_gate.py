@@ -8465,7 +8465,7 @@ def test_a_held_copy_holding_cut_texts_blocks_the_drop_until_its_mark_is_removed
 
     said = _drop_refused(wire_uri, database, capsys)
     assert "its copy holds texts cut, which the store keeps whole" in said  # the likely cause
-    assert "the legacy service edited it after a rollback?" in said
+    assert "it was edited in the legacy collection since it was written" in said
     assert database[LEGACY_TURNS].count_documents({"dual_write": True}) == 1
 
     database[LEGACY_TURNS].update_one({"dual_write": True}, {"$unset": {"dual_write": ""}})
@@ -8507,7 +8507,7 @@ def test_a_held_copy_holding_cut_texts_edited_after_the_rollback_still_blocks_th
     database[CONVERSATIONS].replace_one({"_id": copy["_id"]}, copy)
 
     said = _drop_refused(wire_uri, database, capsys)
-    assert "the legacy service edited it after a rollback?" in said
+    assert "it was edited in the legacy collection since it was written" in said
 
 
 def _roll_back_a_live_turn(
@@ -10330,6 +10330,106 @@ def test_a_copy_unconfirmed_missing_one_of_its_legacy_turns_is_asked_about_never
         assert "recorded it would copy the live turn 't1'" in out
         assert "the legacy turn of it holding the messages at seq 4-5" in out
         assert "is gone from the legacy collection" not in out
+
+
+def _record_of(database: Database[dict[str, Any]], collection: str, turn_id: str) -> str:
+    """The `_id` of the record of a live turn's copy, as its legacy turns in `collection`
+    name it."""
+    copy = database[collection].find_one({"dual_write": True, "turn_id": turn_id})
+    assert copy is not None
+    return str(copy["dual_write_record"])
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("shape", TURNS_COPIED_AS_SEVERAL)
+def test_a_copy_record_removed_by_hand_is_written_again_listing_every_legacy_turn_of_its_turn(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    shape: str,
+) -> None:
+    """MIGRATION.md "What `finish` guarantees": no path writes the record of a copy without
+    the legacy turns it lists. The record of a turn copied as several legacy turns removed
+    by hand, `run` writes it again from the copies standing and the turn's stored messages,
+    listing each legacy turn as the dual write did (was: `{state: "copied"}` alone, so the
+    gate checked the first legacy turn only). After a second rollback a person deletes the
+    later exchange, «B», on the old service: the gate names those messages gone, never
+    advising to remove the copy's `dual_write` mark (was: that difference alone, whose advice,
+    unmark, `run`, `finish --accept`, ended with the drop at 0 serving «B»)."""
+    cid, turn_id = _a_turn_copied_as_two_legacy_turns(wire_uri, database, shape)
+    record_id = _record_of(database, CONVERSATIONS, turn_id)
+    recorded = database[lease.STATE].find_one({"_id": record_id})
+    assert recorded is not None
+    assert len(recorded["pieces"]) >= 2
+    database[lease.STATE].delete_one({"_id": record_id})
+    assert cli(wire_uri, database, "run") == 0
+    again = database[lease.STATE].find_one({"_id": record_id})
+    assert again is not None
+    assert (again.get("state"), again.get("pieces")) == ("copied", recorded["pieces"])
+
+    roll_back(database, clear_messages=False)
+    database[CONVERSATIONS].delete_one({"conversation_id": cid, "user_message": "«B»?"})
+    assert cli(wire_uri, database, "run") == 0
+    for out in _gate_says(wire_uri, database, capsys, exits=1):
+        assert f"copy of the messages at seq 4-5 of the live turn {turn_id!r}" in out
+        assert "remove its `dual_write` mark" not in out
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("operator", ["copies it again", "deletes the record first"])
+def test_a_copy_unconfirmed_missing_an_exchange_nobody_deleted_is_copied_again_never_lost(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    operator: str,
+) -> None:
+    """A turn of two exchanges whose copy's record stayed intended and whose second legacy
+    turn is missing (the runtime stopped between its writes), before any rollback: the gate
+    asks whether the person deleted that exchange and, if not, advises keeping the record
+    and `run --copy-again RECORD`, never deleting the record (was: "delete that record",
+    which `run` wrote again without its legacy turns, so the gate passed a copy lacking «B»,
+    which a rollback then loses). An operator deleting the record anyway gets it written
+    again still asking. `run --copy-again` writes the missing legacy turn from the stored
+    messages and confirms the record: the gate passes, and when after a rollback the person
+    deletes «B» on the old service, the gate names those messages alone gone; removed, «A»
+    stays served and «B» is not."""
+    _copy_confirmation_fails_once(monkeypatch)
+    with pytest.raises(StorageUnavailable):
+        _a_turn_copied_as_two_legacy_turns(wire_uri, database, "two exchanges")
+    database[LEGACY_TURNS].delete_one({"dual_write": True, "user_message": "«B»?"})
+    record_id = _record_of(database, LEGACY_TURNS, "t1")
+    for out in _gate_says(wire_uri, database, capsys, exits=1):
+        assert "the legacy turn of it holding the messages at seq 4-5" in out
+        assert f"run `run --copy-again {record_id}`" in out
+        assert "delete that record" not in out
+    if operator == "deletes the record first":
+        database[lease.STATE].delete_one({"_id": record_id})
+        assert cli(wire_uri, database, "run") == 0
+        again = database[lease.STATE].find_one({"_id": record_id}) or {}
+        assert again.get("state") == "intended"
+        assert len(again.get("pieces") or []) == 2
+        for out in _gate_says(wire_uri, database, capsys, exits=1):
+            assert "the legacy turn of it holding the messages at seq 4-5" in out
+
+    assert cli(wire_uri, database, "run", "--copy-again", record_id) == 0
+    copies = database[LEGACY_TURNS].find({"dual_write": True, "turn_id": "t1"})
+    assert sorted(c["user_message"] for c in copies) == ["«A»?", "«B»?"]
+    assert (database[lease.STATE].find_one({"_id": record_id}) or {}).get("state") == "copied"
+    _gate_says(wire_uri, database, capsys, exits=0)
+    assert cli(wire_uri, database, "run", "--copy-again", record_id) == 2  # confirmed now
+
+    roll_back(database, clear_messages=False)
+    database[CONVERSATIONS].delete_one({"conversation_id": "c-1", "user_message": "«B»?"})
+    assert cli(wire_uri, database, "run") == 0
+    for out in _gate_says(wire_uri, database, capsys, exits=1):
+        assert "copy of the messages at seq 4-5 of the live turn 't1'" in out
+        assert "remove its `dual_write` mark" not in out
+    database[MESSAGES].delete_many({"conversation_id": "c-1", "seq": {"$in": [4, 5]}})
+    _gate_says(wire_uri, database, capsys, exits=0)
+    served = _served_user_texts(wire_uri, database, "c-1")
+    assert "«A»?" in served
+    assert "«B»?" not in served
 
 
 def _copy_intent_fails_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -97,7 +97,13 @@ from agent_store.legacy._session_hitl import (
     pending_from_session_hitl,
     with_session_prompts,
 )
-from agent_store.legacy._source import LegacyTurns, turns_known_as
+from agent_store.legacy._source import (
+    MAX_LEGACY_DOCUMENT_BYTES,
+    LegacyTurns,
+    turn_copy,
+    turn_copy_pieces,
+    turns_known_as,
+)
 from agent_store.store import not_utf8_at
 
 __all__ = [
@@ -118,6 +124,7 @@ __all__ = [
     "INVALID_TURN",
     "INVALID_UPLOAD",
     "LEGACY_TURNS",
+    "MAX_LEGACY_DOCUMENT_BYTES",
     "MIGRATION_STATE",
     "MIGRATION_STATE_ID",
     "MIXED_USER_IDS",
@@ -182,6 +189,8 @@ __all__ = [
     "stored_conversation_id",
     "tell_apart",
     "texts_not_identifiers",
+    "turn_copy",
+    "turn_copy_pieces",
     "turn_names",
     "turn_parts",
     "turn_times",

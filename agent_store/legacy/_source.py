@@ -942,36 +942,21 @@ class LegacyTurns:
         """
         if not self.dual_write:
             return
-        starts = _copied_turn_starts(turn, conversation)
-
-        def documents_of(
-            messages: Sequence[AgentMessage], max_bytes: int | None = None
-        ) -> list[dict[str, Any]]:
-            return legacy_turn_documents(
-                turn.conversation_id,
-                turn.turn_id,
-                messages,
-                user_id=copied_user_id(conversation),
-                name=conversation.name,
-                legacy_id=legacy_id_of(conversation.id, conversation.legacy_conversation_id),
-                starts=starts,
-                max_bytes=max_bytes,
-            )
-
-        documents = documents_of(turn.messages, MAX_LEGACY_DOCUMENT_BYTES)
+        documents = turn_copy(conversation, turn.turn_id, turn.messages, MAX_LEGACY_DOCUMENT_BYTES)
         if any(m.truncated for m in turn.messages):
-            whole = documents_of(await self._full_texts.restore(turn.messages))
+            restored = await self._full_texts.restore(turn.messages)
+            whole = turn_copy(conversation, turn.turn_id, restored)
             if all(len(bson.encode(d)) <= MAX_LEGACY_DOCUMENT_BYTES for d in whole):
                 documents = whole  # else the texts stay cut: the turn is never lost over it
         record_id = copy_record_id(turn.conversation_id, turn.turn_id, conversation.epoch)
-        pieces = copy_pieces(turn.conversation_id, turn.turn_id, turn.messages, starts=starts)
+        pieces = turn_copy_pieces(conversation, turn.turn_id, turn.messages)
         try:
             with storage_errors("write the legacy turn (dual write)"):
                 await self._intend_copy(record_id, pieces)
                 for document in documents:
                     document[RECORD_FIELD] = record_id
                     await self._turns.replace_one({"_id": document["_id"]}, document, upsert=True)
-                await self._record_copy(record_id)
+                await self._record_copy(record_id, pieces)
                 await self._unless_deleted(conversation, documents)
         except InvalidInput as exc:
             # The turn is stored by now: a copy refused is no fault of the caller's input.
@@ -989,10 +974,12 @@ class LegacyTurns:
         update = {"$setOnInsert": intended, "$set": {COPY_PIECES: pieces}}
         await self._migration.update_one({"_id": record_id}, update, upsert=True)
 
-    async def _record_copy(self, record_id: str) -> None:
+    async def _record_copy(self, record_id: str, pieces: list[dict[str, Any]]) -> None:
         """Confirm the record of a copy once the copy is written (`COPY_WRITTEN`): a copy gone
-        is then one deleted since."""
-        update = {"$set": {COPY_STATE: COPY_WRITTEN}, "$setOnInsert": {"kind": COPY_RECORD}}
+        is then one deleted since. A record removed meanwhile is written again whole, listing
+        the legacy turns of the copy (`COPY_PIECES`), never without them."""
+        created = {"kind": COPY_RECORD, COPY_PIECES: pieces}
+        update = {"$set": {COPY_STATE: COPY_WRITTEN}, "$setOnInsert": created}
         await self._migration.update_one({"_id": record_id}, update, upsert=True)
 
     async def _unless_deleted(
@@ -1038,11 +1025,41 @@ class LegacyTurns:
         return int(deleted.deleted_count)
 
 
-def _copied_turn_starts(turn: LoggedTurn, conversation: Conversation) -> list[int]:
+def turn_copy(
+    conversation: Conversation,
+    turn_id: str,
+    messages: Sequence[AgentMessage],
+    max_bytes: int | None = None,
+) -> list[dict[str, Any]]:
+    """The legacy turn documents the dual write copies a logged turn of `conversation` as
+    (`legacy_turn_documents`): naming the conversation and its owner as its legacy turns do,
+    a fork's copies cut where the turns of its original began; with `max_bytes`, each fits."""
+    return legacy_turn_documents(
+        conversation.id,
+        turn_id,
+        messages,
+        user_id=copied_user_id(conversation),
+        name=conversation.name,
+        legacy_id=legacy_id_of(conversation.id, conversation.legacy_conversation_id),
+        starts=_copied_turn_starts(turn_id, conversation),
+        max_bytes=max_bytes,
+    )
+
+
+def turn_copy_pieces(
+    conversation: Conversation, turn_id: str, messages: Sequence[AgentMessage]
+) -> list[dict[str, Any]]:
+    """The legacy turns `turn_copy` writes, as the record of the copy lists them
+    (`copy_pieces`: each `_id` and the first and last `seq` it holds)."""
+    starts = _copied_turn_starts(turn_id, conversation)
+    return copy_pieces(conversation.id, turn_id, messages, starts=starts)
+
+
+def _copied_turn_starts(turn_id: str, conversation: Conversation) -> list[int]:
     """Where the turns of a fork's original began among the fork's copies (`seq`s), when the
     turn is those copies; none for any other turn."""
     origin = conversation.forked_from
-    if origin is None or turn.turn_id != fork_turn_id(origin.conversation_id, origin.seq):
+    if origin is None or turn_id != fork_turn_id(origin.conversation_id, origin.seq):
         return []
     return list(origin.turn_starts)
 
