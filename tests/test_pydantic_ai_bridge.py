@@ -86,6 +86,8 @@ from agent_store.integrations.streams import log_streamed_turn, turn_from_metada
 from agent_store.store import RuntimeContextMarkers
 from tests.api_harness import STALE_RESUMES, deleted_while_paused, mongomock_db
 from tests.conftest import Backend
+from tests.test_write_integrity import _GIVE_UP_AFTER, _a_dead_landing_past_the_end
+from tests.test_write_integrity import CID as INTEGRITY_CID
 
 CID = "conv-pai"
 
@@ -594,6 +596,37 @@ async def test_a_service_run_resumed_into_another_users_new_chat_still_being_wri
         )
 
     await stale.left_as_it_was(store, CID)
+
+
+async def test_a_run_resuming_the_call_of_a_turn_given_up_for_good_is_refused(
+    backend: Backend,
+) -> None:
+    """A turn "late" making c-T was given up for good, pops passed its block, and its stalled
+    insert landed past the end, its writer dead: the history rebuilt from the store ends with
+    c-T open (served until an insert meets it), so the runtime resumes it and logs the run.
+    No message of the conversation makes c-T (none of a turn given up so is its own): the run
+    is refused InvalidInput naming the call, nothing stored, and the next turn takes "late"
+    away (was: stored at 1-2, its insert taking "late" away whole, c-T's result an orphan
+    for good, left out of every replay)."""
+    await _a_dead_landing_past_the_end(backend)
+    store = ConversationStore(backend.db, rules=_GIVE_UP_AFTER)
+    (*_, last) = history_from_messages(await store.transcript(INTEGRITY_CID))
+    assert isinstance(last, ModelResponse)
+    assert [p.tool_call_id for p in last.parts if isinstance(p, ToolCallPart)] == ["c-T"]
+    results = DeferredToolResults(approvals={"c-T": True})
+    run = [
+        ModelRequest(parts=[ToolReturnPart("lookup", "found", tool_call_id="c-T")]),
+        ModelResponse(parts=[TextPart("found it")]),
+    ]
+    logger = AgentMessageLogger(backend.db)
+
+    with pytest.raises(InvalidInput, match="call 'c-T'"):
+        await log_run(logger, INTEGRITY_CID, run, turn_id="resume", deferred_tool_results=results)
+
+    next_turn = [{"role": "user", "content": "next?"}, {"role": "assistant", "content": "ok"}]
+    await logger.log_messages(INTEGRITY_CID, next_turn, turn_id="next")
+    served = [(m.seq, m.content) for m in await store.transcript(INTEGRITY_CID)]
+    assert served == [(0, "t0?"), (1, "next?"), (2, "ok")]
 
 
 async def _lost_insert(*args: object, **kwargs: object) -> None:

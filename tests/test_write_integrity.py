@@ -31,6 +31,7 @@ from agent_store import (
     TurnRecord,
     TurnRules,
 )
+from agent_store.core import DENIED_RESULT
 from agent_store.store import CONVERSATIONS, MAX_TURN_NAMED_CALLS, MESSAGES, PENDING_CALLS_KEPT
 from agent_store.store._logger import Corrected, OtherContent
 from tests.api_harness import auth_headers, reserved_insert_lost, serve
@@ -988,18 +989,11 @@ async def test_a_give_up_is_undone_only_while_its_block_lies_below_the_end_pops_
         assert [m.seq for m in next_turn.messages] == [1, 2]
 
 
-@pytest.mark.parametrize("next_turn", [2, 1], ids=["block-meets-the-landing", "block-short-of-it"])
-async def test_a_dead_landing_past_the_end_pops_left_gives_way_whole_to_the_next_turns(
-    backend: Backend, next_turn: int
-) -> None:
-    """DESIGN.md §3: the give-up of "late" at 2-3 passed by three pops (the end back at 1),
-    its stalled insert lands there and its writer dies before it looks. The next turn's
-    insert, meeting one of its messages (at 1-2), or that of the turn after it (one-message
-    turns at 1, then at 2), takes every message of "late" away with the one in its way, by its
-    turn id in this life: no message of the given-up turn is served after those turns (was:
-    the next turn replaced only the `seq` it met, and the call "c-T" of "late" was served
-    after the user's newest turn, a message past `message_count`, until a later block
-    happened to cover it). Messages of "late" an earlier life of the id left stay."""
+async def _a_dead_landing_past_the_end(backend: Backend) -> AgentMessageLogger:
+    """`_a_twin_gives_up_a_stalled_call_turn`, then three pops (the answer, t0's reply: the
+    end back at 1, past the block given up) and the stalled insert of "late" landing at 2-3,
+    its writer dying before it looks: the messages of a turn given up for good, served past
+    the end. Returns the twin's logger."""
     await AgentMessageLogger(backend.db).ensure_indexes()  # a `seq` holds one message
     twins, held, first, _ = await _a_twin_gives_up_a_stalled_call_turn(
         backend, _GIVE_UP_AFTER, dies=True
@@ -1012,6 +1006,23 @@ async def test_a_dead_landing_past_the_end_pops_left_gives_way_whole_to_the_next
     first.cancel()
     with pytest.raises(asyncio.CancelledError):
         await first
+    return twins
+
+
+@pytest.mark.parametrize("next_turn", [2, 1], ids=["block-meets-the-landing", "block-short-of-it"])
+async def test_a_dead_landing_past_the_end_pops_left_gives_way_whole_to_the_next_turns(
+    backend: Backend, next_turn: int
+) -> None:
+    """DESIGN.md §3: the give-up of "late" at 2-3 passed by three pops (the end back at 1),
+    its stalled insert lands there and its writer dies before it looks. The next turn's
+    insert, meeting one of its messages (at 1-2), or that of the turn after it (one-message
+    turns at 1, then at 2), takes every message of "late" away with the one in its way, by its
+    turn id in this life: no message of the given-up turn is served after those turns (was:
+    the next turn replaced only the `seq` it met, and the call "c-T" of "late" was served
+    after the user's newest turn, a message past `message_count`, until a later block
+    happened to cover it). Messages of "late" an earlier life of the id left stay."""
+    twins = await _a_dead_landing_past_the_end(backend)
+    store = ConversationStore(backend.db, rules=_GIVE_UP_AFTER)
     logger = AgentMessageLogger(backend.db)
     landed = await backend.db[MESSAGES].find({"turn_id": "late"}).to_list(None)
     earlier_life = [  # what a late insert of an earlier life under the id would have left
@@ -1088,6 +1099,60 @@ async def test_a_pop_after_a_dead_landing_past_the_end_pops_the_users_last_messa
     await backend.db[MESSAGES].delete_many({"turn_id": "late"})
     conversation = await check_conversation(backend.db, CID, gaps=True)
     assert (conversation["message_count"], conversation["turn_count"]) == (0, 0)
+
+
+@pytest.mark.parametrize("answer", ["result", "denial"])
+async def test_an_answer_to_the_call_of_a_turn_given_up_for_good_is_invalid(
+    backend: Backend, answer: str
+) -> None:
+    """DESIGN.md §3: none of a turn given up for good is ever its own to answer. "late" lands
+    past the end after its give-up was passed by pops, its writer dead (its call "c-T" served
+    there, unanswered); an answer to "c-T" naming that message in `answers_to` (a result or a
+    denial, `check_turn` too) is `InvalidInput` ("does not make call"), nothing written, as
+    for a call whose message was popped (was: accepted at 1-2, its own insert meeting "late"
+    at 2 and taking it away whole, the message making "c-T" with it: an orphan answer for
+    good). The next turn then takes "late" away: nothing of it served, nothing pending."""
+    await _a_dead_landing_past_the_end(backend)
+    store = ConversationStore(backend.db, rules=_GIVE_UP_AFTER)
+    (made,) = [m for m in await store.transcript(CID) if m.tool_calls]
+    assert await store.pending_calls(CID) == []
+    body: dict[str, Any] = {"role": "tool", "tool_call_id": "c-T", "content": "found"}
+    if answer == "denial":
+        body |= {"content": DENIED_RESULT, "error": {"message": "tool call denied"}}
+    messages = [body, {"role": "assistant", "content": "ok"}]
+    logger = AgentMessageLogger(backend.db)
+    before = await digest(backend.db)
+
+    for attempt in (logger.check_turn, logger.log_messages):
+        with pytest.raises(InvalidInput, match="does not make call 'c-T'"):
+            await attempt(CID, messages, turn_id="ans", answers_to={"c-T": str(made.id)})
+
+    assert await digest(backend.db) == before
+    await logger.log_messages(CID, turn("next"), turn_id="next")
+    served = [(m.seq, m.content) for m in await store.transcript(CID)]
+    assert served == [(0, "t0?"), (1, "next?"), (2, "next!")]
+    assert await store.pending_calls(CID) == []
+
+
+@pytest.mark.parametrize("at", [2, 3])
+async def test_a_fork_copies_nothing_of_a_turn_given_up_for_good(backend: Backend, at: int) -> None:
+    """DESIGN.md §3: none of a turn given up for good is ever the conversation's to copy. A
+    fork at a `seq` where "late" landed past the end (its give-up passed by pops, its writer
+    dead) finds no message of the conversation there: `InvalidInput`, nothing made (was:
+    the fork copied "late" for good, its call "c-T" pending there, while the original's next
+    insert takes "late" away and its runtime was told "late" was not stored). A fork at the
+    conversation's own last message copies that alone."""
+    await _a_dead_landing_past_the_end(backend)
+    logger = AgentMessageLogger(backend.db, rules=_GIVE_UP_AFTER)
+    store = ConversationStore(backend.db, rules=_GIVE_UP_AFTER)
+
+    with pytest.raises(InvalidInput, match=f"has no message with seq {at}"):
+        await logger.fork(CID, at, "fk")
+
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "fk"}) is None
+    await logger.fork(CID, 0, "fk")
+    assert [(m.seq, m.content) for m in await store.transcript("fk")] == [(0, "t0?")]
+    assert await store.pending_calls("fk") == []
 
 
 CALL_L = {"id": "c-L", "function": {"name": "lookup", "arguments": "{}"}}

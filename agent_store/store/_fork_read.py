@@ -107,73 +107,92 @@ async def read_fork(
     turn_end: Callable[[int], int],
     largest: int,
     turn_starts: Sequence[int] = (),
+    left_out: Callable[[Mapping[str, Any]], bool] = lambda message: False,
 ) -> ForkRead:
     """What a fork at `at_seq` of the messages `own` selects reads: every message up to where
     it ends (`fork_end`) whole, in batches, unless they go past a limit first (the read
     stops there), the outlines of the later ones its end depends on, and, when it read all,
     the `seq`s stored up to `turn_end` of its end. `largest`: the largest message a turn
     may store, which sizes the first read. `turn_starts`: the source's, when it is a fork
-    (`ForkRead.turn_starts`).
+    (`ForkRead.turn_starts`). `left_out`: the messages under the id that are not the
+    conversation's own (a turn's given up for good, `_reservation.stored_by_turns_given_up`),
+    read as no message at their `seq`.
 
     Read whole up to `at_seq` with no message there, it reads nothing more: a message landing
     at `at_seq` since is a turn the fork raced, never one a later read puts in what it read
     whole (the fork waits for that turn, or holds no message at `at_seq`). A read past those
     read whole so follows only a limit the read stopped at (`ForkRead.over`)."""
     read = ForkRead(turn_starts=turn_starts, largest=max(1, largest))
-    await _read_whole(read, collection, own, -1, at_seq)
+    mine = _Own(collection, own, left_out)
+    await _read_whole(read, mine, -1, at_seq)
     if read.over is None and at_seq not in read.stored:
         return read
-    later = await _outlines(read, collection, own, at_seq)
+    later = await _outlines(read, mine, at_seq)
     if read.over is not None:
         read.messages += later
         return read
     end = fork_end([*read.messages, *later], at_seq, turn_starts)
-    await _read_whole(read, collection, own, at_seq, end)
+    await _read_whole(read, mine, at_seq, end)
     if read.over is not None:
-        read.messages += await _outlines(read, collection, own, at_seq)
+        read.messages += await _outlines(read, mine, at_seq)
     else:
-        read.stored |= await _seqs(collection, own, end, turn_end(end))
+        read.stored |= await _seqs(mine, end, turn_end(end))
     return read
 
 
-async def _read_whole(
-    read: ForkRead, collection: Any, own: Mapping[str, Any], after: int, upto: int
-) -> None:
+@dataclass(frozen=True)
+class _Own:
+    """The messages a fork reads: those `own` selects in `collection`, less those
+    `left_out` tells are not the conversation's own."""
+
+    collection: Any
+    own: Mapping[str, Any]
+    left_out: Callable[[Mapping[str, Any]], bool]
+
+    async def find(
+        self, query: Mapping[str, Any], fields: Mapping[str, Any] | None, *, limit: int = 0
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The messages of `query` (within `own`) in `seq` order, `limit` at most (0: all):
+        those kept, and all read."""
+        found = self.collection.find({**self.own, **query}, fields).sort("seq", 1)
+        found = found.limit(limit) if limit else found.batch_size(MAX_TURN_TOOL_CALLS)
+        read: list[dict[str, Any]] = await found.to_list(None)
+        return [d for d in read if not self.left_out(d)], read
+
+
+async def _read_whole(read: ForkRead, mine: _Own, after: int, upto: int) -> None:
     """Read whole the messages past `after` up to `upto`, a batch at a time, until one goes
     past a limit."""
     while read.over is None and after < upto:
         size = max(1, min(MAX_MESSAGES_PER_TURN, FORK_BATCH_BYTES // read.largest))
-        query = {**own, "seq": {"$gt": after, "$lte": upto}}
-        batch = await collection.find(query).sort("seq", 1).limit(size).to_list(None)
+        query = {"seq": {"$gt": after, "$lte": upto}}
+        batch, every = await mine.find(query, None, limit=size)
         for document in batch:
             read.take(document)
             if read.over is not None:
                 return
-        if len(batch) < size:
+        if len(every) < size:
             return
-        after = read.through
+        after = int(every[-1]["seq"])
 
 
-async def _outlines(
-    read: ForkRead, collection: Any, own: Mapping[str, Any], at_seq: int
-) -> list[AgentMessage]:
+async def _outlines(read: ForkRead, mine: _Own, at_seq: int) -> list[AgentMessage]:
     """The outlines of the messages past those read whole a fork's end depends on: the one at
     `at_seq`, and results of the calls read whole."""
     if at_seq <= read.through and not read.made:
         return []
     query = {
-        **own,
         "seq": {"$gt": read.through},
         "$or": [{"seq": at_seq}, {"role": "tool", "tool_call_id": {"$in": sorted(read.made)}}],
     }
-    found = collection.find(query, OUTLINE).sort("seq", 1).batch_size(MAX_TURN_TOOL_CALLS)
-    return [_ROLES[d["role"]].model_construct(**d) for d in await found.to_list(None)]
+    found, _ = await mine.find(query, OUTLINE)
+    return [_ROLES[d["role"]].model_construct(**d) for d in found]
 
 
-async def _seqs(collection: Any, own: Mapping[str, Any], after: int, upto: int) -> set[int]:
+async def _seqs(mine: _Own, after: int, upto: int) -> set[int]:
     """The `seq`s stored past `after` up to `upto`."""
     if upto <= after:
         return set()
-    query = {**own, "seq": {"$gt": after, "$lte": upto}}
-    found = collection.find(query, {"_id": 0, "seq": 1}).batch_size(MAX_TURN_TOOL_CALLS)
-    return {int(document["seq"]) for document in await found.to_list(None)}
+    query = {"seq": {"$gt": after, "$lte": upto}}
+    found, _ = await mine.find(query, {"_id": 0, "seq": 1, "turn_id": 1})
+    return {int(document["seq"]) for document in found}

@@ -179,6 +179,7 @@ from agent_store.store._reservation import (
     given_back,
     given_back_abandoned,
     given_up,
+    given_up_for_good,
     held_calls_kept,
     is_standing,
     life_named,
@@ -188,6 +189,7 @@ from agent_store.store._reservation import (
     moved_key,
     new_life,
     of_epoch,
+    of_turns_kept,
     recorded_block,
     released_calls,
     relisted_among,
@@ -197,6 +199,7 @@ from agent_store.store._reservation import (
     same_as_read,
     same_conversation,
     seen_by_caller,
+    stored_by_turns_given_up,
     unfinished_fork,
     unmarked,
     updated_at_left,
@@ -997,13 +1000,15 @@ class AgentMessageLogger:
         query = {"conversation_id": conversation["_id"], "tool_calls.id": {"$in": unplaced}}
         with storage_errors("read the messages making the calls"):
             found = (
-                await self._messages.find(query, {"tool_calls.id": 1, "seq": 1, "epoch": 1})
+                await self._messages.find(
+                    query, {"tool_calls.id": 1, "seq": 1, "epoch": 1, "turn_id": 1}
+                )
                 .sort("seq", 1)
                 .to_list(None)
             )
         makers = {
             call["id"]: str(d["_id"])
-            for d in of_epoch(found, conversation.get("epoch"))
+            for d in of_turns_kept(found, conversation)
             for call in d.get("tool_calls") or ()
             if isinstance(call, Mapping) and call.get("id") in unplaced
         }
@@ -1228,12 +1233,12 @@ class AgentMessageLogger:
         call none of that tool makes, the tool of the latest call of its id (another's). One
         read."""
         query = {"conversation_id": conversation["_id"], "tool_calls.id": {"$in": call_ids}}
-        read = {"tool_calls.id": 1, "tool_calls.function.name": 1, "epoch": 1}
+        read = {"tool_calls.id": 1, "tool_calls.function.name": 1, "epoch": 1, "turn_id": 1}
         with storage_errors("read the messages making the calls answered"):
             making = await self._messages.find(query, read).sort("seq", -1).to_list(None)
         makers: dict[str, str] = {}
         others: dict[str, str] = {}
-        for doc in of_epoch(making, conversation.get("epoch")):  # the latest first
+        for doc in of_turns_kept(making, conversation):  # the latest first
             for call in doc.get("tool_calls") or ():
                 call_id = call.get("id") if isinstance(call, Mapping) else None
                 if not isinstance(call_id, str) or call_id not in call_ids or call_id in makers:
@@ -1284,16 +1289,21 @@ class AgentMessageLogger:
         """The stored messages that tell whether the calls `named` (call id to the message
         making it) have an answer (`answers_lookup`, from the first `seq` readers have not
         passed), as they stand once the blocks still being written land (`_Landed`), and
-        whether a block past a `seq` may still be written (`_written_after`). One read."""
+        whether a block past a `seq` may still be written (`_written_after`). One read. A
+        call a turn given up for good made is never awaited: that turn is never logged again,
+        and an answer naming its message names one that makes no call of the conversation's."""
         gaps, now = Gaps.of(conversation), utc_now()
         from_seq = gaps.unpassed_from(now=now, abandon_after=self.rules.abandon_after)
         query = answers_lookup(str(conversation["_id"]), named, from_seq)
         with storage_errors(action):
             read = await self._messages.find(query, ANSWERS_READ).sort("seq", 1).to_list(None)
-        found = of_epoch(read, conversation.get("epoch"))
+        found = of_turns_kept(read, conversation)
         count = int(conversation.get("message_count") or 0)
         landed = _Landed.of(found, named, gaps, count, from_seq, now, self.rules)
-        landed = landed.awaiting(calls_awaited(conversation, now))
+        given_up = stored_by_turns_given_up(conversation)
+        dead = {str(d["_id"]) for d in read if given_up(d)}
+        awaited = {call for call in calls_awaited(conversation, now) if call[1] not in dead}
+        landed = landed.awaiting(awaited)
         stored = {int(d["seq"]) for d in found}
 
         def written(made_at: int) -> bool:
@@ -2074,9 +2084,11 @@ class AgentMessageLogger:
     ) -> tuple[dict[str, Any], ForkRead]:
         """The conversation a fork copies (owner, next `seq`, what it awaits) and what a fork
         at `at_seq` reads of its messages as stored (`read_fork`: those it copies, and never
-        much more than it may). NotFound before any message is read when the conversation is
-        missing or hidden from `actor`, so both cost the same; VersionMismatch when it is not
-        the one `version` names (started again under the id since)."""
+        much more than it may; none of a turn given up for good, `stored_by_turns_given_up`,
+        never the conversation's own to copy). NotFound before any message is read when the
+        conversation is missing or hidden from `actor`, so both cost the same;
+        VersionMismatch when it is not the one `version` names (started again under the id
+        since)."""
         with storage_errors("read the conversation"):
             source = await self._conversations.find_one(
                 conversation_by_id(conversation_id),
@@ -2124,6 +2136,7 @@ class AgentMessageLogger:
                 partial(Gaps.of(source).turn_end, message_count=count),
                 self.rules.max_message_bytes,
                 fork_turns_of(source),
+                stored_by_turns_given_up(source),
             )
         return source, read
 
@@ -4076,8 +4089,7 @@ class AgentMessageLogger:
             turn_id
             for turn_id in others
             if found is not None
-            and blocks_of(found, turn_key(turn_id))
-            and not blocks_held(found, turn_key(turn_id))
+            and given_up_for_good(found, turn_id)
             and any(d.get("turn_id") == turn_id and d.get("epoch") == epoch for d in strays)
         )
         if not given_up:
@@ -5493,7 +5505,8 @@ def _misnamed(
     said = "; ".join(f"message {shown(m)} does not make call {shown(c)}" for c, m in wrong.items())
     return InvalidInput(
         f"invalid answers_to of turn {plan.turn_id!r}: in conversation "
-        f"{plan.conversation_id!r}, {said} (read from another conversation, a fork?). "
+        f"{plan.conversation_id!r}, {said} (read from another conversation, a fork? or "
+        "stored by a turn given up for good, never the conversation's). "
         "Name the message that made each call as this conversation's pending_calls "
         "serves it"
     )
@@ -5776,8 +5789,11 @@ def _answers_landing(plan: TurnPlan, named: Mapping[str, str]) -> Landing:
     def refused(
         conversation: Mapping[str, Any], read: Sequence[Mapping[str, Any]]
     ) -> StoreError | None:
-        # this life's messages, when the conversation was read with its epoch
-        found = of_epoch(read, conversation["epoch"]) if "epoch" in conversation else list(read)
+        # this life's messages, when the conversation was read with its epoch, as it holds
+        # them: none of a turn given up for good
+        life = of_epoch(read, conversation["epoch"]) if "epoch" in conversation else list(read)
+        given_up = stored_by_turns_given_up(conversation)
+        found = [d for d in life if not given_up(d)]
         landed = _Landed(found, {str(d["_id"]): int(d["seq"]) for d in found})
         return _answers_judged(plan, named, named, found, landed, lambda made_at: False)
 

@@ -43,6 +43,7 @@ from agent_store.store._turns import (
     TurnRules,
     block_ids,
     inbox_field,
+    turn_key,
     validate_identifier,
 )
 from agent_store.store._values import storable
@@ -607,6 +608,47 @@ def blocks_held(document: Mapping[str, Any], key: int) -> set[int]:
         and "f" in raw
         and not (raw.get("g") is True and raw.get("p") is True)
     }
+
+
+def given_up_for_good(document: Mapping[str, Any], turn_id: object) -> bool:
+    """Whether the conversation's records (`document`) hold the turn `turn_id` only in blocks
+    given up for good that pops passed since (recorded, none `blocks_held`): every retry of
+    it is refused `Corrected`, so a message it stored in this life (its insert landed at or
+    past the end the pops left, its writer dead before it looked) is never the
+    conversation's own, to answer or to copy (`of_turns_kept`), and the insert meeting one
+    takes them all away (`AgentMessageLogger._with_turns_given_up`)."""
+    if not isinstance(turn_id, str):
+        return False
+    key = turn_key(turn_id)
+    return bool(blocks_of(document, key)) and not blocks_held(document, key)
+
+
+def stored_by_turns_given_up(document: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], bool]:
+    """Whether a message read under the conversation `document` (its records read: `turns`)
+    was stored by a turn given up for good (`given_up_for_good`), each turn id looked up
+    once; never, at no cost, while no record is both given up and popped."""
+    if not any(
+        isinstance(raw, Mapping) and raw.get("g") is True and raw.get("p") is True
+        for raw in document.get("turns") or ()
+    ):
+        return lambda message: False
+    judged: dict[object, bool] = {}
+
+    def stored_by_one(message: Mapping[str, Any]) -> bool:
+        turn_id = message.get("turn_id")
+        if turn_id not in judged:
+            judged[turn_id] = given_up_for_good(document, turn_id)
+        return judged[turn_id]
+
+    return stored_by_one
+
+
+def of_turns_kept(docs: Sequence[Mapping[str, Any]], document: Mapping[str, Any]) -> list[Any]:
+    """Of the messages `docs` read under the conversation `document` (its `epoch` and records
+    read), those it holds as its own: of its life (`of_epoch`), none of a turn given up for
+    good (`stored_by_turns_given_up`)."""
+    given_up = stored_by_turns_given_up(document)
+    return [d for d in of_epoch(docs, document.get("epoch")) if not given_up(d)]
 
 
 def reservation_filter(
