@@ -8496,6 +8496,68 @@ async def test_an_answer_to_a_call_another_answer_in_flight_took_off_waits_for_i
     assert [m.content for m in stored if m.tool_call_id == "c0"] == ["second"]
 
 
+async def _answer_c0(backend: Backend, turn_id: str, made_by: str) -> str:
+    """What logging an answer to c0 (named as `pending_calls` served it) comes to."""
+    logger = AgentMessageLogger(backend.db, rules=_SHORT)
+    answer = [_answer("c0", turn_id)]
+    try:
+        await logger.log_messages(CID, answer, turn_id=turn_id, answers_to={"c0": made_by})
+    except StoreError as refused:
+        return type(refused).__name__
+    return "stored"
+
+
+async def test_a_call_taken_off_by_an_answer_that_died_is_waited_for_a_day_at_most(
+    backend: Backend, clocks: StoreClocks
+) -> None:
+    """RELIABILITY.md ("A writer that died before its insert"): c0's turn and the answer that
+    took c0 off the list both lost their inserts, their writers dead, and every later turn
+    is an answer to c0, refused before it reserves, so no turn passes c0's block to watch
+    it. An answer naming c0 is told to come again while c0's turn may land, and is refused
+    as naming a message that makes no call a day after the block was reserved (was: 503
+    for good, a month later too)."""
+    store = ConversationStore(backend.db, rules=_SHORT)
+    t0 = AgentMessageLogger(backend.db, rules=_SHORT)
+    made = [_user("Look it up."), _calls("c0")]
+    await reserved_insert_lost(t0, partial(t0.log_messages, CID, made, turn_id="t0"))
+    (read,) = await store.pending_calls(CID)
+    ta = AgentMessageLogger(backend.db, rules=_SHORT)
+    first = partial(
+        ta.log_messages, CID, [_answer("c0", "first")], turn_id="tA",
+        answers_to={"c0": read.message_id},
+    )  # fmt: skip
+    await reserved_insert_lost(ta, first)
+    clocks.wait(_SHORT.abandon_after.total_seconds() + 0.2)
+    assert await _answer_c0(backend, "tB", read.message_id) == "StorageUnavailable"
+
+    clocks.wait(BLOCKS_WATCHED_FOR.total_seconds() + 10)
+
+    assert await _answer_c0(backend, "tC", read.message_id) == "InvalidInput"
+
+
+@pytest.mark.parametrize(("pops", "then"), [(1, "stored"), (3, "InvalidInput")])
+async def test_an_answer_to_a_call_whose_turn_was_popped_is_never_waited_for(
+    backend: Backend, clocks: StoreClocks, pops: int, then: str
+) -> None:
+    """RELIABILITY.md (pops): t0's call c0 answered by tA, which recorded c0 on t0's block
+    (`t`). With tA's answer popped, an answer to c0 is stored; with c0's turn popped too, an
+    answer naming its message is `InvalidInput` ("does not make call"), now and a month
+    later: a popped turn is never logged there again, nothing to wait for (was: 503 "may
+    still be logged", for good)."""
+    store, logger = ConversationStore(backend.db), AgentMessageLogger(backend.db, rules=_SHORT)
+    await logger.log_messages(CID, [_user("Look it up."), _calls("c0")], turn_id="t0")
+    (read,) = await store.pending_calls(CID)
+    answer = [_answer("c0", "first")]
+    await logger.log_messages(CID, answer, turn_id="tA", answers_to={"c0": read.message_id})
+    for _ in range(pops):
+        await store.pop_last_message(CID)
+
+    assert await _answer_c0(backend, "tB", read.message_id) == then
+    if then != "stored":
+        clocks.wait(BLOCKS_WATCHED_FOR.total_seconds() * 30)
+        assert await _answer_c0(backend, "tC", read.message_id) == then
+
+
 async def test_a_call_being_answered_is_never_listed_again(
     backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks
 ) -> None:

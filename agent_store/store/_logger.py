@@ -1289,9 +1289,7 @@ class AgentMessageLogger:
         """The stored messages that tell whether the calls `named` (call id to the message
         making it) have an answer (`answers_lookup`, from the first `seq` readers have not
         passed), as they stand once the blocks still being written land (`_Landed`), and
-        whether a block past a `seq` may still be written (`_written_after`). One read. A
-        call a turn given up for good made is never awaited: that turn is never logged again,
-        and an answer naming its message names one that makes no call of the conversation's."""
+        whether a block past a `seq` may still be written (`_written_after`). One read."""
         gaps, now = Gaps.of(conversation), utc_now()
         from_seq = gaps.unpassed_from(now=now, abandon_after=self.rules.abandon_after)
         query = answers_lookup(str(conversation["_id"]), named, from_seq)
@@ -1300,10 +1298,7 @@ class AgentMessageLogger:
         found = of_turns_kept(read, conversation)
         count = int(conversation.get("message_count") or 0)
         landed = _Landed.of(found, named, gaps, count, from_seq, now, self.rules)
-        given_up = stored_by_turns_given_up(conversation)
-        dead = {str(d["_id"]) for d in read if given_up(d)}
-        awaited = {call for call in calls_awaited(conversation, now) if call[1] not in dead}
-        landed = landed.awaiting(awaited)
+        landed = landed.awaiting(calls_awaited(conversation, now))
         stored = {int(d["seq"]) for d in found}
 
         def written(made_at: int) -> bool:

@@ -1778,26 +1778,56 @@ def calls_awaited(conversation: Mapping[str, Any], now: datetime) -> frozenset[t
     in the network), so an answer naming one waits for it (`StorageUnavailable`) until the
     watch ends, never refused as naming a message that makes no call. So are the calls an
     answering turn's reservation took off the list that a block not watched records
-    (`PendingBlock.taken`, `t`): that answer may be all that lists them no more, and no
-    turn has passed the block yet, or one passed it since and looks it up; the caller
-    counts only a call whose message is not stored."""
+    (`PendingBlock.taken`, `t`), while their turn may still land (`_taken_awaited`): that
+    answer may be all that lists them no more, and no turn has passed the block yet, or
+    one passed it since and looks it up; the caller counts only a call whose message is
+    not stored."""
     watched = set(watched_blocks(conversation, now))
+    popped = _blocks_popped(conversation)
     return frozenset(
         (str(call["c"]), str(call["m"]))
         for block in conversation.get(PENDING_BLOCKS) or ()
         if isinstance(block, Mapping)
-        for call in _awaited_in(block, block.get("f") in watched)
+        for call in _awaited_in(
+            block, block.get("f") in watched, _taken_awaited(block, now, popped)
+        )
         if isinstance(call, Mapping) and "c" in call and "m" in call
     )
 
 
-def _awaited_in(block: Mapping[str, Any], watched: bool) -> list[Any]:
+def _awaited_in(block: Mapping[str, Any], watched: bool, taken: list[Any]) -> list[Any]:
     """The calls a block listing pending state records as awaited (`calls_awaited`): those
-    the fold watching it took off (`c`) while `watched`; those an answer took off (`t`)
+    the fold watching it took off (`c`) while `watched`; those an answer took off (`taken`)
     unless it was watched once, its watch now over."""
     if watched:
-        return [*(block.get("c") or ()), *(block.get("t") or ())]
-    return [] if block.get("w") is not None else list(block.get("t") or ())
+        return [*(block.get("c") or ()), *taken]
+    return [] if block.get("w") is not None else taken
+
+
+def _blocks_popped(conversation: Mapping[str, Any]) -> set[tuple[int, datetime]]:
+    """The blocks (first `seq`, time reserved) whose turn records a pop passed (`popped`)."""
+    return {
+        (int(raw["f"]), to_utc(raw["a"]))
+        for raw in conversation.get("turns") or ()
+        if isinstance(raw, Mapping) and raw.get("p") is True and isinstance(raw.get("a"), datetime)
+    }
+
+
+def _taken_awaited(
+    block: Mapping[str, Any], now: datetime, popped: set[tuple[int, datetime]]
+) -> list[Any]:
+    """The calls an answer took off the list that `block` records (`t`) while their turn may
+    still land: within `BLOCKS_WATCHED_FOR` of the block's reservation (no turn passing it,
+    as when every later turn is an answer refused before it reserves, the wait still ends)
+    and until a pop passed it (its turn's record, reserved with it, `popped`: the turn was
+    popped, or its block given back, and is never logged there again). None after: an
+    answer naming one is refused as naming a message that makes no call."""
+    at = block.get("a")
+    if not isinstance(at, datetime) or to_utc(at) <= now - BLOCKS_WATCHED_FOR:
+        return []
+    if (block.get("f"), to_utc(at)) in popped:
+        return []
+    return list(block.get("t") or ())
 
 
 _NAME_MESSAGE_KEPT = absent_stays("name_message_id", "$name_message_id")
