@@ -1155,6 +1155,72 @@ async def test_a_fork_copies_nothing_of_a_turn_given_up_for_good(backend: Backen
     assert await store.pending_calls("fk") == []
 
 
+CALL_A = {"id": "c-A", "function": {"name": "lookup", "arguments": "{}"}}
+
+
+def _answer_to_a(text: str) -> list[dict[str, Any]]:
+    return [
+        {"role": "tool", "tool_call_id": "c-A", "content": text},
+        {"role": "assistant", "content": f"{text}!"},
+    ]
+
+
+async def _moved_undone_then_out_of_the_window(backend: Backend, rules: TurnRules) -> str:
+    """t0 makes c-A; "late" answers it at 2-3, its insert held; t2 at 4; a retry moves
+    "late" to 5-6 and dies; the held insert lands and the next retry undoes the move (the
+    block it took kept as a given-up record under the moved key); t3 and t4 push "late"'s
+    own record out of the window (`turns_recorded` 3), and three pops pass the taken block.
+    The message making c-A."""
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    made = [{"role": "user", "content": "m0"}, {"role": "assistant", "tool_calls": [CALL_A]}]
+    maker = (await logger.log_messages(CID, made, turn_id="t0")).messages[1].id
+
+    def late(writer: AgentMessageLogger) -> Any:
+        answer = _answer_to_a("found")
+        return writer.log_messages(CID, answer, turn_id="late", answers_to={"c-A": maker})
+
+    held = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    first = asyncio.create_task(late(held.logger))
+    await held.reserved.wait()
+    await logger.log_messages(CID, [{"role": "user", "content": "t2"}], turn_id="t2")
+    mover = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    moved = asyncio.create_task(late(mover.logger))
+    await mover.reserved.wait()
+    moved.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await moved
+    held.release.set()
+    await first
+    await late(logger)
+    for turn_id in ("t3", "t4"):
+        await logger.log_messages(CID, [{"role": "user", "content": turn_id}], turn_id=turn_id)
+    store = ConversationStore(backend.db, rules=rules)
+    for _ in range(3):
+        await store.pop_last_message(CID)
+    return maker
+
+
+async def test_a_turn_whose_own_record_the_window_dropped_is_never_judged_given_up(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3 (a call's first answer is its answer): "late", standing at 2-3 with its
+    answer to c-A, whose own record the window dropped while the given-up record of the
+    block its undone move took stays, popped past, is still the conversation's: a second
+    answer to c-A is `AnsweredBefore` (was: judged given up for good by that moved record
+    alone, its answer unseen, the second answer stored: two results for one call)."""
+    rules = TurnRules(abandon_after=timedelta(0), turns_recorded=3)
+    maker = await _moved_undone_then_out_of_the_window(backend, rules)
+    logger = AgentMessageLogger(backend.db, rules=rules)
+
+    with pytest.raises(Conflict):
+        await logger.log_messages(
+            CID, _answer_to_a("again"), turn_id="dup", answers_to={"c-A": maker}
+        )
+
+    stored = await backend.db[MESSAGES].find({"tool_call_id": "c-A"}).to_list(None)
+    assert [m["content"] for m in stored] == ["found"]
+
+
 CALL_L = {"id": "c-L", "function": {"name": "lookup", "arguments": "{}"}}
 
 

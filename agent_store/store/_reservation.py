@@ -620,7 +620,21 @@ def given_up_for_good(document: Mapping[str, Any], turn_id: object) -> bool:
     if not isinstance(turn_id, str):
         return False
     key = turn_key(turn_id)
-    return bool(blocks_of(document, key)) and not blocks_held(document, key)
+    return _given_up_itself(document, key) and not blocks_held(document, key)
+
+
+def _given_up_itself(document: Mapping[str, Any], key: int) -> bool:
+    """Whether the records hold the turn's own record (under its key, where a give-up marks
+    it) given up and popped past: a block it left by moving (`moved_key`) given up alone
+    tells nothing, as the record window (`turns_recorded`) may have dropped the turn's own
+    record, its messages standing where the move was undone."""
+    return any(
+        isinstance(raw, Mapping)
+        and raw.get("k") == key
+        and raw.get("g") is True
+        and raw.get("p") is True
+        for raw in document.get("turns") or ()
+    )
 
 
 def stored_by_turns_given_up(document: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], bool]:
