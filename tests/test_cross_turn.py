@@ -9786,6 +9786,32 @@ _ASKS_R2 = [_user("Sure?"), _asks_about("r2", "c1")]
 """tA: r2 asks about c1, t0's, again."""
 
 
+async def _asked_again_stalled(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, cid: str, *, stalled: bool = True
+) -> tuple[str, Callable[[], Awaitable[None]]]:
+    """t0 asks r1 about its call c1; tA asks r2 about c1 (`_ASKS_R2`), its insert stalled past
+    `abandon_after` (logged, `stalled` false); tP passes its block. The message making c1,
+    and what lands tA's stalled insert (nothing more when it was logged)."""
+    asked = [_user("Pay."), _calls("c1"), _asks_about("r1", "c1")]
+    made = await AgentMessageLogger(backend.db).log_messages(cid, asked, turn_id="t0")
+    writer = AgentMessageLogger(backend.db)
+
+    async def landed() -> None:
+        if stalled:
+            stall.release()
+            await late
+            monkeypatch.undo()
+
+    if stalled:
+        stall, clock = _StalledInsert(writer, monkeypatch), _ReservedADayAgo(monkeypatch)
+        late = await stall.start(writer.log_messages(cid, _ASKS_R2, turn_id="tA"))
+        clock.caught_up()
+    else:
+        await writer.log_messages(cid, _ASKS_R2, turn_id="tA")
+    await AgentMessageLogger(backend.db).log_messages(cid, [_user("Hm?")], turn_id="tP")
+    return str(made.messages[1].id), landed
+
+
 async def test_a_stalled_writer_landing_holds_no_plain_approval_given_after_its_block(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -9881,25 +9907,12 @@ async def test_an_approval_given_to_a_later_prompt_of_its_request_id_is_never_ma
     denial refused, only because a writer had stalled)."""
 
     async def popped_after(cid: str, stalled: bool) -> Any:
-        logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
-        asked = [_user("Pay."), _calls("c1"), _asks_about("r1", "c1")]
-        await logger.log_messages(cid, asked, turn_id="t0")
-        turn = [_user("Sure?"), _asks_about("r2", "c1")]
-        if stalled:
-            writer = AgentMessageLogger(backend.db)
-            stall, clock = _StalledInsert(writer, monkeypatch), _ReservedADayAgo(monkeypatch)
-            late = await stall.start(writer.log_messages(cid, turn, turn_id="tA"))
-            clock.caught_up()
-        else:
-            await logger.log_messages(cid, turn, turn_id="tA")
-        await AgentMessageLogger(backend.db).log_messages(cid, [_user("Hm?")], turn_id="tP")
+        store = ConversationStore(backend.db)
+        _, landed = await _asked_again_stalled(backend, monkeypatch, cid, stalled=stalled)
         again = [_user("Again?"), _asks_about("r1", "c1")]
         await AgentMessageLogger(backend.db).log_messages(cid, again, turn_id="tB")
         await store.resolve_hitl(cid, "r1", call_ids=["c1"])
-        if stalled:
-            stall.release()
-            await late
-            monkeypatch.undo()
+        await landed()
         popped = await store.pop_last_message(cid)
         assert popped is not None
         assert popped.turn_id == "tB"
@@ -9923,14 +9936,8 @@ async def test_an_approval_given_while_a_later_prompt_of_its_request_id_was_in_f
     withdrew it, c1 held by r2)."""
 
     async def popped_after(cid: str, in_flight: bool) -> Any:
-        logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
-        asked = [_user("Pay."), _calls("c1"), _asks_about("r1", "c1")]
-        await logger.log_messages(cid, asked, turn_id="t0")
-        writer = AgentMessageLogger(backend.db)
-        stall, clock = _StalledInsert(writer, monkeypatch), _ReservedADayAgo(monkeypatch)
-        late = await stall.start(writer.log_messages(cid, _ASKS_R2, turn_id="tA"))
-        clock.caught_up()
-        await AgentMessageLogger(backend.db).log_messages(cid, [_user("Hm?")], turn_id="tP")
+        store = ConversationStore(backend.db)
+        _, landed = await _asked_again_stalled(backend, monkeypatch, cid)
         again, asker = [_user("Again?"), _asks_about("r1", "c1")], AgentMessageLogger(backend.db)
         if in_flight:
             asking = _StalledInsert(asker, monkeypatch)
@@ -9941,9 +9948,7 @@ async def test_an_approval_given_while_a_later_prompt_of_its_request_id_was_in_f
         else:
             await store.resolve_hitl(cid, "r1", call_ids=["c1"])
             await asker.log_messages(cid, again, turn_id="tB")
-        stall.release()
-        await late
-        monkeypatch.undo()
+        await landed()
         popped = await store.pop_last_message(cid)
         assert popped is not None
         assert popped.turn_id == "tB"
@@ -9963,27 +9968,15 @@ async def test_popping_a_later_prompt_of_its_request_id_before_the_stalled_landi
     leave: c1 held by r2, her approval gone."""
 
     async def popped_before(cid: str, stalled: bool) -> Any:
-        logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
-        asked = [_user("Pay."), _calls("c1"), _asks_about("r1", "c1")]
-        await logger.log_messages(cid, asked, turn_id="t0")
-        writer = AgentMessageLogger(backend.db)
-        if stalled:
-            stall, clock = _StalledInsert(writer, monkeypatch), _ReservedADayAgo(monkeypatch)
-            late = await stall.start(writer.log_messages(cid, _ASKS_R2, turn_id="tA"))
-            clock.caught_up()
-        else:
-            await writer.log_messages(cid, _ASKS_R2, turn_id="tA")
-        await AgentMessageLogger(backend.db).log_messages(cid, [_user("Hm?")], turn_id="tP")
+        store = ConversationStore(backend.db)
+        _, landed = await _asked_again_stalled(backend, monkeypatch, cid, stalled=stalled)
         again = [_user("Again?"), _asks_about("r1", "c1")]
         await AgentMessageLogger(backend.db).log_messages(cid, again, turn_id="tB")
         await store.resolve_hitl(cid, "r1", call_ids=["c1"])
         popped = await store.pop_last_message(cid)
         assert popped is not None
         assert popped.turn_id == "tB"
-        if stalled:
-            stall.release()
-            await late
-            monkeypatch.undo()
+        await landed()
         return await held_state(store, cid), await _approved_calls(backend, cid)
 
     logged_afresh = await popped_before(f"{CID}-afresh", stalled=False)
@@ -10001,24 +9994,15 @@ async def test_a_later_prompt_of_the_request_id_about_another_call_leaves_the_la
     any later prompt of the id counted as the one she answered, the approval was withdrawn
     and the denial stored)."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
-    asked = [_user("Pay."), _calls("c1"), _asks_about("r1", "c1")]
-    made = await logger.log_messages(CID, asked, turn_id="t0")
-    writer = AgentMessageLogger(backend.db)
-    stall, clock = _StalledInsert(writer, monkeypatch), _ReservedADayAgo(monkeypatch)
-    turn = [_user("Sure?"), _asks_about("r2", "c1")]
-    late = await stall.start(writer.log_messages(CID, turn, turn_id="tA"))
-    clock.caught_up()
-    await AgentMessageLogger(backend.db).log_messages(CID, [_user("Hm?")], turn_id="tP")
+    made_by, landed = await _asked_again_stalled(backend, monkeypatch, CID)
     other = [_user("Also?"), _calls("c5"), _asks_about("r1", "c5")]
     await AgentMessageLogger(backend.db).log_messages(CID, other, turn_id="tB")
     await store.resolve_hitl(CID, "r1", call_ids=["c1"])
-    stall.release()
-    await late
-    monkeypatch.undo()
+    await landed()
 
     assert ("c1", None) in (await held_state(store))[0]
     assert await _approved_calls(backend) == ["c1"]
-    await _denial_refused(logger, CID, "c1", str(made.messages[1].id))
+    await _denial_refused(logger, CID, "c1", made_by)
 
 
 async def test_an_old_replay_of_a_turn_a_later_turn_asked_after_reads_twice_more(
