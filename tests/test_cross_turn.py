@@ -8496,6 +8496,86 @@ async def test_an_answer_to_a_call_another_answer_in_flight_took_off_waits_for_i
     assert [m.content for m in stored if m.tool_call_id == "c0"] == ["second"]
 
 
+_SAME_ANSWER_AGAIN: dict[str, Any] = {"messages": [_answer("c0", "r")], "turn_id": "tB"}
+
+
+async def _answer_retried_while_its_call_turn_is_unstored(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks, held: bool
+) -> tuple[dict[str, Any], asyncio.Task[LoggedTurn] | None, _StalledInsert | None]:
+    """t0 making c0 is not stored (`_call_turn_unstored`); tB answering c0 reserves and
+    loses its insert (its writer gets an error, retries under the same turn id) and is sent
+    again past `abandon_after` of its own first attempt, t0 still unstored: told to come
+    again (`StorageUnavailable`, "may still be logged"), by `check_turn` too, nothing stored
+    and nothing given up (tB's retry is still tB).
+    Returns tB's arguments, and t0's held insert with its stall."""
+    store = ConversationStore(backend.db)
+    read, late, stall = await _call_turn_unstored(backend, monkeypatch, held)
+    answer = {**_SAME_ANSWER_AGAIN, "answers_to": {"c0": read.message_id}}
+    first = AgentMessageLogger(backend.db, rules=_SHORT)
+    await reserved_insert_lost(first, partial(first.log_messages, CID, **answer))
+    before = await store.transcript(CID)
+    clocks.wait(_SHORT.abandon_after.total_seconds() + 0.2)
+    retry = AgentMessageLogger(backend.db, rules=_SHORT)
+    for attempt in (retry.log_messages, retry.check_turn):
+        with pytest.raises(StorageUnavailable, match=r"'c0'.*not stored.*may still be logged"):
+            await attempt(CID, **answer)
+    assert await store.transcript(CID) == before
+    recorded = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert [bool(r.get("g")) for r in recorded["turns"]] == [False, False]  # nothing given up
+    return answer, late, stall
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["its insert lost", "its insert held"])
+async def test_a_retry_of_an_answer_whose_calls_turn_is_unstored_waits_for_it(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks, held: bool
+) -> None:
+    """RELIABILITY.md ("A writer that died before its insert"): tB answers c0 while c0's turn
+    t0 is still being written, and both inserts are lost. tB's retry past `abandon_after`,
+    t0 still unstored, gets what tB's first attempt would: `StorageUnavailable`, nothing
+    stored (was: the 422 "does not make call … a fork?", which a runtime obeys by dropping
+    the answer). Once t0 lands, tB's retry is stored, c0 answered once, nothing pending."""
+    logger, store = AgentMessageLogger(backend.db, rules=_SHORT), ConversationStore(backend.db)
+    answer, late, stall = await _answer_retried_while_its_call_turn_is_unstored(
+        backend, monkeypatch, clocks, held
+    )
+
+    await _land_call_turn(logger, monkeypatch, late, stall)
+    logged = await logger.log_messages(CID, **answer)
+    again = await logger.log_messages(CID, **answer)
+
+    assert again.replayed and [m.id for m in again.messages] == [m.id for m in logged.messages]
+    stored = await store.transcript(CID)
+    assert [m.content for m in stored if m.tool_call_id == "c0"] == ["r"]
+    assert await store.pending_calls(CID) == []
+    assert await pending_state(store) == await recomputed_state(store) == ([], None)
+
+
+@pytest.mark.parametrize("then", ["popped", "a day passed"])
+async def test_a_retry_of_an_answer_whose_calls_turn_never_lands_is_refused_in_the_end(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks, then: str
+) -> None:
+    """The guard of the wait above: once c0's turn can no longer land where it reserved (it
+    landed and pops took it off; or a day passed since its block was reserved, it never
+    landing), an answer naming c0, tB's retry as a new turn, is refused as naming a message
+    that makes no call (422), as an answer naming a call no message makes is."""
+    logger = AgentMessageLogger(backend.db, rules=_SHORT)
+    store = ConversationStore(backend.db, rules=_SHORT)
+    answer, late, stall = await _answer_retried_while_its_call_turn_is_unstored(
+        backend, monkeypatch, clocks, held=then == "popped"
+    )
+    if then == "popped":
+        await _land_call_turn(logger, monkeypatch, late, stall)
+        while await store.transcript(CID):
+            await store.pop_last_message(CID)
+    else:
+        clocks.wait(BLOCKS_WATCHED_FOR.total_seconds() + 10)
+    before = await store.transcript(CID)
+
+    for turn_id in ("tC", "tB"):
+        with pytest.raises(InvalidInput, match="does not make call 'c0'"):
+            await logger.log_messages(CID, **{**answer, "turn_id": turn_id})
+    assert await store.transcript(CID) == before
+
 async def _answer_c0(backend: Backend, turn_id: str, made_by: str) -> str:
     """What logging an answer to c0 (named as `pending_calls` served it) comes to."""
     logger = AgentMessageLogger(backend.db, rules=_SHORT)

@@ -4748,6 +4748,7 @@ _CHECKED_FIELDS = {
     "pending_calls": 1,
     "approved_calls": 1,
     "resolved_hitl": 1,
+    PENDING_BLOCKS: 1,
 }
 """What `AgentMessageLogger.check_turn` reads of the conversation: what `_verdict` decides by
 (its owner, a delete's mark, the turn records and whether some were dropped, the gaps and
@@ -5556,13 +5557,22 @@ class _Landed:
         # apart from another turn's still being written, and an answer stored after its
         # reservation takes its call wherever that is
         end = gaps.turn_end(first, count) if first is not None else -1
-        placed = [
-            {"_id": m, "seq": -1, "tool_calls": [{"id": c} for c in calls]}
-            for m, calls in unstored.items()
-        ]
-        seen = sorted([*found, *placed], key=lambda d: int(d["seq"]))
         written_from = first if first is not None else -1
-        return cls(seen, {**made_at, **dict.fromkeys(unstored, end)}, written_from)
+        return cls(
+            _made_first(found, unstored), {**made_at, **dict.fromkeys(unstored, end)}, written_from
+        )
+
+    @classmethod
+    def at_the_end(cls, found: Sequence[Mapping[str, Any]], named: Mapping[str, str]) -> _Landed:
+        """`found` (`answers_lookup`) as a turn landing past every message judges them
+        (`_answers_landing`): the calls of `named` whose message it lacks made before every
+        message, as `of` makes them when no block is still being written."""
+        made_at = {str(d["_id"]): int(d["seq"]) for d in found}
+        unstored: dict[str, list[str]] = {}
+        for call_id, message in named.items():
+            if message not in made_at and message != _UNMADE_CALL:
+                unstored.setdefault(message, []).append(call_id)
+        return cls(_made_first(found, unstored), {**made_at, **dict.fromkeys(unstored, -1)})
 
     def awaiting(self, recorded: Collection[tuple[str, str]]) -> _Landed:
         """These messages, the calls named whose message is not stored among `recorded`
@@ -5629,6 +5639,18 @@ def _answers_judged(
     if followed := [c for c, state in states.items() if state == "followed"]:
         return _followed(plan, followed)
     return None
+
+
+def _made_first(
+    found: Sequence[Mapping[str, Any]], unstored: Mapping[str, Sequence[str]]
+) -> list[Mapping[str, Any]]:
+    """`found` (in `seq` order) after the messages `unstored` names (message id to the calls
+    it makes), not stored: made before every message (`seq` -1)."""
+    placed = [
+        {"_id": m, "seq": -1, "tool_calls": [{"id": c} for c in calls]}
+        for m, calls in unstored.items()
+    ]
+    return [*placed, *found]
 
 
 def _answer_states(
@@ -5789,7 +5811,8 @@ def _answers_landing(plan: TurnPlan, named: Mapping[str, str]) -> Landing:
         life = of_epoch(read, conversation["epoch"]) if "epoch" in conversation else list(read)
         given_up = stored_by_turns_given_up(conversation)
         found = [d for d in life if not given_up(d)]
-        landed = _Landed(found, {str(d["_id"]): int(d["seq"]) for d in found})
+        landed = _Landed.at_the_end(found, named)
+        landed = landed.awaiting(calls_awaited(conversation, utc_now()))
         return _answers_judged(plan, named, named, found, landed, lambda made_at: False)
 
     return Landing(wanted, refused)

@@ -324,8 +324,9 @@ class Looked:
     """None stored and a later message answering one of the retry's calls: the refusal of
     logging it at the end, raised by whichever retry would (same content or other); or,
     none stored, what the same turn logged fresh where it lands is refused for
-    (`Landing`, `Unlanded`); or, none stored answering one, a block past it still being
-    written that may (`Unwritten`): StorageUnavailable, retry shortly, nothing given up."""
+    (`Landing`, `Unlanded`; a StorageUnavailable it is refused for as is: its call's turn
+    may still land); or, none stored answering one, a block past it still being written
+    that may (`Unwritten`): StorageUnavailable, retry shortly, nothing given up."""
 
 
 def looked_up(
@@ -370,11 +371,12 @@ def _refusal(
     block: RecordedBlock,
     others: Sequence[Mapping[str, Any]],
     landing: Callable[[Sequence[Mapping[str, Any]]], StoreError | None] | None,
-) -> Unmovable | Unlanded | None:
+) -> Unmovable | Unlanded | StorageUnavailable | None:
     """`looked_up`'s refusal of a turn none of whose messages is stored, from the other
     messages found (`others`, in `seq` order): `Unmovable` when a later one answers a call
     the turn makes, else `Unlanded` when the same turn logged fresh where it lands is
-    refused (`landing`), else None."""
+    refused (`landing`) for good, else None. Refused there for now (StorageUnavailable: a
+    call it answers is awaited, its turn may still land), that, nothing given up."""
     past = block.first_seq + block.count
     later = [d for d in others if d["seq"] >= past]
     answered = answered_later(plan, messages_adapter.validate_python(later))
@@ -391,6 +393,8 @@ def _refusal(
             block,
         )
     error = None if landing is None else landing(others)
+    if isinstance(error, StorageUnavailable):  # the call's turn may still land: come again
+        return error
     return None if error is None else Unlanded(error, block)
 
 
