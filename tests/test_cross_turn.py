@@ -8543,11 +8543,39 @@ async def test_a_retry_of_an_answer_whose_calls_turn_is_unstored_waits_for_it(
     logged = await logger.log_messages(CID, **answer)
     again = await logger.log_messages(CID, **answer)
 
-    assert again.replayed and [m.id for m in again.messages] == [m.id for m in logged.messages]
+    assert again.replayed
+    assert [m.id for m in again.messages] == [m.id for m in logged.messages]
     stored = await store.transcript(CID)
     assert [m.content for m in stored if m.tool_call_id == "c0"] == ["r"]
     assert await store.pending_calls(CID) == []
     assert await pending_state(store) == await recomputed_state(store) == ([], None)
+
+
+async def test_a_posted_retry_of_an_answer_whose_calls_turn_is_unstored_is_a_503_then_stored(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks
+) -> None:
+    """The same over HTTP (the service's `abandon_after`, five minutes, passed too): tB's
+    retry is 503 "may still be logged" (was: 422, "do not resend"), nothing stored; posted
+    again once c0's turn landed, stored (200, a retry of a turn an earlier attempt
+    reserved), c0 answered once."""
+    logger, store = AgentMessageLogger(backend.db, rules=_SHORT), ConversationStore(backend.db)
+    answer, late, stall = await _answer_retried_while_its_call_turn_is_unstored(
+        backend, monkeypatch, clocks, held=True
+    )
+    clocks.wait(TurnRules().abandon_after.total_seconds() + 1)
+    before = await store.transcript(CID)
+    async with serve(backend.db, seeded=False) as api:
+        url, headers = f"/v1/conversations/{CID}/turns", auth_headers()
+        refused = await api.http.post(url, json=answer, headers=headers)
+        assert await store.transcript(CID) == before
+        await _land_call_turn(logger, monkeypatch, late, stall)
+        stored = await api.http.post(url, json=answer, headers=headers)
+
+    assert (refused.status_code, stored.status_code) == (503, 200)  # 200: the turn's retry
+    assert stored.json()["replayed"] is True
+    assert "may still be logged" in refused.json()["error"]["message"]
+    assert [m.content for m in await store.transcript(CID) if m.tool_call_id == "c0"] == ["r"]
+    assert await store.pending_calls(CID) == []
 
 
 @pytest.mark.parametrize("then", ["popped", "a day passed"])
@@ -8575,6 +8603,7 @@ async def test_a_retry_of_an_answer_whose_calls_turn_never_lands_is_refused_in_t
         with pytest.raises(InvalidInput, match="does not make call 'c0'"):
             await logger.log_messages(CID, **{**answer, "turn_id": turn_id})
     assert await store.transcript(CID) == before
+
 
 async def _answer_c0(backend: Backend, turn_id: str, made_by: str) -> str:
     """What logging an answer to c0 (named as `pending_calls` served it) comes to."""

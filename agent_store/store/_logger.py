@@ -5543,10 +5543,7 @@ class _Landed:
         whose message it lacks made where they may still land (before every message when no
         block below `count` is still being written: `Gaps.written`)."""
         made_at = {str(d["_id"]): int(d["seq"]) for d in found}
-        unstored: dict[str, list[str]] = {}
-        for call_id, message in named.items():
-            if message not in made_at and message != _UNMADE_CALL:
-                unstored.setdefault(message, []).append(call_id)
+        unstored = _unstored_makers(named, made_at)
         if not unstored:
             return cls(found, made_at)
         seqs = {int(d["seq"]) for d in found}
@@ -5568,10 +5565,7 @@ class _Landed:
         (`_answers_landing`): the calls of `named` whose message it lacks made before every
         message, as `of` makes them when no block is still being written."""
         made_at = {str(d["_id"]): int(d["seq"]) for d in found}
-        unstored: dict[str, list[str]] = {}
-        for call_id, message in named.items():
-            if message not in made_at and message != _UNMADE_CALL:
-                unstored.setdefault(message, []).append(call_id)
+        unstored = _unstored_makers(named, made_at)
         return cls(_made_first(found, unstored), {**made_at, **dict.fromkeys(unstored, -1)})
 
     def awaiting(self, recorded: Collection[tuple[str, str]]) -> _Landed:
@@ -5641,16 +5635,26 @@ def _answers_judged(
     return None
 
 
+def _unstored_makers(named: Mapping[str, str], made_at: Mapping[str, int]) -> dict[str, list[str]]:
+    """The messages `named` (call id to the message making it) names that are not among
+    those stored (`made_at`), each with the calls it makes; never `_UNMADE_CALL`."""
+    unstored: dict[str, list[str]] = {}
+    for call_id, message in named.items():
+        if message not in made_at and message != _UNMADE_CALL:
+            unstored.setdefault(message, []).append(call_id)
+    return unstored
+
+
 def _made_first(
     found: Sequence[Mapping[str, Any]], unstored: Mapping[str, Sequence[str]]
 ) -> list[Mapping[str, Any]]:
-    """`found` (in `seq` order) after the messages `unstored` names (message id to the calls
-    it makes), not stored: made before every message (`seq` -1)."""
+    """`found` with the messages `unstored` names (message id to the calls it makes), not
+    stored, made before every message (`seq` -1), in `seq` order."""
     placed = [
         {"_id": m, "seq": -1, "tool_calls": [{"id": c} for c in calls]}
         for m, calls in unstored.items()
     ]
-    return [*placed, *found]
+    return sorted([*found, *placed], key=lambda d: int(d["seq"]))
 
 
 def _answer_states(
