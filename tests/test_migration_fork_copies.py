@@ -252,3 +252,30 @@ def test_a_copy_none_of_which_was_written_is_copied_again_never_left_out_of_a_ro
     assert cli(wire_uri, database, "run") == 0
     assert "«LIVE»" in str(_served_user_texts(wire_uri, database, "c-1"))
     assert database[MESSAGES].count_documents({"turn_id": "t1"}) == 2
+
+
+@pytest.mark.wire
+def test_copy_again_exits_1_when_a_legacy_turn_its_record_lists_is_still_missing(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record listing a legacy turn the turn's stored messages cannot be cut as (no `seq`s,
+    an `_id` no cut gives: a record edited by hand): `run --copy-again` writes nothing over
+    it, exits 1 naming the record, and leaves it intended; the gate still asks."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-1", 0, "OLD"))
+    assert cli(wire_uri, database, "run") == 0
+    _copy_confirmation_fails_once(monkeypatch)
+    with pytest.raises(StorageUnavailable):
+        log_live(wire_uri, database, "c-1", "t1", "«LIVE»", dual_write=True)
+    record_id = str((database[LEGACY_TURNS].find_one({"turn_id": "t1"}) or {})["dual_write_record"])
+    database[LEGACY_TURNS].delete_one({"turn_id": "t1"})
+    unknown = {"pieces": [{"_id": "dual-no-cut-gives-this"}]}
+    database[lease.STATE].update_one({"_id": record_id}, {"$set": unknown})
+    capsys.readouterr()
+    assert cli(wire_uri, database, "run", "--copy-again", record_id) == 1
+    said = capsys.readouterr()
+    assert f"{record_id!r}: 1 legacy turn(s) its record lists" in said.out + said.err
+    assert (database[lease.STATE].find_one({"_id": record_id}) or {}).get("state") == "intended"
+    _gate_says(wire_uri, database, capsys, exits=1)

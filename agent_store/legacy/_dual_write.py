@@ -458,6 +458,13 @@ def piece_starts(
     }
 
 
+def cut_as_listed(messages: Sequence[AgentMessage], listed: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a copy's record lists its legacy turns so that `legacy_turn_documents` cuts
+    these messages as it says (`_listed_cut`): each bounded by its `seq`s, every message
+    held by one."""
+    return _listed_cut(messages, listed) is not None
+
+
 def _cut(
     conversation_id: str,
     turn_id: str,
@@ -485,6 +492,8 @@ def _listed_cut(
     `seq`s (an earlier release's record), or a message held by none or by two."""
     cut: list[tuple[Sequence[AgentMessage], str]] = []
     for piece in listed:
+        if not isinstance(piece, Mapping):
+            return None
         piece_id, seqs = piece.get("_id"), piece.get("seqs")
         bounded = isinstance(seqs, list) and len(seqs) == 2 and all(type(s) is int for s in seqs)
         if not isinstance(piece_id, str) or not bounded:

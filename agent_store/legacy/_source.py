@@ -70,6 +70,7 @@ from agent_store.legacy._dual_write import (
     COPY_WRITTEN,
     copy_pieces,
     copy_record_id,
+    cut_as_listed,
     legacy_turn_documents,
     legacy_turn_id,
 )
@@ -946,9 +947,8 @@ class LegacyTurns:
         record_id = copy_record_id(turn.conversation_id, turn.turn_id, conversation.epoch)
         try:
             with storage_errors("write the legacy turn (dual write)"):
-                listed = await self._intend_copy(
-                    record_id, turn_copy_pieces(conversation, turn.turn_id, turn.messages)
-                )
+                pieces = turn_copy_pieces(conversation, turn.turn_id, turn.messages)
+                listed = await self._intend_copy(record_id, pieces, turn.messages)
             documents = await self._copy_documents(conversation, turn, listed)
             with storage_errors("write the legacy turn (dual write)"):
                 for document in documents:
@@ -977,7 +977,7 @@ class LegacyTurns:
         return documents
 
     async def _intend_copy(
-        self, record_id: str, pieces: list[dict[str, Any]]
+        self, record_id: str, pieces: list[dict[str, Any]], messages: Sequence[AgentMessage]
     ) -> list[dict[str, Any]]:
         """Record, before the copy is written, that the turn is to be copied (`COPY_RECORD`,
         `COPY_INTENDED`, by `copy_record_id`: no name, no content), as which legacy turns
@@ -991,8 +991,9 @@ class LegacyTurns:
         was first, never as the conversation's document says now (a fork's, written again
         by a second attempt after a rollback, says no more where the turns of its original
         began; was: the replay cut it at user messages alone, writing an exchange twice and
-        setting the record's list to lose one). A record listing none (an earlier
-        release's) gets these."""
+        setting the record's list to lose one). A record whose list does not cut the turn's
+        `messages` (`cut_as_listed`: an earlier release's, listing none or no `seq`s) gets
+        these `pieces`."""
         intended = {"kind": COPY_RECORD, COPY_STATE: COPY_INTENDED, "at": utc_now()}
         update = {"$setOnInsert": intended | {COPY_PIECES: pieces}}
         written = await self._migration.update_one({"_id": record_id}, update, upsert=True)
@@ -1000,7 +1001,7 @@ class LegacyTurns:
             return pieces
         record = await self._migration.find_one({"_id": record_id}, {COPY_PIECES: 1})
         listed = (record or {}).get(COPY_PIECES)
-        if isinstance(listed, list) and listed:
+        if isinstance(listed, list) and listed and cut_as_listed(messages, listed):
             return listed
         await self._migration.update_one({"_id": record_id}, {"$set": {COPY_PIECES: pieces}})
         return pieces
