@@ -70,6 +70,7 @@ from agent_store.legacy import (
     legacy_turn_id,
     normalize_part,
     parse_turns,
+    piece_starts,
     result_text,
     sort_turns,
     stored_conversation_id,
@@ -86,7 +87,7 @@ from agent_store.store import (
     TurnRules,
 )
 from migrations import full_texts
-from migrations.errors import Misuse
+from migrations.errors import Misuse, WorkLeft
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.relocate import CONVERSATION_FILTER
 from migrations.settings import SERVICE_DEFAULTS
@@ -566,14 +567,18 @@ COPY_GONE_WHOLE = (
 
 COPY_UNCONFIRMED = (
     "the dual write recorded it would copy the live turn {turn_id!r} (record {record!r}) "
-    "but not that it did, and no copy is in the legacy collection: either its copy's write "
-    "failed (the runtime was told the turn failed, yet its messages are stored and served) "
-    "or the legacy service deleted it after a rollback. Ask whether the person deleted that "
-    "exchange: if so pop its messages through the store; if not, delete that record and "
-    "unset `copy_owed` on the turn's messages (the turn was never copied)"
+    "but not that it did, and no legacy turn of its copy is in the legacy collection: either "
+    "its copy's write failed (the runtime was told the turn failed, yet its messages are "
+    "stored and served) or the legacy service deleted it after a rollback. Ask whether the "
+    "person deleted that exchange: if so pop its messages through the store; if not, keep "
+    "that record (the legacy collection lacks a turn a rollback would lose) and run "
+    "`run --copy-again {record}`, which writes the copy from the turn's stored messages and "
+    "confirms the record"
 )
 """What the gate says of a live turn whose record was never confirmed and whose copy is
-missing: which it is nothing stored tells, so neither passes nor advises a deletion."""
+missing: which it is nothing stored tells, so neither passes nor advises a deletion, nor
+deleting the record (was: "delete that record and unset `copy_owed`", after which the gate
+passed a turn served on the new service that a rollback lost)."""
 
 PIECE_GONE = (
     "the dual-written copy of the messages at {seqs} of the live turn {turn_id!r} (one of "
@@ -723,15 +728,7 @@ def _gone(
     """`deleted` for one chunk of live turns, added to `found`: each of the epoch of its
     conversation's document (of the epoch its messages carry when none stands under the
     id)."""
-    cids = sorted({cid for cid, *_ in turns})
-    query = {"_id": {"$in": cids}, **CONVERSATION_FILTER}
-    documents = {d["_id"]: d for d in db[CONVERSATIONS].find(query, {"epoch": 1})}
-    records: dict[str, tuple[str, str, list[int]]] = {}
-    for cid, turn_id, epoch, seqs, _ in turns:
-        life = documents[cid].get("epoch") if cid in documents else epoch
-        if epoch in (None, life):
-            record_id = copy_record_id(cid, turn_id, life)
-            records.setdefault(record_id, (cid, turn_id, []))[2].extend(seqs)
+    documents, records = _records_of(db, turns)
     query = {"_id": {"$in": sorted(records)}, "kind": COPY_RECORD}
     read = sorted(
         db[STATE].find(query, {COPY_STATE: 1, COPY_PIECES: 1}),
@@ -752,6 +749,25 @@ def _gone(
     for legacy_id, (cid, turn_id) in sorted(owed_ids.items(), key=lambda item: item[1]):
         if legacy_id not in there:
             found.add(cid, turn_id, [COPY_OWED_UNRECORDED.format(turn_id=turn_id)])
+
+
+def _records_of(
+    db: Database[dict[str, Any]], turns: Sequence[_LiveTurn]
+) -> tuple[dict[str, dict[str, Any]], dict[str, tuple[str, str, list[int]]]]:
+    """The documents standing under the ids of these live turns' conversations (one read),
+    and the `_id` of the record of each turn's copy (`copy_record_id`, in the `epoch` of its
+    conversation's document, of the epoch its messages carry when none stands under the
+    id), with its conversation id, turn id and the `seq`s of its messages."""
+    cids = sorted({cid for cid, *_ in turns})
+    query = {"_id": {"$in": cids}, **CONVERSATION_FILTER}
+    documents = {d["_id"]: d for d in db[CONVERSATIONS].find(query, {"epoch": 1})}
+    records: dict[str, tuple[str, str, list[int]]] = {}
+    for cid, turn_id, epoch, seqs, _ in turns:
+        life = documents[cid].get("epoch") if cid in documents else epoch
+        if epoch in (None, life):
+            record_id = copy_record_id(cid, turn_id, life)
+            records.setdefault(record_id, (cid, turn_id, []))[2].extend(seqs)
+    return documents, records
 
 
 _Piece = tuple[str, int | None, int | None]
@@ -836,29 +852,31 @@ def confirm_copies(
     gone (`COPY_GONE`) rather than unconfirmed or unrecorded; how many. A record listing
     legacy turns of the copy (`COPY_PIECES`) is confirmed only when every one stands (one
     missing may be one whose write failed: the gate asks, `PIECE_UNCONFIRMED`). A record
-    missing is written again listing the legacy turns its turn's stored messages are copied
-    as (`_expected_pieces`), never without them, and stays intended while one of them is
-    missing. The records named in `copy_again` (the person deleted no exchange of the turn)
-    first get their missing legacy turns written from the turn's stored messages
-    (`_copy_again`). `run` does it: one read of the copies naming a record, one of those
-    records, one write when any is left; for a record missing or copied again, one read of
-    its turn's stored messages and one of its conversation's document."""
-    standing: dict[str, set[Any]] = {}
-    turns: dict[str, tuple[str, str]] = {}
-    for copy in db[source].find(_NAMING_A_RECORD, _COPY_FIELDS):
-        standing.setdefault(copy[RECORD_FIELD], set()).add(copy["_id"])
-        if (key := _turn(copy)) is not None:
-            turns[copy[RECORD_FIELD]] = key
-    if not standing:
-        _refuse_copying_again(copy_again, {}, standing)
+    missing is written again listing the legacy turns its turn's stored messages were copied
+    as (`_written_as`: cut where a legacy turn of it standing opens too), never without
+    them, and stays intended while one of them is missing. The records named in
+    `copy_again` (only intended; the person deleted no exchange of the turn) first get the
+    legacy turns they list that are missing written from the turn's stored messages, cut as
+    the record lists them (`_copy_again`), a copy none of which stands too (its turn found
+    by its stored messages, `_turns_recorded`: one aggregation). `run` does it: one read of
+    the copies naming a record, one of those records, one write when any is left; for a
+    record missing or copied again, one read of its turn's stored messages and one of its
+    conversation's document."""
+    standing, turns = _standing_copies(db, source)
+    if not standing and not copy_again:
         return 0
-    query = {"_id": {"$in": sorted(standing)}, "kind": COPY_RECORD}
+    query = {"_id": {"$in": sorted({*standing, *copy_again})}, "kind": COPY_RECORD}
     records = {d["_id"]: d for d in db[STATE].find(query, {COPY_STATE: 1, COPY_PIECES: 1})}
-    _refuse_copying_again(copy_again, records, standing)
-    wanted = {r: turns[r] for r in standing if r in turns and (r not in records or r in copy_again)}
-    expected = _expected_pieces(db, wanted, source=source, copy_again=copy_again)
+    _refuse_copying_again(copy_again, records)
+    turns |= _turns_recorded(db, [r for r in copy_again if r not in turns])
+    wanted = {
+        r: turns[r]
+        for r in {*standing, *copy_again}
+        if r in turns and (r not in records or r in copy_again)
+    }
+    expected = _expected_pieces(db, wanted, records, standing, source=source)
     for record_id, (_, written) in expected.items():
-        standing[record_id] |= written
+        standing.setdefault(record_id, set()).update(written)
     updates = {
         record_id: update
         for record_id in sorted(standing)
@@ -879,6 +897,21 @@ def confirm_copies(
             ordered=False,
         )
     return sum(1 for u in updates.values() if u[COPY_STATE] == COPY_WRITTEN)
+
+
+def _standing_copies(
+    db: Database[dict[str, Any]], source: str
+) -> tuple[dict[str, set[Any]], dict[str, tuple[str, str]]]:
+    """The `_id`s of the dual-written copies standing in `source` by the record each names
+    (`RECORD_FIELD`), and the turn (conversation id, turn id) of each such record: one
+    read."""
+    standing: dict[str, set[Any]] = {}
+    turns: dict[str, tuple[str, str]] = {}
+    for copy in db[source].find(_NAMING_A_RECORD, _COPY_FIELDS):
+        standing.setdefault(copy[RECORD_FIELD], set()).add(copy["_id"])
+        if (key := _turn(copy)) is not None:
+            turns[copy[RECORD_FIELD]] = key
+    return standing, turns
 
 
 _COPY_FIELDS = {RECORD_FIELD: 1, "conversation_id": 1, "turn_id": 1, "dual_write": 1}
@@ -907,32 +940,54 @@ def _confirmation(
     return {COPY_STATE: COPY_WRITTEN}
 
 
-def _refuse_copying_again(
-    copy_again: Collection[str], records: Mapping[str, Any], standing: Mapping[str, Any]
-) -> None:
-    """Misuse when a record named to copy again is not one of a copy some legacy turn of
-    which stands, only intended (`PIECE_UNCONFIRMED`'s): no other is the gate's question."""
+def _refuse_copying_again(copy_again: Collection[str], records: Mapping[str, Any]) -> None:
+    """Misuse when a record named to copy again is not one of a copy only intended
+    (`PIECE_UNCONFIRMED`'s, `COPY_UNCONFIRMED`'s): no other is the gate's question."""
     for record_id in copy_again:
-        record = records.get(record_id)
-        if record_id not in standing or (record or {}).get(COPY_STATE) != COPY_INTENDED:
+        if (records.get(record_id) or {}).get(COPY_STATE) != COPY_INTENDED:
             raise Misuse(
-                f"{record_id!r} is no record of a copy only intended some legacy turn of "
-                "which stands (the gate names such a record when one of them is missing)"
+                f"{record_id!r} is no record of a copy only intended (the gate names such a "
+                "record when its copy, or a legacy turn of it, is missing)"
             )
+
+
+def _turns_recorded(
+    db: Database[dict[str, Any]], wanted: Collection[str]
+) -> dict[str, tuple[str, str]]:
+    """The live turn (conversation id, turn id) whose copy each record in `wanted` (by
+    `_id`) is the record of, found by its stored messages (`_stored_live_turns`, records
+    by `_records_of`): a record names no turn, and no legacy turn of such a copy stands to
+    name it. Misuse for one whose turn's messages are no longer stored (nothing is left to
+    copy). Reads nothing when none is wanted."""
+    found: dict[str, tuple[str, str]] = {}
+    if not wanted:
+        return found
+    turns = _stored_live_turns(db, None)
+    while len(found) < len(wanted) and (chunk := list(itertools.islice(turns, COPY_RECORDS_READ))):
+        _, records = _records_of(db, chunk)
+        found |= {r: records[r][:2] for r in wanted if r in records}
+    for record_id in wanted:
+        if record_id not in found:
+            raise Misuse(
+                f"{record_id!r} cannot be copied again: no message of its turn is stored "
+                "(nothing is left to copy)"
+            )
+    return found
 
 
 def _expected_pieces(
     db: Database[dict[str, Any]],
     wanted: Mapping[str, tuple[str, str]],
+    records: Mapping[str, Mapping[str, Any]],
+    standing: Mapping[str, Collection[Any]],
     *,
     source: str,
-    copy_again: Collection[str],
 ) -> dict[str, _Expected]:
-    """For each record (by id) of a turn `wanted` (conversation id, turn id): the legacy
-    turns its stored messages are copied as (`turn_copy_pieces`: a fork's cut where its
-    document says the turns of its original began; none when no message is stored) and,
-    for one in `copy_again`, those of them `_copy_again` wrote. One read of the turns'
-    stored messages and one of their conversations' documents; none when none is wanted."""
+    """For each record (by id) of a turn `wanted` (conversation id, turn id): missing, the
+    legacy turns its stored messages were copied as (`_written_as`; none when no message is
+    stored); standing (named to copy again), those it lists and those of them `_copy_again`
+    wrote. One read of the turns' stored messages and one of their conversations' documents;
+    none when none is wanted."""
     if not wanted:
         return {}
     cids = sorted({cid for cid, _ in wanted.values()})
@@ -943,20 +998,48 @@ def _expected_pieces(
     for record_id, (cid, turn_id) in sorted(wanted.items()):
         messages = [m for m in stored.get(cid, []) if m.turn_id == turn_id]
         conversation = documents.get(cid)
-        if record_id in copy_again and (conversation is None or not messages):
+        ids = standing.get(record_id, set())
+        if record_id not in records:
+            found[record_id] = (_written_as(cid, turn_id, messages, conversation, ids), set())
+            continue
+        if conversation is None or not messages:
             raise Misuse(
                 f"{record_id!r} cannot be copied again: its turn's messages or its "
                 "conversation's document are no longer stored (nothing is left to copy)"
             )
-        if conversation is None or not messages:
-            found[record_id] = (copy_pieces(cid, turn_id, messages) if messages else [], set())
-            continue
-        pieces = turn_copy_pieces(conversation, turn_id, messages)
-        written: set[Any] = set()
-        if record_id in copy_again:
-            written = _copy_again(db, conversation, turn_id, messages, record_id, source=source)
-        found[record_id] = (pieces, written)
+        listed = _listed(records[record_id])
+        written = _copy_again(db, conversation, turn_id, messages, record_id, listed, ids, source)
+        found[record_id] = ([dict(piece) for piece in listed], written)
     return found
+
+
+def _written_as(
+    cid: str,
+    turn_id: str,
+    messages: Sequence[AgentMessage],
+    conversation: Conversation | None,
+    standing: Collection[Any],
+) -> list[dict[str, Any]]:
+    """The legacy turns a turn whose copy's record is missing was copied as: as the dual
+    write cuts it, and cut too where a legacy turn of it `standing` (by `_id`) opens that
+    this cut opens none at (`piece_starts`: a fork's copy, cut where the turns of its
+    original began, which the fork's document no longer says once a second attempt wrote
+    it again; was: cut at user messages alone, so a record written again listed an exchange
+    in none of its legacy turns, and the gate advised removing the `dual_write` mark of a
+    copy whose exchange the person deleted). None when no message is stored."""
+    if not messages:
+        return []
+
+    def cut(starts: Collection[int]) -> list[dict[str, Any]]:
+        if conversation is None:
+            return copy_pieces(cid, turn_id, messages, starts=starts)
+        return turn_copy_pieces(conversation, turn_id, messages, starts=starts)
+
+    pieces = cut(())
+    opened = {piece["seqs"][0] for piece in pieces}
+    seqs = [m.seq for m in messages if m.seq is not None]
+    more = piece_starts(cid, turn_id, seqs, standing) - opened
+    return cut(more) if more else pieces
 
 
 def _conversation(document: Mapping[str, Any]) -> Conversation | None:
@@ -974,19 +1057,51 @@ def _copy_again(
     turn_id: str,
     messages: Sequence[AgentMessage],
     record_id: str,
-    *,
+    listed: Sequence[Mapping[str, Any]],
+    standing: Collection[Any],
     source: str,
 ) -> set[Any]:
-    """Write into `source` the legacy turns of a turn's copy that are missing, from its
-    stored messages, as the dual write writes them (`turn_copy`, each fitting one legacy
-    document, naming its record), never replacing one standing: the `_id`s written."""
-    documents = turn_copy(conversation, turn_id, messages, MAX_LEGACY_DOCUMENT_BYTES)
-    ids = [d["_id"] for d in documents]
+    """Write into `source` the legacy turns of a turn's copy its record lists (`listed`)
+    that are missing, from its stored messages, cut as the record lists them (`turn_copy`,
+    each fitting one legacy document, naming its record), never replacing one standing
+    (by `_id`, among `standing`, read again): the `_id`s written. WorkLeft when a legacy turn
+    it lists holding a message still stored is missing even so (the record does not say how
+    its copy was cut: an earlier release's)."""
+    documents = turn_copy(
+        conversation, turn_id, messages, MAX_LEGACY_DOCUMENT_BYTES, listed=listed or None
+    )
+    owed = {piece["_id"] for piece in listed} or {d["_id"] for d in documents}
+    ids = sorted(owed)
     there = {d["_id"] for d in db[source].find({"_id": {"$in": ids}}, {"_id": 1})}
-    missing = [d | {RECORD_FIELD: record_id} for d in documents if d["_id"] not in there]
+    missing = [
+        d | {RECORD_FIELD: record_id}
+        for d in documents
+        if d["_id"] in owed and d["_id"] not in there | set(standing)
+    ]
     if missing:
         db[source].insert_many(missing, ordered=False)
-    return {d["_id"] for d in missing}
+    written = {d["_id"] for d in missing}
+    held = {d["_id"] for d in documents} if not listed else _holding(listed, messages)
+    if left := sorted(held - there - written - set(standing)):
+        raise WorkLeft(
+            f"{record_id!r}: {len(left)} legacy turn(s) its record lists are still missing "
+            "after copying again (the record does not say which messages they held); the "
+            "record stays intended"
+        )
+    return written
+
+
+def _holding(listed: Sequence[Mapping[str, Any]], messages: Sequence[AgentMessage]) -> set[Any]:
+    """The `_id`s of the legacy turns a copy's record lists that hold a message still stored
+    (by the first and last `seq` each lists; one listing none holds the whole turn)."""
+    seqs = [m.seq for m in messages if m.seq is not None]
+    held: set[Any] = set()
+    for piece in listed:
+        bounds = piece.get("seqs")
+        bounded = isinstance(bounds, list) and len(bounds) == 2
+        if not bounded or any(bounds[0] <= s <= bounds[1] for s in seqs):  # type: ignore[index]
+            held.add(piece["_id"])
+    return held
 
 
 _NAMING_A_RECORD = {"dual_write": True, RECORD_FIELD: {"$type": "string"}}

@@ -10490,28 +10490,39 @@ def test_a_turn_whose_copy_was_owed_but_never_recorded_is_never_passed_nor_its_d
 
 
 @pytest.mark.wire
+@pytest.mark.parametrize("operator", ["follows the advice", "deletes the record anyway"])
 def test_a_record_never_confirmed_passes_once_its_advice_for_an_exchange_kept_is_followed(
     wire_uri: str,
     database: Database[dict[str, Any]],
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
+    operator: str,
 ) -> None:
     """A record intended, never confirmed, its copy missing, and the person deleted nothing:
-    deleting the record alone leaves a turn that owed a copy and recorded none, still named;
-    with `copy_owed` unset on its messages too, as the advice says, the gate passes."""
+    the advice keeps the record and copies the turn again (`run --copy-again RECORD`), after
+    which the copy stands and the gate passes (was: "delete that record and unset
+    `copy_owed`", after which the gate passed while a rollback lost the turn). Deleting the
+    record anyway leaves a turn that owed a copy and recorded none, still named."""
     database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-1", 0, "OLD"))
     assert cli(wire_uri, database, "run") == 0
     _copy_confirmation_fails_once(monkeypatch)
     with pytest.raises(StorageUnavailable):
         log_live(wire_uri, database, "c-1", "t1", "«KEPT»", dual_write=True)
+    record_id = _record_of(database, LEGACY_TURNS, "t1")
     database[LEGACY_TURNS].delete_one({"dual_write": True, "turn_id": "t1"})
     capsys.readouterr()
     assert cli(wire_uri, database, "verify") == 1
-    assert "unset `copy_owed` on the turn's messages" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "keep that record (the legacy collection lacks a turn a rollback would lose)" in out
+    assert f"run `run --copy-again {record_id}`" in out
+    assert "unset `copy_owed`" not in out
 
-    database[lease.STATE].delete_one({"kind": dual_writes.COPY_RECORD, "state": "intended"})
-    assert cli(wire_uri, database, "verify") == 1
-    assert "owed a copy of the live turn 't1'" in capsys.readouterr().out
-    database[MESSAGES].update_many({"turn_id": "t1"}, {"$unset": {"copy_owed": ""}})
+    if operator == "deletes the record anyway":
+        database[lease.STATE].delete_one({"_id": record_id})
+        assert cli(wire_uri, database, "verify") == 1
+        assert "owed a copy of the live turn 't1'" in capsys.readouterr().out
+        return
+    assert cli(wire_uri, database, "run", "--copy-again", record_id) == 0
+    assert database[LEGACY_TURNS].count_documents({"dual_write": True, "turn_id": "t1"}) == 1
     for command in ("verify", "finish"):
         assert cli(wire_uri, database, command) == 0

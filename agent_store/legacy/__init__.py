@@ -74,6 +74,7 @@ from agent_store.legacy._dual_write import (
     legacy_turn_document,
     legacy_turn_documents,
     legacy_turn_id,
+    piece_starts,
 )
 from agent_store.legacy._history import HIDDEN_RUNTIME_CONTEXT
 from agent_store.legacy._pairing import CallPairing
@@ -180,6 +181,7 @@ __all__ = [
     "part_kind",
     "part_text",
     "pending_from_session_hitl",
+    "piece_starts",
     "prompt_conversation",
     "prompts_filter",
     "result_text",

@@ -397,6 +397,7 @@ def legacy_turn_documents(
     name: str | None,
     legacy_id: str | None = None,
     starts: Collection[int] = (),
+    listed: Sequence[Mapping[str, Any]] | None = None,
     max_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
     """A logged turn as legacy turn documents: one (`legacy_turn_document`) per run of its
@@ -405,21 +406,22 @@ def legacy_turn_documents(
     as the original's), each named apart by its first `seq`; and a run cut again before each
     user or system message but its first (`_pieces`): one legacy turn opens with one user's
     message, or is a system turn holding its system text alone, so each converts back to
-    its messages in order. With `max_bytes`, each document fits in that much BSON
-    (`_fitted`)."""
+    its messages in order. A copy whose record lists its legacy turns (`listed`, the
+    record's `COPY_PIECES`) is cut as they say (`_listed_cut`): as it was first written,
+    whatever the conversation's document says now. With `max_bytes`, each document fits in
+    that much BSON (`_fitted`)."""
     documents: list[dict[str, Any]] = []
-    for piece, suffix in _turn_pieces(messages, starts):
+    for piece, piece_id in _cut(conversation_id, turn_id, messages, starts, listed):
 
-        def write(messages: Sequence[AgentMessage], suffix: str = suffix) -> dict[str, Any]:
+        def write(messages: Sequence[AgentMessage], piece_id: str = piece_id) -> dict[str, Any]:
             return legacy_turn_document(
                 conversation_id,
                 turn_id,
                 messages,
                 user_id=user_id,
                 name=name,
-                part=suffix,
                 legacy_id=legacy_id,
-            )
+            ) | {"_id": piece_id}
 
         documents.append(_fitted(piece, write(piece), write, max_bytes))
     return documents
@@ -436,12 +438,72 @@ def copy_pieces(
     the record of its copy lists them (`COPY_PIECES`): each one's `_id` and the first and
     last `seq` of the messages it holds. No name, no content."""
     return [
-        {
-            "_id": _piece_id(conversation_id, turn_id, suffix),
-            "seqs": [piece[0].seq, piece[-1].seq],
-        }
+        {"_id": piece_id, "seqs": [piece[0].seq, piece[-1].seq]}
+        for piece, piece_id in _cut(conversation_id, turn_id, messages, starts, None)
+    ]
+
+
+def piece_starts(
+    conversation_id: str, turn_id: str, seqs: Iterable[int], ids: Collection[Any]
+) -> set[int]:
+    """The `seq`s (among `seqs`) that legacy turns of a turn's copy with these `_id`s are
+    named by (`_pieces`: a piece opening at a `seq`, or a run's system piece): where the copy
+    standing was cut, whatever cut it."""
+    return {
+        seq
+        for seq in seqs
+        if any(
+            _piece_id(conversation_id, turn_id, f"seq-{seq}{end}") in ids for end in ("", "system")
+        )
+    }
+
+
+def cut_as_listed(messages: Sequence[AgentMessage], listed: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a copy's record lists its legacy turns so that `legacy_turn_documents` cuts
+    these messages as it says (`_listed_cut`): each bounded by its `seq`s, every message
+    held by one."""
+    return _listed_cut(messages, listed) is not None
+
+
+def _cut(
+    conversation_id: str,
+    turn_id: str,
+    messages: Sequence[AgentMessage],
+    starts: Collection[int],
+    listed: Sequence[Mapping[str, Any]] | None,
+) -> list[tuple[Sequence[AgentMessage], str]]:
+    """A logged turn's messages as the pieces each legacy turn of its copy holds, each with
+    that legacy turn's `_id`: as its record lists them (`listed`, `_listed_cut`) when it
+    says, else cut at `starts` and at each user or system message (`_turn_pieces`)."""
+    if listed is not None and (by_record := _listed_cut(messages, listed)) is not None:
+        return by_record
+    return [
+        (piece, _piece_id(conversation_id, turn_id, suffix))
         for piece, suffix in _turn_pieces(messages, starts)
     ]
+
+
+def _listed_cut(
+    messages: Sequence[AgentMessage], listed: Sequence[Mapping[str, Any]]
+) -> list[tuple[Sequence[AgentMessage], str]] | None:
+    """The messages each legacy turn a copy's record lists holds (`COPY_PIECES`: its `_id`,
+    the first and last `seq` it holds), with its `_id`; one holding no message still stored
+    (popped) left out. None when the record does not say: a legacy turn listed without its
+    `seq`s (an earlier release's record), or a message held by none or by two."""
+    cut: list[tuple[Sequence[AgentMessage], str]] = []
+    for piece in listed:
+        if not isinstance(piece, Mapping):
+            return None
+        piece_id, seqs = piece.get("_id"), piece.get("seqs")
+        bounded = isinstance(seqs, list) and len(seqs) == 2 and all(type(s) is int for s in seqs)
+        if not isinstance(piece_id, str) or not bounded:
+            return None
+        first, last = seqs  # type: ignore[misc]
+        if held := [m for m in messages if m.seq is not None and first <= m.seq <= last]:
+            cut.append((held, piece_id))
+    if sorted(id(m) for held, _ in cut for m in held) != sorted(id(m) for m in messages):
+        return None
+    return cut
 
 
 def _piece_id(conversation_id: str, turn_id: str, part: str) -> str:

@@ -4,7 +4,7 @@ erasures and claims that must reach them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -70,6 +70,7 @@ from agent_store.legacy._dual_write import (
     COPY_WRITTEN,
     copy_pieces,
     copy_record_id,
+    cut_as_listed,
     legacy_turn_documents,
     legacy_turn_id,
 )
@@ -925,7 +926,8 @@ class LegacyTurns:
         the logger hands over: no more reads), and its owner, when the migration derived
         it, by the legacy user id it derived it from (`copied_user_id`: no more reads). A
         fork's copies are the legacy turns of its original they came from, one each
-        (`ForkOrigin.turn_starts`). The legacy reader knows no GridFS: a message cut to its
+        (`ForkOrigin.turn_starts`); a retry writes a copy as its record lists it
+        (`_intend_copy`). The legacy reader knows no GridFS: a message cut to its
         bound is written whole (two more lookups, for such a turn only). Then the
         conversation is looked up (one more round trip): when it was deleted meanwhile, the
         turns just written go again, so a delete finishing before the dual write lands does
@@ -942,37 +944,67 @@ class LegacyTurns:
         """
         if not self.dual_write:
             return
-        documents = turn_copy(conversation, turn.turn_id, turn.messages, MAX_LEGACY_DOCUMENT_BYTES)
-        if any(m.truncated for m in turn.messages):
-            restored = await self._full_texts.restore(turn.messages)
-            whole = turn_copy(conversation, turn.turn_id, restored)
-            if all(len(bson.encode(d)) <= MAX_LEGACY_DOCUMENT_BYTES for d in whole):
-                documents = whole  # else the texts stay cut: the turn is never lost over it
         record_id = copy_record_id(turn.conversation_id, turn.turn_id, conversation.epoch)
-        pieces = turn_copy_pieces(conversation, turn.turn_id, turn.messages)
         try:
             with storage_errors("write the legacy turn (dual write)"):
-                await self._intend_copy(record_id, pieces)
+                pieces = turn_copy_pieces(conversation, turn.turn_id, turn.messages)
+                listed = await self._intend_copy(record_id, pieces, turn.messages)
+            documents = await self._copy_documents(conversation, turn, listed)
+            with storage_errors("write the legacy turn (dual write)"):
                 for document in documents:
                     document[RECORD_FIELD] = record_id
                     await self._turns.replace_one({"_id": document["_id"]}, document, upsert=True)
-                await self._record_copy(record_id, pieces)
+                await self._record_copy(record_id, listed)
                 await self._unless_deleted(conversation, documents)
         except InvalidInput as exc:
             # The turn is stored by now: a copy refused is no fault of the caller's input.
             raise StorageFailure(f"{exc.message}; the turn itself is stored") from exc
 
-    async def _intend_copy(self, record_id: str, pieces: list[dict[str, Any]]) -> None:
+    async def _copy_documents(
+        self, conversation: Conversation, turn: LoggedTurn, listed: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """The legacy turns of a turn's copy, cut as its record lists them (`listed`), each
+        fitting `MAX_LEGACY_DOCUMENT_BYTES`; texts the store cut written whole (two lookups,
+        for such a turn only) unless they would then not fit."""
+        documents = turn_copy(
+            conversation, turn.turn_id, turn.messages, MAX_LEGACY_DOCUMENT_BYTES, listed=listed
+        )
+        if any(m.truncated for m in turn.messages):
+            restored = await self._full_texts.restore(turn.messages)
+            whole = turn_copy(conversation, turn.turn_id, restored, listed=listed)
+            if all(len(bson.encode(d)) <= MAX_LEGACY_DOCUMENT_BYTES for d in whole):
+                documents = whole  # else the texts stay cut: the turn is never lost over it
+        return documents
+
+    async def _intend_copy(
+        self, record_id: str, pieces: list[dict[str, Any]], messages: Sequence[AgentMessage]
+    ) -> list[dict[str, Any]]:
         """Record, before the copy is written, that the turn is to be copied (`COPY_RECORD`,
         `COPY_INTENDED`, by `copy_record_id`: no name, no content), as which legacy turns
         (`COPY_PIECES`, `copy_pieces`: each `_id` and the `seq`s it holds), where the legacy
         service never writes and a rollback moves nothing: the gate expects a copy of a live
         turn so recorded only, each of those legacy turns
         (`migrations.dual_writes.deleted`); one never copied (the dual write off) has no
-        copy to lose. A retry keeps a record already confirmed."""
+        copy to lose. The legacy turns the copy is written as: those its record lists. A
+        retry (a replay) keeps a record already written, confirmed or not, and the legacy
+        turns it lists, read back (one lookup more, for a retry only): a copy is cut as it
+        was first, never as the conversation's document says now (a fork's, written again
+        by a second attempt after a rollback, says no more where the turns of its original
+        began; was: the replay cut it at user messages alone, writing an exchange twice and
+        setting the record's list to lose one). A record whose list does not cut the turn's
+        `messages` (`cut_as_listed`: an earlier release's, listing none or no `seq`s) gets
+        these `pieces`."""
         intended = {"kind": COPY_RECORD, COPY_STATE: COPY_INTENDED, "at": utc_now()}
-        update = {"$setOnInsert": intended, "$set": {COPY_PIECES: pieces}}
-        await self._migration.update_one({"_id": record_id}, update, upsert=True)
+        update = {"$setOnInsert": intended | {COPY_PIECES: pieces}}
+        written = await self._migration.update_one({"_id": record_id}, update, upsert=True)
+        if written.upserted_id is not None:
+            return pieces
+        record = await self._migration.find_one({"_id": record_id}, {COPY_PIECES: 1})
+        listed = (record or {}).get(COPY_PIECES)
+        if isinstance(listed, list) and listed and cut_as_listed(messages, listed):
+            return listed
+        await self._migration.update_one({"_id": record_id}, {"$set": {COPY_PIECES: pieces}})
+        return pieces
 
     async def _record_copy(self, record_id: str, pieces: list[dict[str, Any]]) -> None:
         """Confirm the record of a copy once the copy is written (`COPY_WRITTEN`): a copy gone
@@ -1030,10 +1062,13 @@ def turn_copy(
     turn_id: str,
     messages: Sequence[AgentMessage],
     max_bytes: int | None = None,
+    *,
+    listed: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """The legacy turn documents the dual write copies a logged turn of `conversation` as
     (`legacy_turn_documents`): naming the conversation and its owner as its legacy turns do,
-    a fork's copies cut where the turns of its original began; with `max_bytes`, each fits."""
+    cut as the copy's record lists them (`listed`) when it does, else a fork's copies cut
+    where the turns of its original began; with `max_bytes`, each fits."""
     return legacy_turn_documents(
         conversation.id,
         turn_id,
@@ -1042,17 +1077,23 @@ def turn_copy(
         name=conversation.name,
         legacy_id=legacy_id_of(conversation.id, conversation.legacy_conversation_id),
         starts=_copied_turn_starts(turn_id, conversation),
+        listed=listed,
         max_bytes=max_bytes,
     )
 
 
 def turn_copy_pieces(
-    conversation: Conversation, turn_id: str, messages: Sequence[AgentMessage]
+    conversation: Conversation,
+    turn_id: str,
+    messages: Sequence[AgentMessage],
+    *,
+    starts: Collection[int] = (),
 ) -> list[dict[str, Any]]:
-    """The legacy turns `turn_copy` writes, as the record of the copy lists them
-    (`copy_pieces`: each `_id` and the first and last `seq` it holds)."""
-    starts = _copied_turn_starts(turn_id, conversation)
-    return copy_pieces(conversation.id, turn_id, messages, starts=starts)
+    """The legacy turns `turn_copy` writes for a turn no record lists yet, as the record of
+    the copy lists them (`copy_pieces`: each `_id` and the first and last `seq` it holds),
+    cut at `starts` too (where a copy standing was cut: `piece_starts`)."""
+    cut = {*_copied_turn_starts(turn_id, conversation), *starts}
+    return copy_pieces(conversation.id, turn_id, messages, starts=cut)
 
 
 def _copied_turn_starts(turn_id: str, conversation: Conversation) -> list[int]:
