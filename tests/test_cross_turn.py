@@ -1024,13 +1024,13 @@ async def test_an_approval_holds_while_its_call_is_pending_however_many_prompts_
     runtime = Runtime(backend)
     await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
     await runtime.stream([APPROVED])
-    for n in range(RESOLVED_PROMPTS_KEPT):
-        question = {"type": "confirm_required", "request_id": f"q-{n}", "action": "ok",
-                    "params": {}, "prompt": f"Question {n}?"}  # fmt: skip
-        await runtime.stream([question], prompt=f"Go on {n}.")
-        await runtime.stream(
-            [{"type": "confirm_resolved", "request_id": f"q-{n}", "approved": True}]
-        )
+    for batch in range(0, RESOLVED_PROMPTS_KEPT, 10):  # ten prompts a turn, answered in the next
+        ids = [f"q-{n}" for n in range(batch, batch + 10)]
+        questions = [{"type": "confirm_required", "request_id": i, "action": "ok", "params": {},
+                      "prompt": f"Question {i}?"} for i in ids]  # fmt: skip
+        await runtime.stream(questions, prompt=f"Go on {batch}.")
+        await runtime.stream([{"type": "confirm_resolved", "request_id": i, "approved": True}
+                              for i in ids])  # fmt: skip
 
     await runtime.stream([DENIED, {"type": "stream_token", "token": "Okay."}])
 
@@ -2525,12 +2525,12 @@ async def test_an_answer_naming_a_message_that_makes_no_such_call_here_is_refuse
 async def _a_call_the_bounded_list_dropped(
     logger: AgentMessageLogger, store: ConversationStore
 ) -> PendingCall:
-    """c0 left pending, then `PENDING_CALLS_KEPT` turns each leaving a call pending: c0 is
-    off the bounded list, though nobody answered it. Returns c0 as it was listed."""
+    """c0 left pending, then a turn leaving `PENDING_CALLS_KEPT` calls pending: c0 is off
+    the bounded list, though nobody answered it. Returns c0 as it was listed."""
     await logger.log_messages(CID, [_user("Look it up."), _calls("c0")], turn_id="t0")
     (read,) = await store.pending_calls(CID)
-    for n in range(1, PENDING_CALLS_KEPT + 1):
-        await logger.log_messages(CID, [_calls(f"c{n}")], turn_id=f"t{n}")
+    newer = [f"c{n}" for n in range(1, PENDING_CALLS_KEPT + 1)]
+    await logger.log_messages(CID, [_calls(*newer)], turn_id="t1")
     assert "c0" not in [c.tool_call_id for c in await store.pending_calls(CID)]
     return read
 
