@@ -69,6 +69,7 @@ from agent_store.store import (
     SteeringInbox,
     TurnObserver,
     TurnRules,
+    client_options,
     with_retries,
 )
 
@@ -132,5 +133,6 @@ __all__ = [
     "Usage",
     "UserMessage",
     "VersionMismatch",
+    "client_options",
     "with_retries",
 ]

@@ -13,7 +13,13 @@ from pymongo.monitoring import CommandListener
 
 from agent_store.embedded import URI_FILE, embedded_mongodb
 from agent_store.legacy import LegacyTurns
-from agent_store.store import AgentMessageLogger, ConversationStore, Database, storage_errors
+from agent_store.store import (
+    AgentMessageLogger,
+    ConversationStore,
+    Database,
+    client_options,
+    storage_errors,
+)
 from app.settings import Settings
 
 
@@ -75,6 +81,7 @@ async def open_store(
             datetime_conversion=DatetimeConversion.DATETIME_AUTO,
             serverSelectionTimeoutMS=10_000,
             event_listeners=list(command_listeners),
+            **client_options(uri),
         )
         stack.push_async_callback(client.close)
         with storage_errors("connect to the database"):

@@ -33,6 +33,14 @@ def _more_to_come(message: bytes) -> bool:
     return opcode == _OP_MSG and bool(int.from_bytes(message[16:20], "little") & _MORE_TO_COME)
 
 
+def _command_name(message: bytes) -> str | None:
+    """The command an OP_MSG request sends (its body's first key), None for any other message."""
+    if int.from_bytes(message[12:16], "little") != _OP_MSG or message[20] != 0:
+        return None
+    name_starts = 21 + 4 + 1  # the body section's kind, its document's length, the type byte
+    return message[name_starts : message.index(0, name_starts)].decode()
+
+
 @dataclass
 class FaultyProxy:
     """Forwards to `upstream` ("host:port"), dropping a connection on a share of requests."""
@@ -46,6 +54,13 @@ class FaultyProxy:
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
         self._server: asyncio.Server | None = None
+        self._forced: list[tuple[str, Fault]] = []
+
+    def drop_next(self, command: str, fault: Fault = "during") -> None:
+        """Drop the connection of the next request for `command` (`"findAndModify"`), whichever
+        connection sends it, at `fault`, whatever `drop_rate` says: one dropped connection,
+        exactly, and never a monitor's (`hello`)."""
+        self._forced.append((command, fault))
 
     async def start(self) -> str:
         """Listen on a free local port; returns a connection string for the proxy."""
@@ -60,8 +75,10 @@ class FaultyProxy:
             self._server.close_clients()
             await self._server.wait_closed()
 
-    def _fault(self) -> Fault | None:
+    def _fault(self, request: bytes) -> Fault | None:
         self.requests += 1
+        if self._forced and self._forced[0][0] == _command_name(request):
+            return self._forced.pop(0)[1]
         if self._rng.random() >= self.drop_rate:
             return None
         return self._rng.choice(FAULTS)
@@ -72,7 +89,7 @@ class FaultyProxy:
         try:
             while True:
                 request = await _read_message(client_r)
-                fault = self._fault()
+                fault = self._fault(request)
                 if fault == "before":
                     self.dropped[fault] += 1
                     return

@@ -31,6 +31,15 @@ from agent_store.core import utc_now
 
 MONGODB_URI = os.environ.get("MONGODB_URI")
 
+RETRY_WRITES = os.environ.get("RETRY_WRITES", "on")
+"""Whether the wire backends' clients, and the clients the tests behind a faulty network build,
+have PyMongo's retryable writes on (`on`, the driver's default, what a runtime's own client
+has) or off (`off`, what the product's own client has: `client_options`). Every write of the
+store is safe to send again without the driver's help: `RETRY_WRITES=off` runs the storage
+tests so (docs/RELIABILITY.md)."""
+WIRE_CLIENT_OPTIONS: dict[str, Any] = {"retryWrites": RETRY_WRITES == "on"}
+"""The options of every wire client a storage test builds, beside its own."""
+
 
 def _backend_params(*, wire_only: bool = False) -> list[Any]:
     """Every backend, wire ones marked `wire` (on Python 3.11, `-m "not wire"` leaves them out)."""
@@ -125,6 +134,8 @@ run rather than doubling the time of every `make test`."""
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if MOTOR_MATRIX not in ("off", "all"):
         raise pytest.UsageError(f"MOTOR_MATRIX must be off or all, not {MOTOR_MATRIX!r}")
+    if RETRY_WRITES not in ("on", "off"):
+        raise pytest.UsageError(f"RETRY_WRITES must be on or off, not {RETRY_WRITES!r}")
     kept: list[pytest.Item] = []
     left: list[pytest.Item] = []
     for item in items:
@@ -210,9 +221,13 @@ async def _open(name: str, request: pytest.FixtureRequest) -> AsyncIterator[Back
     if name == "wire-motor":
         from motor.motor_asyncio import AsyncIOMotorClient
 
-        client: Any = AsyncIOMotorClient(uri, tz_aware=True, event_listeners=[commands])
+        client: Any = AsyncIOMotorClient(
+            uri, tz_aware=True, event_listeners=[commands], **WIRE_CLIENT_OPTIONS
+        )
     else:
-        client = AsyncMongoClient(uri, tz_aware=True, event_listeners=[commands])
+        client = AsyncMongoClient(
+            uri, tz_aware=True, event_listeners=[commands], **WIRE_CLIENT_OPTIONS
+        )
     try:
         yield Backend(name, client[db_name], commands, lacks)
     finally:

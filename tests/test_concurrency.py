@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
+from pymongo.errors import PyMongoError
 
 from agent_store import (
     AgentMessageLogger,
@@ -26,10 +27,11 @@ from agent_store import (
     TurnRules,
     with_retries,
 )
-from agent_store.store import CONVERSATIONS, MESSAGES, shorten
+from agent_store.store import CONVERSATIONS, MESSAGES, client_options, shorten
 from agent_store.store._turns import POPPED_SEQS_KEPT
 from scripts.faulty_proxy import FaultyProxy
-from tests.conftest import Backend
+from scripts.pool_recovery import PoolEvents
+from tests.conftest import WIRE_CLIENT_OPTIONS, Backend
 
 CID = "conv-crowd"
 
@@ -162,7 +164,13 @@ async def test_writers_behind_a_network_that_drops_connections_lose_nothing_and_
     uri = await proxy.start()
     db_name = "faulty_network"
     clients = [
-        AsyncMongoClient(uri, tz_aware=True, serverSelectionTimeoutMS=3000, connectTimeoutMS=3000)
+        AsyncMongoClient(
+            uri,
+            tz_aware=True,
+            serverSelectionTimeoutMS=3000,
+            connectTimeoutMS=3000,
+            **WIRE_CLIENT_OPTIONS,
+        )
         for _ in range(4)
     ]
     direct: AsyncMongoClient[Any] = AsyncMongoClient(wire_uri, tz_aware=True)
@@ -243,3 +251,49 @@ async def test_past_the_kept_records_a_turn_sent_twice_at_once_is_stored_and_cou
         assert [(m.id, m.seq) for m in logged.messages] == [
             (m["_id"], m["seq"]) for m in stored if m["turn_id"] == turn_id
         ]
+
+
+@pytest.mark.wire
+async def test_a_busy_client_built_the_products_way_recovers_from_one_dropped_connection(
+    wire_uri: str,
+) -> None:
+    """RELIABILITY.md: one connection dropped under 20 concurrent writers, and no drop after it.
+    Each writer's failed write waits for the pool to be ready again, then is sent again. The
+    product's client clears its pool for the drop and then recovers (was, with PyMongo's
+    retryable writes on: a retried write's checkout of the paused pool cleared it again, as
+    long as the load lasted: hundreds of clears, hundreds of failed writes)."""
+    upstream = wire_uri.removeprefix("mongodb://").split("/")[0]
+    proxy = FaultyProxy(upstream)
+    uri = await proxy.start()
+    pool = PoolEvents()
+    client: AsyncMongoClient[Any] = AsyncMongoClient(
+        uri, serverSelectionTimeoutMS=10_000, event_listeners=[pool], **client_options(uri)
+    )
+    counter = client["pool_recovery"]["counter"]
+    failed: list[str] = []
+
+    async def write_until_done() -> None:
+        while True:
+            try:
+                await counter.find_one_and_update({"_id": 0}, {"$inc": {"n": 1}}, upsert=True)
+                return
+            except PyMongoError as error:
+                failed.append(str(error)[:60])
+                await asyncio.wait_for(pool.ready.wait(), timeout=60)
+
+    async def writer(number: int) -> None:
+        for write in range(25):
+            if number == 0 and write == 5:
+                proxy.drop_next("findAndModify")
+            await write_until_done()
+
+    try:
+        await counter.insert_one({"_id": 0, "n": 0})
+        await asyncio.gather(*(writer(n) for n in range(20)))
+        assert sum(proxy.dropped.values()) == 1, proxy.dropped
+        assert pool.cleared <= 2, (pool.cleared, len(failed))
+        assert len(failed) <= 40, Counter(failed)
+    finally:
+        await client.drop_database("pool_recovery")
+        await client.close()
+        await proxy.close()

@@ -102,6 +102,26 @@ async def test_the_services_client_decodes_a_date_outside_pythons_range(wire_uri
     assert decoded["t"] == DatetimeMS(2**62)
 
 
+@pytest.mark.parametrize(
+    ("query", "retry_writes"),
+    [
+        ("", False),
+        ("?appName=svc", False),
+        ("?retryWrites=true", True),
+        ("?RETRYWRITES=false", False),
+    ],
+)
+async def test_the_services_client_sends_no_write_twice_itself_unless_the_uri_says_so(
+    wire_uri: str, query: str, retry_writes: bool
+) -> None:
+    """RELIABILITY.md: the service's client has PyMongo's retryable writes off (the driver's
+    retry of a write a dropped connection lost kept clearing its paused pool under load),
+    unless the connection string names `retryWrites`: the operator's word wins."""
+    uri = wire_uri.partition("?")[0].rstrip("/") + "/" + query
+    async with open_store(Settings(mongodb_uri=uri)) as store:
+        assert store.db.client.options.retry_writes is retry_writes
+
+
 def test_a_failure_while_the_embedded_server_runs_on_uvloop_is_the_error_raised() -> None:
     uvloop = pytest.importorskip("uvloop")
 

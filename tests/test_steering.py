@@ -33,7 +33,7 @@ from agent_store import (
 from agent_store.integrations.streams import turn_from_sse
 from agent_store.store import CONVERSATIONS, MESSAGES
 from scripts.faulty_proxy import FaultyProxy
-from tests.conftest import Backend, count_documents_read
+from tests.conftest import WIRE_CLIENT_OPTIONS, Backend, count_documents_read
 
 CID = "conv-live"
 TURN = "turn-running"
@@ -122,7 +122,11 @@ async def test_the_handshake_holds_behind_a_network_that_drops_connections(
     proxy = FaultyProxy(upstream, drop_rate=0.05, seed=seed)
     uri = await proxy.start()
     faulty: AsyncMongoClient[Any] = AsyncMongoClient(
-        uri, tz_aware=True, serverSelectionTimeoutMS=3000, connectTimeoutMS=3000
+        uri,
+        tz_aware=True,
+        serverSelectionTimeoutMS=3000,
+        connectTimeoutMS=3000,
+        **WIRE_CLIENT_OPTIONS,
     )
     healthy: AsyncMongoClient[Any] = AsyncMongoClient(wire_uri, tz_aware=True)
     policy = RetryPolicy(attempts=12, first_delay=0.2, max_delay=1.0)

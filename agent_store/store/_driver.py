@@ -112,6 +112,21 @@ def database_name_refusal(name: str) -> str | None:
 _SECRET_OPTION = re.compile(r"(?i)password|secret|token|authmechanismproperties")
 
 
+def client_options(uri: str | None) -> dict[str, Any]:
+    """The options a client the product builds for `uri` takes beside its own: PyMongo's
+    retryable writes off (`retryWrites=False`), unless `uri` names `retryWrites` itself (the
+    operator's word wins).
+
+    Every write of the store is safe to send again after a lost reply, and the runtime sends it
+    again (`with_retries`), after a pause. PyMongo's own retry is sent at once: after a dropped
+    connection its pool is paused until the next heartbeat, and the retry's checkout of the
+    paused pool clears it again, as long as writes keep coming (docs/RELIABILITY.md).
+    """
+    query = (uri or "").partition("?")[2]
+    names = {option.partition("=")[0].strip().lower() for option in re.split("[&;]", query)}
+    return {} if "retrywrites" in names else {"retryWrites": False}
+
+
 def redact_uri(uri: str) -> str:
     """`uri` fit to print: its password and the values of secret-bearing options are `***`."""
     scheme, separator, rest = uri.partition("://")
