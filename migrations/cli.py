@@ -836,7 +836,8 @@ def _run_parser(run: argparse.ArgumentParser) -> None:
         default=[],
         metavar="RECORD",
         help="write the legacy turns missing of the copy this record names, from its turn's "
-        "stored messages, and confirm it (the gate's advice when the person deleted nothing)",
+        "stored messages, and confirm it; a record missing of a turn owed a copy is written "
+        "first (the gate's advice when the person deleted nothing)",
     )
     run.add_argument(
         "--force-unlock", action="store_true", help="take the lock from a run known to be dead"

@@ -624,10 +624,17 @@ COPY_OWED_UNRECORDED = (
     "and what a person did there after a rollback (deleted the conversation whole?) is not "
     "read from it. Ask the person: if the conversation or the exchange was deleted, pop its "
     "messages through the store (or delete the conversation), never put its document back; "
-    "if not, unset `copy_owed` on the turn's messages (the turn was never copied)"
+    "if not, keep `copy_owed` on the turn's messages (the legacy collection lacks a turn a "
+    "rollback would lose) and run `run --copy-again {record}`, which writes the copy and "
+    "its record from the turn's stored messages"
 )
 """What the gate says of a live turn stored while the dual write was on (`COPY_OWED`) whose
-copy was never recorded nor written: never read as logged with the dual write off."""
+copy was never recorded nor written: never read as logged with the dual write off, nor
+advised to lose its mark when the person deleted nothing (was: "unset `copy_owed` on the
+turn's messages", after which the gate passed a turn served on the new service that a
+rollback lost); the record it names is the one the dual write would have written
+(`copy_record_id`), which `run --copy-again` writes as `run` writes a record removed by
+hand (`confirm_copies`)."""
 
 COPY_RECORDS_READ = 1000
 """The most copy records one read asks for (`copied`), and live turns one chunk of
@@ -738,6 +745,7 @@ def _gone(
     recorded = {records[d["_id"]][:2] for d in read}
     owed = _owed_unrecorded(turns, {r[:2] for r in records.values()} - recorded)
     owed_ids = {legacy_turn_id(cid, turn_id): (cid, turn_id) for cid, turn_id in owed}
+    record_ids = {records[r][:2]: r for r in records}
     ids = sorted({piece[0] for listed in pieces.values() for piece in listed} | set(owed_ids))
     there = {d["_id"] for d in db[source].find({"_id": {"$in": ids}}, {"_id": 1})}
     for record in read:
@@ -748,7 +756,8 @@ def _gone(
             found.add(cid, turn_id, _said(record, turn_id, missing, listed, seqs, cid in documents))
     for legacy_id, (cid, turn_id) in sorted(owed_ids.items(), key=lambda item: item[1]):
         if legacy_id not in there:
-            found.add(cid, turn_id, [COPY_OWED_UNRECORDED.format(turn_id=turn_id)])
+            said = COPY_OWED_UNRECORDED.format(turn_id=turn_id, record=record_ids[cid, turn_id])
+            found.add(cid, turn_id, [said])
 
 
 def _records_of(
@@ -855,10 +864,12 @@ def confirm_copies(
     missing is written again listing the legacy turns its turn's stored messages were copied
     as (`_written_as`: cut where a legacy turn of it standing opens too), never without
     them, and stays intended while one of them is missing. The records named in
-    `copy_again` (only intended; the person deleted no exchange of the turn) first get the
-    legacy turns they list that are missing written from the turn's stored messages, cut as
-    the record lists them (`_copy_again`), a copy none of which stands too (its turn found
-    by its stored messages, `_turns_recorded`: one aggregation). `run` does it: one read of
+    `copy_again` (only intended, or missing while their turn's messages are marked
+    `COPY_OWED`: `COPY_OWED_UNRECORDED`, written first as one removed by hand is; the person
+    deleted no exchange of the turn) first get the legacy turns they list that are missing
+    written from the turn's stored messages, cut as the record lists them (`_copy_again`), a
+    copy none of which stands too (its turn found by its stored messages, `_turns_recorded`:
+    one aggregation). `run` does it: one read of
     the copies naming a record, one of those records, one write when any is left; for a
     record missing or copied again, one read of its turn's stored messages and one of its
     conversation's document."""
@@ -868,13 +879,14 @@ def confirm_copies(
     query = {"_id": {"$in": sorted({*standing, *copy_again})}, "kind": COPY_RECORD}
     records = {d["_id"]: d for d in db[STATE].find(query, {COPY_STATE: 1, COPY_PIECES: 1})}
     _refuse_copying_again(copy_again, records)
-    turns |= _turns_recorded(db, [r for r in copy_again if r not in turns])
+    unrecorded = {r for r in copy_again if r not in records}
+    turns |= _turns_recorded(db, [r for r in copy_again if r not in turns], unrecorded)
     wanted = {
         r: turns[r]
         for r in {*standing, *copy_again}
         if r in turns and (r not in records or r in copy_again)
     }
-    expected = _expected_pieces(db, wanted, records, standing, source=source)
+    expected = _expected_pieces(db, wanted, records, standing, copy_again, source=source)
     for record_id, (_, written) in expected.items():
         standing.setdefault(record_id, set()).update(written)
     updates = {
@@ -942,9 +954,10 @@ def _confirmation(
 
 def _refuse_copying_again(copy_again: Collection[str], records: Mapping[str, Any]) -> None:
     """Misuse when a record named to copy again is not one of a copy only intended
-    (`PIECE_UNCONFIRMED`'s, `COPY_UNCONFIRMED`'s): no other is the gate's question."""
+    (`PIECE_UNCONFIRMED`'s, `COPY_UNCONFIRMED`'s) nor missing (`COPY_OWED_UNRECORDED`'s,
+    which `_turns_recorded` checks the turn of): no other is the gate's question."""
     for record_id in copy_again:
-        if (records.get(record_id) or {}).get(COPY_STATE) != COPY_INTENDED:
+        if record_id in records and records[record_id].get(COPY_STATE) != COPY_INTENDED:
             raise Misuse(
                 f"{record_id!r} is no record of a copy only intended (the gate names such a "
                 "record when its copy, or a legacy turn of it, is missing)"
@@ -952,25 +965,34 @@ def _refuse_copying_again(copy_again: Collection[str], records: Mapping[str, Any
 
 
 def _turns_recorded(
-    db: Database[dict[str, Any]], wanted: Collection[str]
+    db: Database[dict[str, Any]], wanted: Collection[str], unrecorded: Collection[str]
 ) -> dict[str, tuple[str, str]]:
     """The live turn (conversation id, turn id) whose copy each record in `wanted` (by
     `_id`) is the record of, found by its stored messages (`_stored_live_turns`, records
     by `_records_of`): a record names no turn, and no legacy turn of such a copy stands to
     name it. Misuse for one whose turn's messages are no longer stored (nothing is left to
-    copy). Reads nothing when none is wanted."""
+    copy), and for one of the records `unrecorded` (missing) whose turn's messages are not
+    marked `COPY_OWED` (logged with the dual write off: no copy was owed). Reads nothing
+    when none is wanted."""
     found: dict[str, tuple[str, str]] = {}
     if not wanted:
         return found
+    owed: set[tuple[str, str]] = set()
     turns = _stored_live_turns(db, None)
     while len(found) < len(wanted) and (chunk := list(itertools.islice(turns, COPY_RECORDS_READ))):
         _, records = _records_of(db, chunk)
         found |= {r: records[r][:2] for r in wanted if r in records}
+        owed |= {(cid, turn_id) for cid, turn_id, *_, marked in chunk if marked}
     for record_id in wanted:
         if record_id not in found:
             raise Misuse(
                 f"{record_id!r} cannot be copied again: no message of its turn is stored "
                 "(nothing is left to copy)"
+            )
+        if record_id in unrecorded and found[record_id] not in owed:
+            raise Misuse(
+                f"{record_id!r} is no record of a copy and its turn's messages are not marked "
+                "`copy_owed`: the dual write owed it no copy"
             )
     return found
 
@@ -980,14 +1002,16 @@ def _expected_pieces(
     wanted: Mapping[str, tuple[str, str]],
     records: Mapping[str, Mapping[str, Any]],
     standing: Mapping[str, Collection[Any]],
+    copy_again: Collection[str],
     *,
     source: str,
 ) -> dict[str, _Expected]:
-    """For each record (by id) of a turn `wanted` (conversation id, turn id): missing, the
-    legacy turns its stored messages were copied as (`_written_as`; none when no message is
-    stored); standing (named to copy again), those it lists and those of them `_copy_again`
-    wrote. One read of the turns' stored messages and one of their conversations' documents;
-    none when none is wanted."""
+    """For each record (by id) of a turn `wanted` (conversation id, turn id): the legacy
+    turns it lists, or, missing, those its stored messages were copied as (`_written_as`;
+    none when no message is stored); for one named to `copy_again` (an intended one, or a
+    missing one whose turn was owed a copy, `COPY_OWED_UNRECORDED`: the same mechanism),
+    those of them `_copy_again` wrote. One read of the turns' stored messages and one of
+    their conversations' documents; none when none is wanted."""
     if not wanted:
         return {}
     cids = sorted({cid for cid, _ in wanted.values()})
@@ -999,15 +1023,19 @@ def _expected_pieces(
         messages = [m for m in stored.get(cid, []) if m.turn_id == turn_id]
         conversation = documents.get(cid)
         ids = standing.get(record_id, set())
-        if record_id not in records:
-            found[record_id] = (_written_as(cid, turn_id, messages, conversation, ids), set())
+        listed = (
+            _listed(records[record_id])
+            if record_id in records
+            else _written_as(cid, turn_id, messages, conversation, ids)
+        )
+        if record_id not in copy_again:
+            found[record_id] = ([dict(piece) for piece in listed], set())
             continue
         if conversation is None or not messages:
             raise Misuse(
                 f"{record_id!r} cannot be copied again: its turn's messages or its "
                 "conversation's document are no longer stored (nothing is left to copy)"
             )
-        listed = _listed(records[record_id])
         written = _copy_again(db, conversation, turn_id, messages, record_id, listed, ids, source)
         found[record_id] = ([dict(piece) for piece in listed], written)
     return found

@@ -24,6 +24,7 @@ import pytest
 from pymongo import AsyncMongoClient, DeleteOne, MongoClient, monitoring
 from pymongo.collection import Collection
 from pymongo.database import Database
+from pymongo.errors import AutoReconnect
 
 from agent_store import AgentMessageLogger, ConversationStore, LegacyTurns, LoggedTurn
 from agent_store.core import (
@@ -41,6 +42,7 @@ from agent_store.legacy import (
     SESSION_HITL,
     TURN_ONLY_FIELDS,
     convert,
+    copy_record_id,
     derived_conversation_id,
     derived_user_id,
     dumps,
@@ -10084,8 +10086,6 @@ def _copy_confirmation_fails_once(monkeypatch: pytest.MonkeyPatch) -> None:
 def _dual_write_step_fails_once(monkeypatch: pytest.MonkeyPatch, step: str) -> None:
     """The dual write's `step` (a method of `LegacyTurns`) fails once, as a primary stepping
     down would."""
-    from pymongo.errors import AutoReconnect
-
     failed: list[bool] = []
     real = getattr(LegacyTurns, step)
 
@@ -10457,7 +10457,9 @@ def test_a_turn_whose_copy_was_owed_but_never_recorded_is_never_passed_nor_its_d
     rollback and after the old service deleted the conversation whole, and never advise
     putting its document back (was: exit 0 before the rollback; after it, "logged while the
     dual write was off … Put its conversation document back", which brought back what Ada
-    deleted, `finish` and the drop at 0). Its advice followed, the gate passes."""
+    deleted, `finish` and the drop at 0). Its advice followed, the gate passes: the person
+    having deleted nothing, `run --copy-again RECORD` writes the copy and its record (was:
+    "unset `copy_owed`", after which a rollback lost the turn)."""
     database[CONVERSATIONS].insert_many(
         [legacy_turn("t-0", "c-1", 0, "OLD"), legacy_turn("t-2", "c-2", 0, "OTHER")]
     )
@@ -10478,8 +10480,12 @@ def test_a_turn_whose_copy_was_owed_but_never_recorded_is_never_passed_nor_its_d
         assert "written before this release" not in out
         assert "'t2' is gone" in out if after != "no rollback" else "'t2'" not in out
 
-    if after == "no rollback":  # the person deleted nothing: the turn was never copied
-        database[MESSAGES].update_many({"turn_id": "t1"}, {"$unset": {"copy_owed": ""}})
+    if after == "no rollback":  # the person deleted nothing: the turn is copied now
+        record_id = _owed_record(database)
+        assert f"run `run --copy-again {record_id}`" in out
+        assert "unset `copy_owed`" not in out
+        assert cli(wire_uri, database, "run", "--copy-again", record_id) == 0
+        assert database[LEGACY_TURNS].count_documents({"turn_id": "t1"}) == 1
     else:  # the person deleted the conversation: its messages go
         database[MESSAGES].delete_many({"conversation_id": "c-1"})
     for command in ("verify", "finish"):
@@ -10487,6 +10493,98 @@ def test_a_turn_whose_copy_was_owed_but_never_recorded_is_never_passed_nor_its_d
     assert (database[MESSAGES].count_documents({"conversation_id": "c-1"}) > 0) is (
         after == "no rollback"
     )
+
+
+OWED_FAILURES = {
+    "its record's write failed": "_intend_copy",
+    "the turn's own write failed after its insert landed": "turn_logged",
+}
+"""How a dual-written turn ends stored marked `copy_owed` with neither record nor copy: the
+dual write's first write (the record before the copy) fails, or the dual write never begins
+(the `LegacyTurns` step that fails once)."""
+
+
+def _follow_owed_advice(wire_uri: str, database: Database[dict[str, Any]], out: str) -> None:
+    """Follow, word for word, what the gate advises for a turn owed a copy and never recorded
+    when the person deleted nothing."""
+    kept = out.split("if not,", 1)[-1]
+    if "unset `copy_owed`" in kept:
+        database[MESSAGES].update_many({"turn_id": "t1"}, {"$unset": {"copy_owed": ""}})
+        return
+    named = re.search(r"`run --copy-again ([^`]+)`", kept)
+    assert named is not None, kept
+    assert cli(wire_uri, database, "run", "--copy-again", named.group(1)) == 0
+
+
+def _owed_record(database: Database[dict[str, Any]]) -> str:
+    """The `_id` the record of `c-1`'s turn `t1` has, or would have."""
+    return copy_record_id("c-1", "t1", _epoch(database, "c-1"))
+
+
+def _epoch(database: Database[dict[str, Any]], cid: str) -> Any:
+    return (database[CONVERSATIONS].find_one({"_id": cid}) or {}).get("epoch")
+
+
+@pytest.mark.wire
+def test_copy_again_refuses_a_turn_owed_no_copy(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`run --copy-again` of the record a live turn logged with the dual write off would have
+    (its messages not marked `copy_owed`): exit 2, nothing written; the gate still passes."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-1", 0, "OLD"))
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "t1", "«OFF»")
+    assert cli(wire_uri, database, "run", "--copy-again", _owed_record(database)) == 2
+    assert "owed it no copy" in capsys.readouterr().err
+    assert database[LEGACY_TURNS].count_documents({"turn_id": "t1"}) == 0
+    assert database[lease.STATE].count_documents({"kind": dual_writes.COPY_RECORD}) == 0
+    _gate_says(wire_uri, database, capsys, exits=0)
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("step", OWED_FAILURES.values(), ids=list(OWED_FAILURES))
+def test_a_turn_owed_a_copy_never_recorded_nobody_deleted_is_copied_never_lost_in_a_rollback(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    step: str,
+) -> None:
+    """A dual-written turn stored marked `copy_owed` whose record and copy were never written,
+    the person having deleted nothing: the gate's advice, followed word for word, writes
+    the copy and its record from the turn's stored messages (`run --copy-again RECORD`, the
+    record the finding names), after which the gate passes and a rollback serves the turn
+    (was: "unset `copy_owed` on the turn's messages", after which `verify` and `finish`
+    exited 0 and the old service lacked a turn the new one had served). A second `run`
+    changes nothing; the record copied again is refused (exit 2)."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-1", 0, "OLD"))
+    assert cli(wire_uri, database, "run") == 0
+    _dual_write_step_fails_once(monkeypatch, step)
+    with pytest.raises((StorageUnavailable, AutoReconnect)):
+        log_live(wire_uri, database, "c-1", "t1", "«KEPT»", dual_write=True)
+    assert database[MESSAGES].count_documents({"turn_id": "t1", "copy_owed": True}) == 2
+    assert database[LEGACY_TURNS].count_documents({"turn_id": "t1"}) == 0
+    assert database[lease.STATE].count_documents({"kind": dual_writes.COPY_RECORD}) == 0
+
+    said = _gate_says(wire_uri, database, capsys, exits=1)
+    for out in said:
+        assert "owed a copy of the live turn 't1'" in out, out
+    _follow_owed_advice(wire_uri, database, said[0])
+    assert cli(wire_uri, database, "run", "--copy-again", _owed_record(database)) == 2
+    if any(cli(wire_uri, database, command) != 0 for command in ("verify", "finish")):
+        return  # the gate holds the drop: nothing is lost
+    copies = list(database[LEGACY_TURNS].find({"turn_id": "t1"}))
+    records = list(database[lease.STATE].find({"kind": dual_writes.COPY_RECORD}))
+    assert cli(wire_uri, database, "run") == 0  # a second run changes nothing
+    assert list(database[LEGACY_TURNS].find({"turn_id": "t1"})) == copies
+    assert list(database[lease.STATE].find({"kind": dual_writes.COPY_RECORD})) == records
+
+    roll_back(database, clear_messages=False)
+    legacy = [str(d.get("user_message")) for d in database[CONVERSATIONS].find()]
+    assert any("«KEPT»" in text for text in legacy), legacy
+    assert cli(wire_uri, database, "run") == 0
+    assert "«KEPT»" in str(_served_user_texts(wire_uri, database, "c-1"))
+    assert database[MESSAGES].count_documents({"turn_id": "t1"}) == 2
 
 
 @pytest.mark.wire
