@@ -10089,11 +10089,11 @@ def _dual_write_step_fails_once(monkeypatch: pytest.MonkeyPatch, step: str) -> N
     failed: list[bool] = []
     real = getattr(LegacyTurns, step)
 
-    async def flaky(self: LegacyTurns, *args: Any) -> None:
+    async def flaky(self: LegacyTurns, *args: Any) -> Any:
         if not failed:
             failed.append(True)
             raise AutoReconnect("primary stepped down")
-        await real(self, *args)
+        return await real(self, *args)  # what the step says (`_intend_copy`'s record)
 
     monkeypatch.setattr(LegacyTurns, step, flaky)
 

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import bson
 from pymongo import UpdateMany
+from pymongo.errors import DuplicateKeyError
 
 from agent_store.core import (
     AgentMessage,
@@ -918,7 +919,7 @@ class LegacyTurns:
         return [d["_id"] for d, user in zip(prompts, users, strict=True) if user in (None, owner)]
 
     async def turn_logged(self, turn: LoggedTurn, conversation: Conversation) -> None:
-        """With `dual_write`, upsert the turn as legacy turns; a retry rewrites the same ones.
+        """With `dual_write`, upsert the turn as legacy turns; a retry completes the same ones.
 
         They name the conversation as its legacy turns do, so the old reader finds them in
         it after a rollback: a conversation migrated under a derived `legacy-conversation-`
@@ -941,6 +942,13 @@ class LegacyTurns:
         fits in `MAX_LEGACY_DOCUMENT_BYTES` (texts cut further when the cut ones do not:
         `legacy_turn_documents`), so the copy is written; a copy still refused is a
         StorageFailure, never InvalidInput: the turn is stored by now.
+
+        A replay never writes back a copy its record confirmed (`COPY_WRITTEN`): a legacy
+        turn of it gone was deleted by someone (on the old service after a rollback, say),
+        and the gate's question about it (`COPY_GONE`) stands; its record stays as it is.
+        A replay of a copy still `COPY_INTENDED` completes it (`_write_copy`): each legacy
+        turn of it missing is written, none standing written over. No read more: the record
+        is read back by a retry already (`_intend_copy`).
         """
         if not self.dual_write:
             return
@@ -948,14 +956,16 @@ class LegacyTurns:
         try:
             with storage_errors("write the legacy turn (dual write)"):
                 pieces = turn_copy_pieces(conversation, turn.turn_id, turn.messages)
-                listed = await self._intend_copy(record_id, pieces, turn.messages)
-            documents = await self._copy_documents(conversation, turn, listed)
+                intended = await self._intend_copy(record_id, pieces, turn.messages)
+            if intended.confirmed:
+                return  # a replay: what of the copy is gone was deleted, the gate asks
+            documents = await self._copy_documents(conversation, turn, intended.listed)
             with storage_errors("write the legacy turn (dual write)"):
                 for document in documents:
                     document[RECORD_FIELD] = record_id
-                    await self._turns.replace_one({"_id": document["_id"]}, document, upsert=True)
-                await self._record_copy(record_id, listed)
-                await self._unless_deleted(conversation, documents)
+                written = await self._write_copy(documents, completing=intended.replayed)
+                await self._record_copy(record_id, intended.listed)
+                await self._unless_deleted(conversation, written)
         except InvalidInput as exc:
             # The turn is stored by now: a copy refused is no fault of the caller's input.
             raise StorageFailure(f"{exc.message}; the turn itself is stored") from exc
@@ -976,9 +986,28 @@ class LegacyTurns:
                 documents = whole  # else the texts stay cut: the turn is never lost over it
         return documents
 
+    async def _write_copy(
+        self, documents: Sequence[dict[str, Any]], *, completing: bool
+    ) -> list[dict[str, Any]]:
+        """Write the legacy turns of a turn's copy; those written. A first copy replaces any
+        standing under their `_id`s; a copy `completing` one its record still holds intended
+        (a replay) inserts each one missing alone and leaves one standing as it is (the
+        old service may have edited it after a rollback): same commands, no read."""
+        written: list[dict[str, Any]] = []
+        for document in documents:
+            if not completing:
+                await self._turns.replace_one({"_id": document["_id"]}, document, upsert=True)
+            else:
+                try:
+                    await self._turns.insert_one(document)
+                except DuplicateKeyError:
+                    continue  # standing: never written over
+            written.append(document)
+        return written
+
     async def _intend_copy(
         self, record_id: str, pieces: list[dict[str, Any]], messages: Sequence[AgentMessage]
-    ) -> list[dict[str, Any]]:
+    ) -> _Intended:
         """Record, before the copy is written, that the turn is to be copied (`COPY_RECORD`,
         `COPY_INTENDED`, by `copy_record_id`: no name, no content), as which legacy turns
         (`COPY_PIECES`, `copy_pieces`: each `_id` and the `seq`s it holds), where the legacy
@@ -993,18 +1022,23 @@ class LegacyTurns:
         began; was: the replay cut it at user messages alone, writing an exchange twice and
         setting the record's list to lose one). A record whose list does not cut the turn's
         `messages` (`cut_as_listed`: an earlier release's, listing none or no `seq`s) gets
-        these `pieces`."""
+        these `pieces`. What the record said of the copy (`_Intended`): a retry's record read
+        back confirmed (`COPY_WRITTEN`, or holding no state: an earlier release's) is left as
+        it is, its copy never written again (`turn_logged`)."""
         intended = {"kind": COPY_RECORD, COPY_STATE: COPY_INTENDED, "at": utc_now()}
         update = {"$setOnInsert": intended | {COPY_PIECES: pieces}}
         written = await self._migration.update_one({"_id": record_id}, update, upsert=True)
         if written.upserted_id is not None:
-            return pieces
-        record = await self._migration.find_one({"_id": record_id}, {COPY_PIECES: 1})
-        listed = (record or {}).get(COPY_PIECES)
+            return _Intended(pieces, replayed=False, confirmed=False)
+        projection = {COPY_PIECES: 1, COPY_STATE: 1}
+        record = await self._migration.find_one({"_id": record_id}, projection) or {}
+        listed = record.get(COPY_PIECES)
+        if record.get(COPY_STATE, COPY_WRITTEN) != COPY_INTENDED:
+            return _Intended(listed if isinstance(listed, list) else [], True, confirmed=True)
         if isinstance(listed, list) and listed and cut_as_listed(messages, listed):
-            return listed
+            return _Intended(listed, replayed=True, confirmed=False)
         await self._migration.update_one({"_id": record_id}, {"$set": {COPY_PIECES: pieces}})
-        return pieces
+        return _Intended(pieces, replayed=True, confirmed=False)
 
     async def _record_copy(self, record_id: str, pieces: list[dict[str, Any]]) -> None:
         """Confirm the record of a copy once the copy is written (`COPY_WRITTEN`): a copy gone
@@ -1055,6 +1089,16 @@ class LegacyTurns:
                 }
             )
         return int(deleted.deleted_count)
+
+
+class _Intended(NamedTuple):
+    """What a copy's record said when the dual write recorded it intended
+    (`LegacyTurns._intend_copy`): the legacy turns the copy is written as, whether the record
+    stood already (the turn a replay), and whether it stood confirmed (`COPY_WRITTEN`)."""
+
+    listed: list[dict[str, Any]]
+    replayed: bool
+    confirmed: bool
 
 
 def turn_copy(
