@@ -56,7 +56,7 @@ from agent_store.store import _logger as _logger_module
 from agent_store.store._logger import Corrected, OtherContent, Unreserved
 from agent_store.store._reservation import BLOCKS_WATCHED_FOR, DELETING, BeingDeleted
 from agent_store.store._turns import answered_in, message_id, pending_after
-from tests.api_harness import auth_headers, digest, reserved_insert_lost, serve
+from tests.api_harness import _insert_lost, auth_headers, digest, reserved_insert_lost, serve
 from tests.conftest import COUNTED, Backend, StoreClocks
 
 STREAMS = Path(__file__).parent / "streams"
@@ -10353,3 +10353,95 @@ async def test_a_pop_after_a_dead_turn_withdraws_the_approval_of_the_question_it
     await logger.fork(CID, last, "fork-whole")
     forked = [(c.tool_call_id, c.request_id) for c in await store.pending_calls("fork-whole")]
     assert forked == held
+
+
+_T5 = [_user("u5"), _answer("c0", "r5"), _calls("c1"), _say("a5")]
+"""A turn answering c0 and making c1 (`_refused_call_turn`)."""
+
+
+async def _refused_call_turn(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks
+) -> tuple[dict[str, Any], str]:
+    """t1 makes c0; t5 answers c0 and makes c1, its insert lost (c1 listed pending); past
+    `abandon_after` a quiet turn passes t5's empty block (c0 listed again) and t11 answers
+    c0; t8 answers c1 as `pending_calls` served it: 503 "may still be logged"; t5's retry is
+    refused `AnsweredBefore` ("Log the turn without that answer"), not re-logged yet.
+    Returns t8's arguments and c1's message id as served."""
+    logger = AgentMessageLogger(backend.db, rules=_SHORT)
+    store = ConversationStore(backend.db, rules=_SHORT)
+    await logger.log_messages(CID, [_user("u1"), _calls("c0"), _say("a1")], turn_id="t1")
+    (c0,) = await store.pending_calls(CID)
+    with monkeypatch.context() as patched:
+        patched.setattr(logger._messages, "insert_many", _insert_lost)
+        with contextlib.suppress(ConnectionError):
+            await logger.log_messages(CID, _T5, turn_id="t5", answers_to={"c0": c0.message_id})
+    (c1,) = await store.pending_calls(CID)
+    clocks.wait(_SHORT.abandon_after.total_seconds() + 0.5)
+    await logger.log_messages(CID, [_user("u6"), _say("a6")], turn_id="t6")
+    (again,) = await store.pending_calls(CID)
+    answer = [_user("u11"), _answer("c0", "r11"), _say("a11")]
+    await logger.log_messages(CID, answer, turn_id="t11", answers_to={"c0": again.message_id})
+    t8 = {
+        "messages": [_user("u8"), _answer("c1", "booking B-42"), _say("booked")],
+        "turn_id": "t8",
+        "answers_to": {"c1": c1.message_id},
+    }
+    with pytest.raises(StorageUnavailable, match=r"'c1'.*not stored.*may still be logged"):
+        await logger.log_messages(CID, **t8)
+    with pytest.raises(AnsweredBefore, match="Log the turn without that answer"):
+        await logger.log_messages(CID, _T5, turn_id="t5", answers_to={"c0": c0.message_id})
+    return t8, c1.message_id
+
+
+async def test_an_answer_to_a_call_of_a_turn_refused_on_its_late_retry_waits_then_lands(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks
+) -> None:
+    """RELIABILITY.md ("A writer that died before its insert"): t5, making c1, is refused
+    `AnsweredBefore` on its late retry and told to log itself without that answer. Until it
+    does, an answer naming c1 as `pending_calls` served it waits (503; was the 422 "does not
+    make call … a fork?", which a runtime obeys by dropping c1's result); once t5 is
+    re-logged (its messages numbered anew, c1's message under another id), that answer,
+    naming c1's earlier id, is stored: c1 answered once, nothing pending."""
+    logger = AgentMessageLogger(backend.db, rules=_SHORT)
+    store = ConversationStore(backend.db, rules=_SHORT)
+    t8, served = await _refused_call_turn(backend, monkeypatch, clocks)
+    for attempt in (logger.check_turn, logger.log_messages):
+        with pytest.raises(StorageUnavailable, match=r"'c1'.*may still be logged"):
+            await attempt(CID, **t8)
+
+    relogged = [m for m in _T5 if m["role"] != "tool"]
+    await logger.log_messages(CID, relogged, turn_id="t5")
+    (listed,) = await store.pending_calls(CID)
+    assert (listed.tool_call_id, listed.message_id == served) == ("c1", False)
+    await logger.check_turn(CID, **t8)
+    logged = await logger.log_messages(CID, **t8)
+    again = await logger.log_messages(CID, **t8)
+
+    assert again.replayed
+    assert [m.id for m in again.messages] == [m.id for m in logged.messages]
+    stored = await store.transcript(CID)
+    assert [m.content for m in stored if m.tool_call_id == "c1"] == ["booking B-42"]
+    assert await pending_state(store) == await recomputed_state(store) == ([], None)
+
+
+@pytest.mark.parametrize("then", ["popped", "a day passed"])
+async def test_an_answer_to_a_call_of_a_refused_turn_that_never_lands_is_refused_in_the_end(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, clocks: StoreClocks, then: str
+) -> None:
+    """The guard of the wait above: once t5 can no longer land where it reserved (pops
+    passed its block; or a day passed since, t5 never logged again), an answer naming c1 as
+    `pending_calls` served it is refused as naming a message that makes no call (422)."""
+    logger = AgentMessageLogger(backend.db, rules=_SHORT)
+    store = ConversationStore(backend.db, rules=_SHORT)
+    t8, _ = await _refused_call_turn(backend, monkeypatch, clocks)
+    if then == "popped":
+        while await store.transcript(CID):  # past t5's block
+            await store.pop_last_message(CID)
+    else:
+        clocks.wait(BLOCKS_WATCHED_FOR.total_seconds() + 10)
+    before = await store.transcript(CID)
+
+    for turn_id in ("t9", "t8"):
+        with pytest.raises(InvalidInput, match="does not make call 'c1'"):
+            await logger.log_messages(CID, **{**t8, "turn_id": turn_id})
+    assert await store.transcript(CID) == before

@@ -952,6 +952,11 @@ class AgentMessageLogger:
         found, landed, written = await self._answers_landing(
             conversation, named, "read the messages answers_to names"
         )
+        if renamed := _relogged_ids(plan.conversation_id, named, found):
+            named = {**named, **renamed}  # judged by the call as its re-logged turn stores it
+            found, landed, written = await self._answers_landing(
+                conversation, named, "read the messages answers_to names"
+            )
         if _its_own_answers(plan, found):
             raise _logged_meanwhile(plan)
         refused_prompts = _refused_prompts(refused_prompts)
@@ -965,6 +970,7 @@ class AgentMessageLogger:
             message_count=int(conversation.get("message_count") or 0),
             pops=int(conversation.get("pops") or 0),
             epoch=conversation.get("epoch"),
+            renamed=renamed or None,
         )
 
     async def _refuse_landed(
@@ -5635,6 +5641,43 @@ def _answers_judged(
     return None
 
 
+def _relogged_ids(
+    conversation_id: str, named: Mapping[str, str], found: Sequence[Mapping[str, Any]]
+) -> dict[str, str]:
+    """Those of the calls `named` (call id to the message making it) whose message named
+    makes it nowhere in `found` (`answers_lookup`) but is an earlier id of a message of the
+    same turn making the call (message ids are derived from the turn and the index: a turn
+    refused an answer on its late retry and re-logged without it numbers its messages
+    anew, and the id may now be another of its messages), each with that stored message
+    (the latest, in `seq` order): the answer named the call as `pending_calls` served it
+    before that turn was re-logged. The conversation's id is in every id, so an id read
+    from another conversation (a fork) matches none."""
+    renamed: dict[str, str] = {}
+    for call_id, named_id in named.items():
+        if named_id in (_UNMADE_CALL, _UNSTORED_CALL) or any(
+            d["_id"] == named_id and _makes(d, call_id) for d in found
+        ):
+            continue
+        for document in found:
+            turn_id = document.get("turn_id")
+            same_turn = isinstance(turn_id, str) and _makes(document, call_id)
+            if same_turn and _earlier_id(conversation_id, str(turn_id), named_id):
+                renamed[call_id] = str(document["_id"])
+    return renamed
+
+
+def _makes(document: Mapping[str, Any], call_id: str) -> bool:
+    """Whether the stored message `document` makes the call `call_id`."""
+    return any(c.get("id") == call_id for c in document.get("tool_calls") or ())
+
+
+def _earlier_id(conversation_id: str, turn_id: str, named_id: str) -> bool:
+    """Whether `named_id` is the id of a message of the turn `turn_id` at some index."""
+    return any(
+        message_id(conversation_id, turn_id, i) == named_id for i in range(MAX_MESSAGES_PER_TURN)
+    )
+
+
 def _unstored_makers(named: Mapping[str, str], made_at: Mapping[str, int]) -> dict[str, list[str]]:
     """The messages `named` (call id to the message making it) names that are not among
     those stored (`made_at`), each with the calls it makes; never `_UNMADE_CALL`."""
@@ -5769,6 +5812,8 @@ def _answers(
     named = _named_answers(plan, answers_to)
     if not named:
         return None
+    if as_read is not None and as_read.renamed:
+        named = {**named, **as_read.renamed}
     every = _answered_first(plan, sorted(named))
     held = {c: m for c, m in named.items() if as_read is None or c not in as_read.calls}
     holds = [answers_hold(held), unmarked(held)] if held else []

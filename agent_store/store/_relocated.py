@@ -84,6 +84,7 @@ from agent_store.store._reservation import (
     resolved_by_request,
     same_as_read,
     still_as_read,
+    watched_given_up,
 )
 from agent_store.store._turns import (
     ANSWERED_READ,
@@ -438,6 +439,10 @@ class Refold:
     passed and holding no message, no pop or give-back having made them gaps: their turn's
     insert may still land (a writer stalled inside it), so the fold's write keeps them
     watched (`watched_after`) and a later turn or read folds again once one landed."""
+    relogging: frozenset[int] = frozenset()
+    """The first `seq`s of the blocks watched whose turn was given up for good on a late
+    retry (`_reservation.watched_given_up`): the fold's write keeps them watched as they
+    stand, their calls awaited while that turn may still log itself again."""
 
     def summary(self) -> dict[str, Any]:
         """The conversation as read with its pending state, resolutions and approvals the
@@ -519,6 +524,7 @@ async def refold(
         withdrawn=withdrawn,
         unstored=unstored,
         unlanded=_passed_empty(conversation, set(missing) - gaps.popped - set(own)),
+        relogging=watched_given_up(conversation, own, read_at),
     )
 
 
@@ -540,11 +546,12 @@ def watched_after(fold: Refold) -> dict[str, Any]:
     them), the others as they stand; absent while absent."""
     found = {"$in": ["$$b.f", literal(sorted(fold.unlanded))]}
     unwatched = {"$eq": [{"$ifNull": ["$$b.w", None]}, None]}
+    relogging = {"$in": ["$$b.f", literal(sorted(fold.relogging))]}
     kept = {
         "$filter": {
             "input": f"${PENDING_BLOCKS}",
             "as": "b",
-            "cond": {"$or": [found, unwatched]},
+            "cond": {"$or": [found, unwatched, relogging]},
         }
     }
     since = {"$ifNull": ["$$b.w", literal(utc_now())]}
@@ -620,7 +627,7 @@ def _watch_kept(fold: Refold) -> bool:
         for block in fold.conversation.get(PENDING_BLOCKS) or ()
         if isinstance(block, Mapping) and block.get("w") is not None
     }
-    return watched == set(fold.unlanded)
+    return watched == set(fold.unlanded) | set(fold.relogging)
 
 
 def _named_unstored(approved: Iterable[Any], stored: Collection[str | None]) -> frozenset[str]:

@@ -1441,6 +1441,11 @@ class AsRead:
     message_count: int
     pops: int
     epoch: str | None
+    renamed: Mapping[str, str] | None = None
+    """The calls the turn names by an earlier id of the message making them, a stored
+    message of the same turn making each now (its turn re-logged without an answer it was
+    refused, its messages numbered anew: `_logger._relogged_ids`): call id to that stored
+    message, which the turn's conditions name instead."""
 
     def filter(self) -> dict[str, Any]:
         """Matches the conversation while it is as read."""
@@ -1784,6 +1789,37 @@ def watched_blocks(conversation: Mapping[str, Any], now: datetime) -> tuple[int,
     )
 
 
+def watched_given_up(
+    conversation: Mapping[str, Any], own: Collection[int], now: datetime
+) -> frozenset[int]:
+    """The first `seq`s of the blocks `conversation` watches at `now` (`watched_blocks`) whose
+    turn was given up for good on a late retry and may log itself again (the block given up
+    now, its `seq`s among `own`, or one its record marks given up, `g`, and no pop passed):
+    refused where it would land at the end (`AnsweredBefore`, "log the turn without that
+    answer"), its writer may send it again without that answer, or an earlier send of it
+    still land, making the calls the block records (`c`). A fold keeps such a block watched
+    (`_relocated.watched_after`) until the watch ends or a pop passes it, so an answer
+    naming one of those calls waits for it (`calls_awaited`), never refused as naming a
+    message that makes no call while that turn may still make it."""
+    given_up = {
+        (int(raw["f"]), to_utc(raw["a"]))
+        for raw in conversation.get("turns") or ()
+        if isinstance(raw, Mapping)
+        and raw.get("g") is True
+        and raw.get("p") is not True
+        and isinstance(raw.get("a"), datetime)
+    }
+    watched = set(watched_blocks(conversation, now))
+    return frozenset(
+        int(block["f"])
+        for block in conversation.get(PENDING_BLOCKS) or ()
+        if isinstance(block, Mapping)
+        and block.get("f") in watched
+        and isinstance(block.get("a"), datetime)
+        and (int(block["f"]) in own or (int(block["f"]), to_utc(block["a"])) in given_up)
+    )
+
+
 def calls_awaited(conversation: Mapping[str, Any], now: datetime) -> frozenset[tuple[str, str]]:
     """The calls (call id, message id) that the blocks `conversation` watches at `now`
     (`watched_blocks`) record as taken off `pending_calls` by the fold that found them
@@ -1803,7 +1839,9 @@ def calls_awaited(conversation: Mapping[str, Any], now: datetime) -> frozenset[t
         for block in conversation.get(PENDING_BLOCKS) or ()
         if isinstance(block, Mapping)
         for call in _awaited_in(
-            block, block.get("f") in watched, _taken_awaited(block, now, popped)
+            block,
+            block.get("f") in watched and not _popped_past(block, popped),
+            _taken_awaited(block, now, popped),
         )
         if isinstance(call, Mapping) and "c" in call and "m" in call
     )
@@ -1825,6 +1863,12 @@ def _blocks_popped(conversation: Mapping[str, Any]) -> set[tuple[int, datetime]]
         for raw in conversation.get("turns") or ()
         if isinstance(raw, Mapping) and raw.get("p") is True and isinstance(raw.get("a"), datetime)
     }
+
+
+def _popped_past(block: Mapping[str, Any], popped: set[tuple[int, datetime]]) -> bool:
+    """Whether a pop passed `block` (its turn's record, reserved with it, `popped`)."""
+    at = block.get("a")
+    return isinstance(at, datetime) and (block.get("f"), to_utc(at)) in popped
 
 
 def _taken_awaited(
