@@ -5653,6 +5653,7 @@ def _relogged_ids(
     before that turn was re-logged. The conversation's id is in every id, so an id read
     from another conversation (a fork) matches none."""
     renamed: dict[str, str] = {}
+    ids_of: dict[str, frozenset[str]] = {}  # each turn's ids, derived once
     for call_id, named_id in named.items():
         if named_id in (_UNMADE_CALL, _UNSTORED_CALL) or any(
             d["_id"] == named_id and _makes(d, call_id) for d in found
@@ -5660,8 +5661,11 @@ def _relogged_ids(
             continue
         for document in found:
             turn_id = document.get("turn_id")
-            same_turn = isinstance(turn_id, str) and _makes(document, call_id)
-            if same_turn and _earlier_id(conversation_id, str(turn_id), named_id):
+            if not isinstance(turn_id, str) or not _makes(document, call_id):
+                continue
+            if turn_id not in ids_of:
+                ids_of[turn_id] = _turn_ids(conversation_id, turn_id)
+            if named_id in ids_of[turn_id]:
                 renamed[call_id] = str(document["_id"])
     return renamed
 
@@ -5671,11 +5675,9 @@ def _makes(document: Mapping[str, Any], call_id: str) -> bool:
     return any(c.get("id") == call_id for c in document.get("tool_calls") or ())
 
 
-def _earlier_id(conversation_id: str, turn_id: str, named_id: str) -> bool:
-    """Whether `named_id` is the id of a message of the turn `turn_id` at some index."""
-    return any(
-        message_id(conversation_id, turn_id, i) == named_id for i in range(MAX_MESSAGES_PER_TURN)
-    )
+def _turn_ids(conversation_id: str, turn_id: str) -> frozenset[str]:
+    """The ids a message of the turn `turn_id` has at any index."""
+    return frozenset(message_id(conversation_id, turn_id, i) for i in range(MAX_MESSAGES_PER_TURN))
 
 
 def _unstored_makers(named: Mapping[str, str], made_at: Mapping[str, int]) -> dict[str, list[str]]:

@@ -1801,14 +1801,9 @@ def watched_given_up(
     (`_relocated.watched_after`) until the watch ends or a pop passes it, so an answer
     naming one of those calls waits for it (`calls_awaited`), never refused as naming a
     message that makes no call while that turn may still make it."""
-    given_up = {
-        (int(raw["f"]), to_utc(raw["a"]))
-        for raw in conversation.get("turns") or ()
-        if isinstance(raw, Mapping)
-        and raw.get("g") is True
-        and raw.get("p") is not True
-        and isinstance(raw.get("a"), datetime)
-    }
+    given_up = _blocks_marked(
+        conversation, lambda raw: raw.get("g") is True and raw.get("p") is not True
+    )
     watched = set(watched_blocks(conversation, now))
     return frozenset(
         int(block["f"])
@@ -1858,10 +1853,17 @@ def _awaited_in(block: Mapping[str, Any], watched: bool, taken: list[Any]) -> li
 
 def _blocks_popped(conversation: Mapping[str, Any]) -> set[tuple[int, datetime]]:
     """The blocks (first `seq`, time reserved) whose turn records a pop passed (`popped`)."""
+    return _blocks_marked(conversation, lambda raw: raw.get("p") is True)
+
+
+def _blocks_marked(
+    conversation: Mapping[str, Any], marked: Callable[[Mapping[str, Any]], bool]
+) -> set[tuple[int, datetime]]:
+    """The blocks (first `seq`, time reserved) whose turn records are `marked`."""
     return {
         (int(raw["f"]), to_utc(raw["a"]))
         for raw in conversation.get("turns") or ()
-        if isinstance(raw, Mapping) and raw.get("p") is True and isinstance(raw.get("a"), datetime)
+        if isinstance(raw, Mapping) and isinstance(raw.get("a"), datetime) and marked(raw)
     }
 
 
@@ -1883,7 +1885,7 @@ def _taken_awaited(
     at = block.get("a")
     if not isinstance(at, datetime) or to_utc(at) <= now - BLOCKS_WATCHED_FOR:
         return []
-    if (block.get("f"), to_utc(at)) in popped:
+    if _popped_past(block, popped):
         return []
     return list(block.get("t") or ())
 
